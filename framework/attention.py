@@ -1,0 +1,74 @@
+"""The attention contract between model code and platform backends.
+
+A step is a flat batch: the new tokens of every scheduled request, concatenated in batch order
+(prefill chunks and decodes mixed). The paged KV cache of one layer is a tensor
+``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0: keys, 1: values); token slot
+``s`` lives at block ``s // block_size``, offset ``s % block_size``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Built once per step by the model runner and passed explicitly to every layer."""
+
+    num_actual_tokens: int  # tokens in the step (inputs may be padded beyond this, e.g. CUDA graphs)
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    # [num_reqs + 1] int32: request i's new tokens are rows query_start_loc[i]:query_start_loc[i+1]
+    query_start_loc: torch.Tensor
+    # [num_reqs] int32: tokens in context after this step (num_computed_tokens + num_new_tokens)
+    seq_lens: torch.Tensor
+    # [num_reqs, max_num_blocks_per_req] int32: physical block ids; unused tail entries are 0
+    block_table: torch.Tensor
+    # [num_tokens] int64: cache slot of each new token; -1 for padding tokens (not written)
+    slot_mapping: torch.Tensor
+    # Host copies of query_start_loc and seq_lens, for backends that loop or plan on the CPU.
+    query_start_loc_cpu: torch.Tensor | None = None
+    seq_lens_cpu: torch.Tensor | None = None
+    # True when every request has exactly one new token (a pure decode batch).
+    is_decode_only: bool = False
+    # Backend-private state (e.g. FlashInfer wrappers planned for this step).
+    backend_state: Any = None
+
+
+class AttentionBackend(ABC):
+    """One instance per worker, shared by every attention layer of the model.
+
+    Causal semantics: new token j of request i sits at position
+    ``seq_lens[i] - query_len_i + j`` and attends to every cached and new token of request i at a
+    position <= its own.
+    """
+
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.dtype = dtype
+        self.device = device
+
+    def prepare(self, metadata: AttentionMetadata) -> None:  # noqa: B027 - optional hook
+        """Called once per step before the forward (plan work shared by all layers)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write the new keys and values into ``kv_cache`` at ``slot_mapping``, then attend."""

@@ -1,0 +1,1 @@
+"""The engine core: scheduling and KV-cache memory. Pure Python, no torch."""

@@ -1,0 +1,158 @@
+"""BlockPool: owns every KV-cache block, the free queue and the prefix-cache index.
+
+Pure Python (no torch): the pool only does bookkeeping; the tensors live in the workers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from sparrow.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
+
+if TYPE_CHECKING:
+    from sparrow.core.request import Request
+
+
+class BlockPool:
+    """Every block is in exactly one of two places:
+
+    - referenced: ``ref_cnt > 0``, held by one or more requests, not in the free queue;
+    - free: ``ref_cnt == 0``, in the free queue, possibly still holding a cached prefix
+      (``block_hash`` set) that a later request can revive with ``touch``.
+
+    A free block keeps its hash until it is handed out again by ``get_new_blocks``: that is the
+    moment its cached content is evicted.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        # block_id -> block; index == block_id
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        # block_hash -> {block_id: block}. Several blocks may hold the same content when two
+        # requests computed the same prefix before either was cached; any one of them serves a
+        # hit, and evicting one must not forget the others.
+        self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+
+    # -- prefix cache -------------------------------------------------------------------------
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        same_content = self.cached_block_hash_to_block.get(block_hash)
+        if not same_content:
+            return None
+        return next(iter(same_content.values()))
+
+    def cache_full_blocks(
+        self,
+        request: Request,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+    ) -> None:
+        """Index ``blocks[num_cached_blocks:num_full_blocks]``, which have just become full.
+
+        Their hashes come from ``request.block_hashes`` (which must already cover them). Blocks
+        that already carry a hash (prefix-cache hits shared with another request) are left as
+        they are. ``block_size`` is accepted to mirror the manager's call; hashes are already
+        per-block so it is only used for the error message.
+        """
+        if not self.enable_caching or num_full_blocks <= num_cached_blocks:
+            return
+        if num_cached_blocks < 0:
+            raise ValueError(f"num_cached_blocks must be >= 0, got {num_cached_blocks}")
+        if num_full_blocks > len(blocks):
+            raise ValueError(
+                f"num_full_blocks={num_full_blocks} exceeds the request's {len(blocks)} blocks"
+            )
+        block_hashes = request.block_hashes
+        if num_full_blocks > len(block_hashes):
+            raise ValueError(
+                f"request {request.request_id!r} has {len(block_hashes)} block hashes but "
+                f"num_full_blocks={num_full_blocks} (block_size={block_size}); "
+                "call update_request_block_hashes first"
+            )
+        for block_index in range(num_cached_blocks, num_full_blocks):
+            block = blocks[block_index]
+            if block.block_hash is not None:
+                continue
+            block_hash = block_hashes[block_index]
+            block.block_hash = block_hash
+            self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
+
+    def _evict_cached_content(self, block: KVCacheBlock) -> None:
+        block_hash = block.block_hash
+        if block_hash is None:
+            return
+        block.block_hash = None
+        same_content = self.cached_block_hash_to_block.get(block_hash)
+        if same_content is None:
+            return
+        same_content.pop(block.block_id, None)
+        if not same_content:
+            del self.cached_block_hash_to_block[block_hash]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Only possible while no block is in use; returns success."""
+        if self.get_num_free_blocks() != self.num_blocks:
+            return False
+        self.cached_block_hash_to_block.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        return True
+
+    # -- allocation ---------------------------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Hand out ``num_blocks`` blocks from the head of the free queue (least recently freed).
+
+        Each comes back with ``ref_cnt == 1`` and no hash: whatever prefix it cached is evicted.
+        """
+        num_free_blocks = self.free_block_queue.num_free_blocks
+        if not 0 <= num_blocks <= num_free_blocks:
+            raise ValueError(
+                f"num_blocks must be in [0, {num_free_blocks}] (free blocks), got {num_blocks}"
+            )
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        for block in blocks:
+            self._evict_cached_content(block)
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on blocks found in the prefix cache, reviving free ones."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference per listed block; blocks reaching 0 join the free queue's tail.
+
+        The order is the eviction order among these blocks: the first listed is evicted first.
+        Validated before anything changes, so a bad call leaves the pool as it was.
+        """
+        ordered_blocks = list(ordered_blocks)
+        num_releases = Counter(block.block_id for block in ordered_blocks)
+        for block_id, count in num_releases.items():
+            ref_cnt = self.blocks[block_id].ref_cnt
+            if count > ref_cnt:
+                raise ValueError(
+                    f"cannot free block {block_id} {count} time(s): its ref_cnt is {ref_cnt}; "
+                    "ref_cnt would go negative"
+                )
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+
+    # -- accounting ---------------------------------------------------------------------------
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of blocks held by requests (0.0 when idle, 1.0 when full)."""
+        return 1.0 - self.get_num_free_blocks() / self.num_blocks

@@ -1,0 +1,194 @@
+"""KV-cache building blocks: block hashes, blocks, the free-block queue, prefix-cache stats.
+
+Pure Python (no torch, no numpy): the scheduler's memory bookkeeping runs on the hot path of
+the engine core and must stay cheap to import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NewType
+
+import msgspec
+
+if TYPE_CHECKING:
+    from sparrow.core.request import Request
+
+# A sha256 digest (32 bytes). Bytes rather than Python's hash() because a KV connector keys
+# files by it, so it must be identical in every process and on every machine.
+BlockHash = NewType("BlockHash", bytes)
+
+# The parent of a sequence's first block. A fixed value (not a random seed) keeps hashes stable
+# across processes and restarts.
+ROOT_PARENT_BLOCK_HASH = BlockHash(hashlib.sha256(b"sparrow/kv-cache/root-block").digest())
+
+
+def hash_block_tokens(
+    parent_block_hash: BlockHash | None,
+    block_token_ids: tuple[int, ...],
+    extra_keys: tuple[Any, ...] | None = None,
+) -> BlockHash:
+    """Hash one full block, chained to its parent so that a block's hash names its whole prefix.
+
+    Two blocks with the same tokens but different earlier context get different hashes, which
+    is what makes ``hash -> block`` a valid prefix-cache index. ``extra_keys`` carries anything
+    else the KV depends on (a LoRA name, a cache salt, multimodal hashes); it must be
+    msgpack-encodable (ints, strings, bytes, tuples, ...).
+    """
+    parent = ROOT_PARENT_BLOCK_HASH if parent_block_hash is None else parent_block_hash
+    try:
+        # msgpack is a canonical encoding for these types: the same value gives the same bytes
+        # everywhere, unlike pickle whose output may vary between Python versions.
+        payload = msgspec.msgpack.encode((parent, block_token_ids, extra_keys))
+    except TypeError as exc:
+        raise TypeError(
+            f"hash_block_tokens: block_token_ids and extra_keys must be msgpack-encodable: {exc}"
+        ) from exc
+    return BlockHash(hashlib.sha256(payload).digest())
+
+
+def update_request_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
+    """Extend ``request.block_hashes`` to cover every full block of ``request.all_token_ids``.
+
+    Incremental: only blocks that became full since the last call are hashed, so calling it
+    after every appended token costs one hash per ``block_size`` tokens. Returns the hashes.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    block_hashes: list[BlockHash] = request.block_hashes
+    token_ids = request.all_token_ids
+    num_full_blocks = len(token_ids) // block_size
+    parent = block_hashes[-1] if block_hashes else None
+    for block_index in range(len(block_hashes), num_full_blocks):
+        start = block_index * block_size
+        parent = hash_block_tokens(parent, tuple(token_ids[start:start + block_size]))
+        block_hashes.append(parent)
+    return block_hashes
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    """One block of KV-cache slots. Identity matters, not value, hence ``eq=False``."""
+
+    block_id: int
+    # How many requests hold this block; 0 means it sits in the free queue.
+    ref_cnt: int = 0
+    # Set once the block is full and indexed in the prefix cache; cleared on eviction.
+    block_hash: BlockHash | None = None
+    # Links of FreeKVCacheBlockQueue; only meaningful while the block is free.
+    prev_free_block: KVCacheBlock | None = None
+    next_free_block: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        # The default repr would follow the free-list links through every free block.
+        block_hash = None if self.block_hash is None else self.block_hash.hex()[:12]
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={block_hash})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks, threaded through the blocks themselves.
+
+    ``head -> ... -> tail``: allocation pops the head, freeing appends to the tail, so the block
+    freed longest ago is reused first (LRU eviction of cached-but-unused blocks). Removing a
+    block from the middle (a prefix-cache hit on a free block) is O(1), which a deque can't do.
+    """
+
+    __slots__ = ("_head", "_tail", "num_free_blocks")
+
+    def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
+        self._head: KVCacheBlock | None = None
+        self._tail: KVCacheBlock | None = None
+        self.num_free_blocks = 0
+        self.append_n(blocks)
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+    def contains(self, block: KVCacheBlock) -> bool:
+        # A queued block has a predecessor unless it is the head; O(1), no set needed.
+        return block.prev_free_block is not None or block is self._head
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head
+        if block is None:
+            raise ValueError("FreeKVCacheBlockQueue.popleft: no free blocks")
+        self._unlink(block)
+        return block
+
+    def popleft_n(self, num_blocks: int) -> list[KVCacheBlock]:
+        if not 0 <= num_blocks <= self.num_free_blocks:
+            raise ValueError(
+                f"num_blocks must be in [0, {self.num_free_blocks}] (free blocks), got {num_blocks}"
+            )
+        return [self.popleft() for _ in range(num_blocks)]
+
+    def remove(self, block: KVCacheBlock) -> None:
+        if not self.contains(block):
+            raise ValueError(f"{block!r} is not in the free queue")
+        self._unlink(block)
+
+    def append(self, block: KVCacheBlock) -> None:
+        if self.contains(block):
+            raise ValueError(f"{block!r} is already in the free queue")
+        block.prev_free_block = self._tail
+        block.next_free_block = None
+        if self._tail is None:
+            self._head = block
+        else:
+            self._tail.next_free_block = block
+        self._tail = block
+        self.num_free_blocks += 1
+
+    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        for block in blocks:
+            self.append(block)
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """Every free block, head (next to be reused) first. O(n): for tests and debugging."""
+        blocks: list[KVCacheBlock] = []
+        block = self._head
+        while block is not None:
+            blocks.append(block)
+            block = block.next_free_block
+        return blocks
+
+    def _unlink(self, block: KVCacheBlock) -> None:
+        prev_block, next_block = block.prev_free_block, block.next_free_block
+        if prev_block is None:
+            self._head = next_block
+        else:
+            prev_block.next_free_block = next_block
+        if next_block is None:
+            self._tail = prev_block
+        else:
+            next_block.prev_free_block = prev_block
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Prefix-cache counters since the last reset; ``hits / queries`` is the token hit rate."""
+
+    # Requests looked up in the prefix cache.
+    requests: int = 0
+    # Tokens looked up (the requests' num_tokens).
+    queries: int = 0
+    # Tokens found cached.
+    hits: int = 0
+
+    def record(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.requests += 1
+        self.queries += num_tokens
+        self.hits += num_hit_tokens
+
+    def reset(self) -> None:
+        self.requests = 0
+        self.queries = 0
+        self.hits = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0

@@ -1,0 +1,131 @@
+"""A request as the engine core sees it. Pure Python: no torch here."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from sparrow.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after PREEMPTED is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> FinishReason | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+}
+
+
+class Request:
+    """Progress is ``num_tokens`` (prompt + output so far) against ``num_computed_tokens``
+    (tokens whose KV is in the cache); there is no prefill or decode phase."""
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
+        "priority", "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
+        "max_tokens", "stop_reason", "block_hashes", "kv_transfer_params", "_output_token_ids",
+        "_all_token_ids", "client_index",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        max_tokens: int | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+        client_index: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache when first scheduled; None until then.
+        self.num_cached_tokens: int | None = None
+        self.num_preemptions = 0
+        # Resolved output cap: sampling_params.max_tokens, or what max_model_len leaves.
+        self.max_tokens = max_tokens if max_tokens is not None else (sampling_params.max_tokens or 16)
+        self.stop_reason: int | str | None = None
+        # Hash of every full block of all_token_ids, in order; extended as tokens arrive.
+        self.block_hashes: list[Any] = []
+        self.kv_transfer_params = kv_transfer_params
+        self._output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.client_index = client_index
+
+    # -- progress ---------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._output_token_ids
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self._output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+
+    # -- status -----------------------------------------------------------------------------
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finish_reason(self) -> FinishReason | None:
+        return RequestStatus.finish_reason(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

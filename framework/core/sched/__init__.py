@@ -1,0 +1,1 @@
+"""Scheduler interface, default machinery and its output types."""

@@ -1,0 +1,55 @@
+"""The scheduler contract the engine core relies on. Pure Python."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sparrow.core.request import Request, RequestStatus
+    from sparrow.core.sched.output import SchedulerOutput
+    from sparrow.engine.messages import EngineCoreOutput, SchedulerStats
+    from sparrow.worker.outputs import ModelRunnerOutput
+
+
+class SchedulerInterface(ABC):
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Called once per engine step (through the ``sparrow_schedule`` hook), before the model
+        runs: decide ``{request_id: num_new_tokens}`` within the token budget, allocating KV slots
+        and preempting when they run out."""
+
+    @abstractmethod
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Called once per step after the model ran: append sampled tokens, apply stop
+        conditions, free finished requests, and return what the frontend must hear."""
+
+    @abstractmethod
+    def add_request(self, request: Request) -> None:
+        """Called when the engine core receives a request; raises ValueError if it can never run."""
+
+    @abstractmethod
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """Called for aborts (client went away, stop string hit in the frontend)."""
+
+    @abstractmethod
+    def get_num_unfinished_requests(self) -> int:
+        """Waiting plus running requests."""
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    @abstractmethod
+    def has_finished_requests(self) -> bool:
+        """True when finished request ids are waiting to be told to the workers."""
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block; False when blocks are still in use."""
+
+    @abstractmethod
+    def make_stats(self) -> SchedulerStats:
+        """Counters for metrics; deltas reset on each call."""

@@ -1,0 +1,290 @@
+"""The default scheduling machinery: token budget, chunked prefill, preemption, allocation.
+
+A policy (fcfs, priority, sjf, lpm in ``sparrow_schedulers``, or a third party's) subclasses
+:class:`Scheduler` and overrides only its ordering decisions: :meth:`Scheduler.waiting_key`
+(which waiting request is admitted first) and :meth:`Scheduler.victim_key` (which running request
+is preempted first). Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from sparrow.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from sparrow.core.request import Request, RequestStatus
+from sparrow.core.sched.interface import SchedulerInterface
+from sparrow.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from sparrow.core.sched.stop import check_stop
+from sparrow.engine.messages import EngineCoreOutput, SchedulerStats
+from sparrow.worker.outputs import ModelRunnerOutput
+
+# allocate_slots(kv_cache_manager=, request=, num_new_tokens=, num_new_computed_tokens=,
+#                new_computed_blocks=) -> KVCacheBlocks | None   (the sparrow_allocate_slots hook)
+AllocateFn = Callable[..., "KVCacheBlocks | None"]
+
+
+class Scheduler(SchedulerInterface):
+    """Running requests are served first, then waiting ones, until the token budget is spent.
+
+    Subclasses set ``sort_waiting = True`` and override :meth:`waiting_key` to reorder admission;
+    the base order is arrival, with preempted requests back at the head.
+    """
+
+    sort_waiting = False
+
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int | None = None,
+        allocate_slots: AllocateFn | None = None,
+        kv_connector: Any = None,
+    ) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self._allocate = allocate_slots or _allocate_directly
+        self.kv_connector = kv_connector
+
+        self.requests: dict[str, Request] = {}  # req_id -> request, every unfinished one
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        # Finished or preempted since the last schedule(): the workers must drop their state.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # -- ordering decisions (the part a policy overrides) -----------------------------------
+    def waiting_key(self, request: Request) -> Any:
+        """Sort key for admission when ``sort_waiting``; smallest first."""
+        return request.arrival_time
+
+    def victim_key(self, request: Request) -> Any:
+        """The running request with the largest key is preempted first (FCFS: latest arrival)."""
+        return request.arrival_time
+
+    # -- requests in and out ----------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        needed = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        if not self.kv_cache_manager.can_fit(needed):
+            capacity = self.kv_cache_manager.num_blocks * self.kv_cache_manager.block_size
+            raise ValueError(
+                f"request {request.request_id!r} needs KV cache for {needed} tokens "
+                f"(prompt {request.num_prompt_tokens} + max_tokens {request.max_tokens}) but the "
+                f"whole cache holds {capacity} tokens; lower max_tokens or raise "
+                f"kv_cache_memory_bytes / num_kv_blocks"
+            )
+        if not self.enable_chunked_prefill and request.num_prompt_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_prompt_tokens} prompt tokens, more "
+                f"than max_num_batched_tokens={self.max_num_batched_tokens} with chunked prefill off"
+            )
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free(request)
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_finished_requests(self) -> bool:
+        return bool(self.finished_req_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # -- the decision -----------------------------------------------------------------------
+    def _cap(self, request: Request, num_new_tokens: int, token_budget: int) -> int:
+        threshold = self.long_prefill_token_threshold
+        if threshold is not None and num_new_tokens > threshold:
+            num_new_tokens = threshold
+        return min(num_new_tokens, token_budget)
+
+    def _allocate_for(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                      new_computed_blocks: KVCacheBlocks | None = None) -> KVCacheBlocks | None:
+        return self._allocate(
+            kv_cache_manager=self.kv_cache_manager, request=request, num_new_tokens=num_new_tokens,
+            num_new_computed_tokens=num_new_computed_tokens, new_computed_blocks=new_computed_blocks,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.finished_req_ids.add(request.request_id)  # workers forget it until it resumes
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}  # req_id -> num_new_tokens
+        new_block_ids: dict[str, list[int]] = {}  # req_id -> block ids added this step
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        preempted_this_step = False
+
+        # 1. Running requests first, in admission order.
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = self._cap(request, request.num_tokens - request.num_computed_tokens, token_budget)
+            if num_new_tokens <= 0:
+                index += 1
+                continue
+            while True:
+                new_blocks = self._allocate_for(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                victim = max(self.running, key=self.victim_key)
+                preempted_this_step = True
+                if victim.request_id in num_scheduled_tokens:
+                    # Already scheduled this step: give its budget back.
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    new_block_ids.pop(victim.request_id, None)
+                    scheduled_running.remove(victim)
+                if self.running.index(victim) < index:
+                    index -= 1
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                continue  # the request itself was preempted; running[index] is the next one
+            scheduled_running.append(request)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            new_block_ids[request.request_id] = new_blocks.get_block_ids()
+            token_budget -= num_new_tokens
+            index += 1
+
+        # 2. Waiting requests, unless memory ran out this step.
+        if not preempted_this_step:
+            if self.sort_waiting and len(self.waiting) > 1:
+                self.waiting = deque(sorted(self.waiting, key=self.waiting_key))
+            while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting[0]
+                computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+                num_new_tokens = request.num_tokens - num_computed
+                if not self.enable_chunked_prefill and num_new_tokens > token_budget:
+                    break
+                num_new_tokens = self._cap(request, num_new_tokens, token_budget)
+                new_blocks = self._allocate_for(request, num_new_tokens, num_computed, computed_blocks)
+                if new_blocks is None:
+                    break
+                self.waiting.popleft()
+                self.running.append(request)
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_computed
+                if request.num_cached_tokens is None:
+                    request.num_cached_tokens = num_computed
+                scheduled_new.append(request)
+                num_scheduled_tokens[request.request_id] = num_new_tokens
+                token_budget -= num_new_tokens
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=[self._new_request_data(r) for r in scheduled_new],
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=[r.request_id for r in scheduled_running],
+                new_block_ids=[new_block_ids[r.request_id] for r in scheduled_running],
+                num_computed_tokens=[r.num_computed_tokens for r in scheduled_running],
+            ),
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
+            finished_req_ids=sorted(self.finished_req_ids),
+        )
+        self.finished_req_ids = set()
+        # The tokens are as good as computed once scheduled: the next step builds on them.
+        for req_id, num_new_tokens in num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_new_tokens
+        return output
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
+            output_token_ids=list(request.output_token_ids),
+        )
+
+    # -- after the forward ------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
+        logprobs = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue  # aborted while the step ran
+            new_token_ids: list[int] = []
+            for token_id in sampled.get(req_id, ()):
+                request.append_output_token_ids(token_id)
+                new_token_ids.append(token_id)
+                status, stop_reason = check_stop(request, token_id, self.max_model_len)
+                if status is not None:
+                    request.status, request.stop_reason = status, stop_reason
+                    break
+            new_logprobs = logprobs.get(req_id)
+            if new_logprobs is not None:
+                new_logprobs = new_logprobs[: len(new_token_ids)]
+            new_prompt_logprobs = prompt_logprobs.get(req_id)
+            finished = request.is_finished()
+            if new_token_ids or finished or new_prompt_logprobs:
+                outputs.append(EngineCoreOutput(
+                    request_id=req_id, new_token_ids=new_token_ids, new_logprobs=new_logprobs,
+                    new_prompt_logprobs=new_prompt_logprobs,
+                    finish_reason=request.get_finish_reason(), stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens or 0,
+                ))
+            if finished:
+                self.running.remove(request)
+                self._free(request)
+        return outputs
+
+    def make_stats(self) -> SchedulerStats:
+        cache_stats = self.kv_cache_manager.make_prefix_cache_stats()
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage, prefix_cache_queries=cache_stats.queries,
+            prefix_cache_hits=cache_stats.hits, num_preemptions=self.num_preemptions,
+            num_free_blocks=self.kv_cache_manager.num_free_blocks,
+            num_total_blocks=self.kv_cache_manager.num_blocks,
+        )
+        self.num_preemptions = 0
+        return stats
+
+
+def _allocate_directly(kv_cache_manager: KVCacheManager, request: Request, num_new_tokens: int,
+                       num_new_computed_tokens: int = 0,
+                       new_computed_blocks: KVCacheBlocks | None = None) -> KVCacheBlocks | None:
+    return kv_cache_manager.allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks)

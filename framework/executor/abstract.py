@@ -1,0 +1,53 @@
+"""The executor contract the engine core relies on."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sparrow.config import EngineConfig
+    from sparrow.core.sched.output import SchedulerOutput
+    from sparrow.worker.outputs import ModelRunnerOutput
+
+
+@dataclass(slots=True, frozen=True)
+class KVCacheInfo:
+    num_blocks: int
+    block_size: int
+
+
+class Executor(ABC):
+    @abstractmethod
+    def initialize(self) -> KVCacheInfo:
+        """Start the workers, load the model, size and allocate the KV cache (engine start-up)."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every worker; rank 0's output is returned."""
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        """Call ``worker.method(*args, **kwargs)`` on every worker; results in rank order."""
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        """Raise if a worker died."""
+
+    def shutdown(self) -> None:
+        """Stop the workers and free their resources."""
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    backend = config.parallel.distributed_executor_backend
+    if backend is None:
+        backend = "mp" if config.parallel.tensor_parallel_size > 1 else "uni"
+    if backend == "uni":
+        if config.parallel.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 needs distributed_executor_backend='mp'")
+        from sparrow.executor.uniproc import UniProcExecutor
+
+        return UniProcExecutor(config)
+    from sparrow.executor.multiproc import MultiprocExecutor
+
+    return MultiprocExecutor(config)

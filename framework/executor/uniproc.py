@@ -1,0 +1,43 @@
+"""The worker lives in the engine-core process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sparrow.config import EngineConfig
+from sparrow.core.sched.output import SchedulerOutput
+from sparrow.executor.abstract import Executor, KVCacheInfo
+from sparrow.platforms import resolve_platform
+from sparrow.plugins import get_plugin_manager, import_object
+from sparrow.worker.outputs import ModelRunnerOutput
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.platform = resolve_platform(config.device.device)
+        worker_cls = import_object(self.platform.worker_cls)
+        self.worker = worker_cls(config=config, platform=self.platform, rank=0, local_rank=0,
+                                 world_size=1, distributed_init_method=None)
+        self._execute = get_plugin_manager().hook.sparrow_execute_model
+
+    def initialize(self) -> KVCacheInfo:
+        self.worker.init_device()
+        self.worker.load_model()
+        num_blocks = self.worker.determine_num_kv_blocks()
+        self.worker.initialize_kv_cache(num_blocks)
+        return KVCacheInfo(num_blocks=num_blocks, block_size=self.worker.block_size)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        output = self._execute(worker=self.worker, scheduler_output=scheduler_output)
+        if output is None:
+            raise RuntimeError(f"no plugin executed the model for platform {self.platform.name!r}")
+        return output
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+
+    def shutdown(self) -> None:
+        shutdown = getattr(self.worker, "shutdown", None)
+        if shutdown is not None:
+            shutdown()

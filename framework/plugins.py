@@ -1,0 +1,158 @@
+"""The plugin manager: entry points in the ``sparrow`` group, loaded once, lazily.
+
+Built-in plugins (schedulers, cpu, cuda) are found exactly like a pip-installed one, through
+``[project.entry-points.sparrow]``. ``SPARROW_PLUGINS=a,b`` loads only the named entry points.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pluggy
+from importlib_metadata import entry_points
+
+from sparrow import hookspecs
+from sparrow.hookspecs import PROJECT_NAME
+
+logger = logging.getLogger(__name__)
+
+# The kernel's own hook implementations (default allocation, built-in model architectures).
+KERNEL_PLUGINS = ("sparrow.core.default_hooks", "sparrow.models.registry")
+
+
+class PluginError(RuntimeError):
+    """A plugin failed to load or implements a hook the contract does not have."""
+
+
+def allowed_plugins() -> set[str] | None:
+    """The ``SPARROW_PLUGINS`` allow-list, or None when every plugin may load."""
+    value = os.environ.get("SPARROW_PLUGINS")
+    if value is None:
+        return None
+    return {name.strip() for name in value.split(",") if name.strip()}
+
+
+def _load_entry_points(pm: pluggy.PluginManager) -> None:
+    allowed = allowed_plugins()
+    for ep in entry_points(group=PROJECT_NAME):
+        if allowed is not None and ep.name not in allowed:
+            logger.debug("plugin %s skipped by SPARROW_PLUGINS", ep.name)
+            continue
+        if pm.get_plugin(ep.name) is not None:
+            continue  # the same distribution seen twice on sys.path
+        try:
+            plugin = ep.load()
+        except Exception as exc:  # noqa: BLE001 - any failure is reported with the plugin's name
+            raise PluginError(
+                f"sparrow plugin {ep.name!r} ({ep.value}) failed to load: {exc!r}. "
+                f"Exclude it with SPARROW_PLUGINS or uninstall it."
+            ) from exc
+        register_plugin(pm, plugin, ep.name)
+
+
+def register_plugin(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:
+    """Register ``plugin`` and check its hook names, with errors that name the plugin."""
+    try:
+        pm.register(plugin, name=name)
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        pm.unregister(name=name)
+        raise PluginError(f"sparrow plugin {name!r} is invalid: {exc}") from exc
+
+
+@functools.lru_cache(maxsize=1)
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The process's plugin manager, with the kernel hooks and every allowed entry point."""
+    import importlib
+
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    for module_name in KERNEL_PLUGINS:
+        register_plugin(pm, importlib.import_module(module_name), module_name)
+    _load_entry_points(pm)
+    return pm
+
+
+@dataclass(slots=True)
+class PlatformEntry:
+    name: str
+    detect: Callable[[], str | None]
+    priority: int
+    plugin: str
+
+
+@dataclass(slots=True)
+class Registry:
+    """Everything the registration hooks registered, by name."""
+
+    platforms: dict[str, PlatformEntry] = field(default_factory=dict)
+    schedulers: dict[str, type] = field(default_factory=dict)
+    kv_connectors: dict[str, type] = field(default_factory=dict)
+    architectures: dict[str, str] = field(default_factory=dict)
+
+
+def _collect(pm: pluggy.PluginManager, hook_name: str, make_register: Callable) -> None:
+    hook = getattr(pm.hook, hook_name)
+    for impl in hook.get_hookimpls():
+        impl.function(**{k: make_register(impl.plugin_name) for k in impl.argnames if k == "register"})
+
+
+def build_registry(pm: pluggy.PluginManager) -> Registry:
+    reg = Registry()
+    owners: dict[tuple[str, str], str] = {}
+
+    def claim(kind: str, name: str, plugin: str, override: bool = False) -> None:
+        if not isinstance(name, str) or not name:
+            raise PluginError(f"plugin {plugin!r} registered a {kind} with an invalid name {name!r}")
+        previous = owners.get((kind, name))
+        if previous is not None and not override:
+            raise PluginError(f"{kind} {name!r} is registered by both {previous!r} and {plugin!r}")
+        owners[(kind, name)] = plugin
+
+    def platforms(plugin: str):
+        def register(name: str, detect: Callable[[], str | None], priority: int = 0) -> None:
+            claim("platform", name, plugin)
+            reg.platforms[name] = PlatformEntry(name, detect, priority, plugin)
+        return register
+
+    def schedulers(plugin: str):
+        def register(name: str, scheduler_cls: type, override: bool = False) -> None:
+            claim("scheduler", name, plugin, override)
+            reg.schedulers[name] = scheduler_cls
+        return register
+
+    def connectors(plugin: str):
+        def register(name: str, connector_cls: type, override: bool = False) -> None:
+            claim("kv connector", name, plugin, override)
+            reg.kv_connectors[name] = connector_cls
+        return register
+
+    def architectures(plugin: str):
+        def register(architecture: str, import_path: str, override: bool = False) -> None:
+            claim("architecture", architecture, plugin, override)
+            reg.architectures[architecture] = import_path
+        return register
+
+    _collect(pm, "sparrow_register_platforms", platforms)
+    _collect(pm, "sparrow_register_schedulers", schedulers)
+    _collect(pm, "sparrow_register_kv_connectors", connectors)
+    _collect(pm, "sparrow_register_model_architectures", architectures)
+    return reg
+
+
+def get_registry(pm: pluggy.PluginManager | None = None) -> Registry:
+    """Registrations of ``pm`` (default: the process's plugin manager). Cheap to call again."""
+    return build_registry(pm or get_plugin_manager())
+
+
+def import_object(import_path: str) -> Any:
+    """Import ``"package.module:attr"``."""
+    import importlib
+
+    module_name, _, attr = import_path.partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, attr) if attr else module

@@ -1,0 +1,244 @@
+"""Per-step sampling inputs, laid out as device tensors with one row per request in batch order.
+
+A model runner builds a ``SamplingMetadata`` from the requests' ``SamplingParams`` and hands it to
+the ``Sampler`` with the step's logits. Two ways to build it:
+
+* ``build_sampling_metadata(...)``: from scratch, every step (simple, always correct);
+* ``SamplingTensors``: for a persistent batch. ``update_batch`` is called when the set or order of
+  requests changes and rebuilds the per-request tensors; ``metadata`` is called every step and only
+  refreshes what moves with each generated token (output tokens, the min_tokens mask, the seeded
+  rows' generators).
+
+Seeding: a seeded request must sample the same tokens whatever else is in the batch and however
+often it was preempted and recomputed. So no generator carries state from one step to the next:
+before each step the generator of a seeded row is reseeded from ``(seed, num_output_tokens)``, the
+position of the token about to be sampled, and the sampler draws that row's noise from it alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from sparrow.sampling_params import SamplingParams
+
+_SAMPLING_EPS = 1e-5
+_UINT64_MASK = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """What the sampler needs for one step. Tensors live on the logits' device; B = batch size."""
+
+    # [B] float32; rows with temperature < 1e-5 are greedy (the sampler takes their argmax).
+    temperature: torch.Tensor
+    all_greedy: bool
+    all_random: bool
+    # [B] int64, 0 = no top-k for that row; None when no row uses top-k.
+    top_k: torch.Tensor | None
+    # [B] float32, 1.0 = off; None when no row uses top-p.
+    top_p: torch.Tensor | None
+    # [B] float32, 0.0 = off; None when no row uses min-p.
+    min_p: torch.Tensor | None
+    # [B] float32 each; None when every row is neutral (0, 0 and 1 respectively).
+    presence_penalties: torch.Tensor | None
+    frequency_penalties: torch.Tensor | None
+    repetition_penalties: torch.Tensor | None
+    # Per row, the tokens generated so far (lists are shared with the caller, not copied). The
+    # sampler turns them into a padded tensor only when a penalty needs them.
+    output_token_ids: list[list[int]]
+    # [B, max_prompt_len] int64 padded with ``vocab_size``; only when a repetition penalty is set.
+    prompt_token_ids: torch.Tensor | None
+    # Logits width; token id ``vocab_size`` is the padding of the padded id tensors.
+    vocab_size: int
+    # row -> token ids that get -inf this step (EOS and stop ids of rows still below min_tokens).
+    stop_token_ids_to_mask: dict[int, set[int]] = field(default_factory=dict)
+    # row -> generator already seeded for this step (seeded, non-greedy rows only).
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # Per row, how many top logprobs it asked for (None = no logprobs); max over rows or None.
+    num_logprobs: list[int | None] = field(default_factory=list)
+    max_num_logprobs: int | None = None
+
+
+def step_seed(seed: int, position: int) -> int:
+    """Mix a request's seed with the position of the token being sampled into a 64-bit seed.
+
+    A splitmix64 finaliser over ``seed`` and ``position``, so that neighbouring seeds and positions
+    give unrelated streams. Pure integer arithmetic: identical in every process and on every device.
+    """
+    value = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB)
+    value &= _UINT64_MASK
+    value ^= value >> 30
+    value = (value * 0xBF58476D1CE4E5B9) & _UINT64_MASK
+    value ^= value >> 27
+    value = (value * 0x94D049BB133111EB) & _UINT64_MASK
+    value ^= value >> 31
+    return value
+
+
+def pad_token_ids(
+    token_ids: list[list[int]], pad_id: int, device: torch.device | str
+) -> torch.Tensor:
+    """Lists of ids -> [len(token_ids), max_len] int64 on ``device``, padded with ``pad_id``."""
+    max_len = max((len(ids) for ids in token_ids), default=0)
+    padded = torch.full((len(token_ids), max_len), pad_id, dtype=torch.int64)
+    for row, ids in enumerate(token_ids):
+        if ids:
+            padded[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+    return padded.to(device, non_blocking=True)
+
+
+def _stop_ids(params: SamplingParams, vocab_size: int) -> frozenset[int]:
+    ids = set(params.stop_token_ids or ()) | set(params.all_stop_token_ids or ())
+    # Ids past the logits' width cannot be sampled anyway; dropping them keeps indexing safe.
+    return frozenset(token_id for token_id in ids if 0 <= token_id < vocab_size)
+
+
+def _static_metadata(
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    vocab_size: int,
+    device: torch.device | str,
+) -> SamplingMetadata:
+    """The parts that depend only on which requests sit in which row."""
+    greedy = [p.temperature < _SAMPLING_EPS for p in params]
+
+    def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    def column_if(values: list, neutral: float, dtype: torch.dtype) -> torch.Tensor | None:
+        if all(value == neutral for value in values):
+            return None
+        return column(values, dtype)
+
+    # top_k 0 is "off"; a top_k at or past the vocabulary is off too.
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
+    # Greedy rows never reach the filters, so their filter settings are neutralised: a batch of
+    # greedy rows with top_p set should not pay for a sort.
+    top_k = [0 if g else k for g, k in zip(greedy, top_k)]
+    top_p = [1.0 if g else p.top_p for g, p in zip(greedy, params)]
+    min_p = [0.0 if g else p.min_p for g, p in zip(greedy, params)]
+    repetition = [p.repetition_penalty for p in params]
+    repetition_penalties = column_if(repetition, 1.0, torch.float32)
+    num_logprobs = [p.logprobs for p in params]
+    asked = [k for k in num_logprobs if k is not None]
+    return SamplingMetadata(
+        temperature=column([p.temperature for p in params], torch.float32),
+        all_greedy=all(greedy),
+        all_random=not any(greedy),
+        top_k=column_if(top_k, 0, torch.int64),
+        top_p=column_if(top_p, 1.0, torch.float32),
+        min_p=column_if(min_p, 0.0, torch.float32),
+        presence_penalties=column_if([p.presence_penalty for p in params], 0.0, torch.float32),
+        frequency_penalties=column_if([p.frequency_penalty for p in params], 0.0, torch.float32),
+        repetition_penalties=repetition_penalties,
+        output_token_ids=[],
+        prompt_token_ids=(
+            pad_token_ids(prompt_token_ids, vocab_size, device)
+            if repetition_penalties is not None
+            else None
+        ),
+        vocab_size=vocab_size,
+        num_logprobs=num_logprobs,
+        max_num_logprobs=max(asked) if asked else None,
+    )
+
+
+@dataclass(slots=True)
+class _RowStepInfo:
+    """Per-row facts the per-step refresh needs, precomputed so the refresh is a short loop."""
+
+    row: int
+    seed: int | None  # only for non-greedy seeded rows
+    min_tokens: int
+    stop_ids: frozenset[int]
+
+
+class SamplingTensors:
+    """Sampling state of a persistent batch: rebuilt on batch changes, refreshed every step.
+
+    Usage by a model runner::
+
+        tensors = SamplingTensors(vocab_size, device)
+        # whenever requests were added, removed or reordered:
+        tensors.update_batch(params_in_row_order, prompt_ids_in_row_order)
+        # every step, with each row's output token list (the same list objects may be reused):
+        metadata = tensors.metadata(output_ids_in_row_order)
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._static: SamplingMetadata | None = None
+        self._rows: list[_RowStepInfo] = []
+        # Generators are reseeded before every use, so any of them may serve any row; the pool
+        # only saves creating one per seeded row per step.
+        self._generator_pool: list[torch.Generator] = []
+
+    def update_batch(
+        self, params: list[SamplingParams], prompt_token_ids: list[list[int]]
+    ) -> None:
+        """Rebuild the per-request tensors; call when requests join, leave or change rows."""
+        if len(params) != len(prompt_token_ids):
+            raise ValueError(
+                f"params and prompt_token_ids must have one entry per row, got "
+                f"{len(params)} and {len(prompt_token_ids)}"
+            )
+        self._static = _static_metadata(params, prompt_token_ids, self.vocab_size, self.device)
+        self._rows = []
+        for row, p in enumerate(params):
+            seed = p.seed if p.seed is not None and p.temperature >= _SAMPLING_EPS else None
+            stop_ids = _stop_ids(p, self.vocab_size) if p.min_tokens > 0 else frozenset()
+            if seed is not None or stop_ids:
+                self._rows.append(_RowStepInfo(row, seed, p.min_tokens, stop_ids))
+
+    def metadata(self, output_token_ids: list[list[int]]) -> SamplingMetadata:
+        """This step's metadata; ``output_token_ids[row]`` is what that row generated so far."""
+        if self._static is None:
+            raise RuntimeError("SamplingTensors.update_batch must be called before metadata")
+        if len(output_token_ids) != self._static.temperature.shape[0]:
+            raise ValueError(
+                f"output_token_ids has {len(output_token_ids)} rows, the batch has "
+                f"{self._static.temperature.shape[0]}"
+            )
+        stop_token_ids_to_mask: dict[int, set[int]] = {}
+        generators: dict[int, torch.Generator] = {}
+        for info in self._rows:
+            num_output_tokens = len(output_token_ids[info.row])
+            if info.stop_ids and num_output_tokens < info.min_tokens:
+                stop_token_ids_to_mask[info.row] = set(info.stop_ids)
+            if info.seed is not None:
+                generator = self._generator(len(generators))
+                generator.manual_seed(step_seed(info.seed, num_output_tokens))
+                generators[info.row] = generator
+        return dataclasses.replace(
+            self._static,
+            output_token_ids=output_token_ids,
+            stop_token_ids_to_mask=stop_token_ids_to_mask,
+            generators=generators,
+        )
+
+    def _generator(self, index: int) -> torch.Generator:
+        while len(self._generator_pool) <= index:
+            self._generator_pool.append(torch.Generator(device=self.device))
+        return self._generator_pool[index]
+
+
+def build_sampling_metadata(
+    params: list[SamplingParams],
+    output_token_ids: list[list[int]],
+    prompt_token_ids: list[list[int]],
+    vocab_size: int,
+    device: torch.device | str,
+) -> SamplingMetadata:
+    """One step's metadata from scratch; rows are in batch order in all three lists.
+
+    ``output_token_ids[row]`` is what that request generated so far (its length is the position of
+    the token to sample, which seeds the row's noise); ``prompt_token_ids`` is read only when some
+    row sets a repetition penalty. ``vocab_size`` is the logits' width.
+    """
+    tensors = SamplingTensors(vocab_size, device)
+    tensors.update_batch(params, prompt_token_ids)
+    return tensors.metadata(output_token_ids)

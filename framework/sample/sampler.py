@@ -1,0 +1,218 @@
+"""The sampler: logits [B, V] + SamplingMetadata -> one token per row (and its logprobs).
+
+The order follows vLLM V1:
+
+1. logprobs for the output come from the raw logits (the model's own distribution);
+2. min_tokens: EOS and stop ids of rows still short of min_tokens get -inf;
+3. penalties: repetition (prompt and output tokens), frequency and presence (output tokens only);
+4. greedy rows take the argmax of the penalised logits;
+5. random rows: temperature, min-p, top-k, top-p, then an exponential race
+   (argmax of probs / Exponential(1) noise), which is an exact draw from probs and lets every
+   seeded row take its noise from its own generator.
+
+Everything is batched torch and device-agnostic; the only per-row Python loop is over seeded rows,
+which must each read their own generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparrow.sample.logprobs import LogprobsTensors, gather_logprobs
+from sparrow.sample.metadata import SamplingMetadata, pad_token_ids
+from sparrow.worker.outputs import TokenLogprobs
+
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    # Rows in batch order, k = the batch's max_num_logprobs; None when no row asked for logprobs.
+    logprobs: LogprobsTensors | None
+    # Per row, the k it asked for (None = no logprobs); cuts ``logprobs`` back per row.
+    num_logprobs: list[int | None]
+
+    def logprobs_lists(self) -> list[TokenLogprobs | None] | None:
+        """Per row: its ``TokenLogprobs`` (chosen token first), or None if it did not ask."""
+        if self.logprobs is None:
+            return None
+        return self.logprobs.to_lists(self.num_logprobs)
+
+
+class Sampler:
+    """Stateless apart from the generator that unseeded random rows draw from.
+
+    ``generator``: the shared source of noise for unseeded rows (torch's default generator of the
+    logits' device when None). Seeded rows never touch it.
+    """
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != metadata.temperature.shape[0]:
+            raise ValueError(
+                f"logits must be [batch, vocab] with batch = "
+                f"{metadata.temperature.shape[0]}, got {tuple(logits.shape)}"
+            )
+        if logits.shape[1] != metadata.vocab_size:
+            raise ValueError(
+                f"logits have {logits.shape[1]} columns, metadata was built for vocab_size "
+                f"{metadata.vocab_size}"
+            )
+        logits = logits.to(torch.float32)
+        raw_logprobs = (
+            logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
+        )  # [B, V]
+
+        logits = apply_min_tokens(logits, metadata)
+        logits = apply_penalties(logits, metadata)
+        sampled = self._sample(logits, metadata)
+
+        logprobs = None
+        if raw_logprobs is not None and metadata.max_num_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(
+            sampled_token_ids=sampled, logprobs=logprobs, num_logprobs=metadata.num_logprobs
+        )
+
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        if metadata.all_greedy:
+            return logits.argmax(dim=-1)
+        greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)  # [B]
+
+        greedy_rows = metadata.temperature < _SAMPLING_EPS  # [B]
+        # Greedy rows divide by 1 so their (discarded) random branch stays finite.
+        temperature = torch.where(greedy_rows, 1.0, metadata.temperature)
+        logits = logits / temperature.unsqueeze(1)
+        if metadata.min_p is not None:
+            logits = apply_min_p(logits, metadata.min_p)
+        if metadata.top_k is not None or metadata.top_p is not None:
+            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        probs = logits.softmax(dim=-1)  # [B, V]
+        random_ids = exponential_race(probs, metadata.generators, self.generator)
+        if greedy_ids is None:
+            return random_ids
+        return torch.where(greedy_rows, greedy_ids, random_ids)
+
+
+def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """-inf for the EOS/stop ids of rows below min_tokens (returns a copy when it changes any)."""
+    if not metadata.stop_token_ids_to_mask:
+        return logits
+    rows: list[int] = []
+    token_ids: list[int] = []
+    for row, stop_ids in metadata.stop_token_ids_to_mask.items():
+        rows.extend([row] * len(stop_ids))
+        token_ids.extend(stop_ids)
+    logits = logits.clone()
+    index = (
+        torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True),
+        torch.tensor(token_ids, dtype=torch.int64).to(logits.device, non_blocking=True),
+    )
+    logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Repetition, frequency and presence penalties (vLLM / OpenAI semantics), out of place.
+
+    repetition: a token seen in the prompt or the output has its logit divided by the penalty when
+    positive and multiplied by it when negative (penalty > 1 discourages repeats).
+    frequency: logit -= penalty * (times the token appears in the output).
+    presence: logit -= penalty * (1 if the token appears in the output at all).
+    """
+    repetition = metadata.repetition_penalties
+    frequency = metadata.frequency_penalties
+    presence = metadata.presence_penalties
+    if repetition is None and frequency is None and presence is None:
+        return logits
+    num_rows, vocab_size = logits.shape
+    # Column vocab_size collects the padding and is dropped.
+    output_ids = pad_token_ids(metadata.output_token_ids, vocab_size, logits.device)  # [B, L]
+    output_counts = torch.zeros(num_rows, vocab_size + 1, device=logits.device)
+    output_counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=torch.float32))
+    output_counts = output_counts[:, :vocab_size]  # [B, V]
+    in_output = output_counts > 0  # [B, V]
+
+    if repetition is not None:
+        seen = in_output.clone()
+        if metadata.prompt_token_ids is not None:
+            prompt_seen = torch.zeros(
+                num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device
+            )
+            prompt_seen.scatter_(1, metadata.prompt_token_ids, True)
+            seen |= prompt_seen[:, :vocab_size]
+        penalty = repetition.unsqueeze(1)  # [B, 1]
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalised, logits)
+    if frequency is not None:
+        logits = logits - frequency.unsqueeze(1) * output_counts
+    if presence is not None:
+        logits = logits - presence.unsqueeze(1) * in_output.to(logits.dtype)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the row's top probability.
+
+    ``min_p``: [B] with 0 for rows that do not use it (nothing is below 0).
+    """
+    probs = logits.softmax(dim=-1)  # [B, V]
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [B, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Keep the k most likely tokens, then the smallest set whose mass reaches p, per row.
+
+    ``top_k``: [B] int, 0 = off; ``top_p``: [B] float, 1 = off. One ascending sort serves both.
+    Ties are kept together: a row's cut is turned into a logit threshold, so every token equal to
+    the last survivor survives too, whatever order the sort left the ties in. That may keep a few
+    more than k tokens, never fewer, and never drops part of a tie.
+    """
+    vocab_size = logits.shape[1]
+    sorted_logits, _ = logits.sort(dim=-1)  # [B, V], ascending
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size)
+        # The k-th largest sits at ascending position V - k.
+        kth_largest = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))  # [B, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_largest, float("-inf"))
+    if top_p is not None:
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        cumulative = sorted_probs.cumsum(dim=-1)  # [B, V], last column ~1
+        # Drop the low tail whose whole mass fits within 1 - p; the top token always stays.
+        drop = cumulative <= (1 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    # The smallest surviving logit of each row is its threshold.
+    threshold = sorted_logits.masked_fill(sorted_logits == float("-inf"), float("inf"))
+    threshold = threshold.amin(dim=-1, keepdim=True)  # [B, 1]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def exponential_race(
+    probs: torch.Tensor,
+    generators: dict[int, torch.Generator],
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Sample one token per row: argmax(probs / E) with E ~ Exponential(1) i.i.d. per token.
+
+    The argmax of p_i / E_i is token i with probability p_i (the smallest of independent
+    Exponential(p_i) times), so this is exact sampling without a cumulative sum. Rows in
+    ``generators`` draw their [V] noise from their own generator, which keeps a seeded row's draw
+    independent of its neighbours and of its position in the batch.
+    """
+    noise = torch.empty_like(probs)  # [B, V]
+    if len(generators) < probs.shape[0]:
+        noise.exponential_(generator=generator)
+    for row, row_generator in generators.items():
+        noise[row].exponential_(generator=row_generator)
+    # exponential_ may return exactly 0 with tiny probability; that would divide by zero.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return probs.div(noise).argmax(dim=-1)

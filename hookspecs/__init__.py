@@ -1,0 +1,176 @@
+"""The hook contract between Sparrow's kernel and its plugins.
+
+Every hook is called with keyword arguments, so an implementation may accept fewer arguments than
+the spec lists (pluggy passes only the ones it names) and specs can grow without breaking plugins.
+
+Docstring template, the same for every hook:
+
+    Summary line.
+
+    When: the moment and the process in which the kernel calls it.
+    Args: each argument.
+    Returns: the result and its meaning.
+    Semantics: firstresult ("stops at the first non-None result") or collecting, and how a
+        plugin overrides (``tryfirst=True``) or observes (``wrapper=True``) it.
+
+Plugins implement hooks with :data:`hookimpl`; the kernel alone creates the plugin manager
+(``sparrow.plugins``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import pluggy
+
+if TYPE_CHECKING:  # annotations only: importing this module must stay cheap
+    from sparrow.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from sparrow.core.request import Request
+    from sparrow.core.sched.interface import SchedulerInterface
+    from sparrow.core.sched.output import SchedulerOutput
+    from sparrow.worker.outputs import ModelRunnerOutput
+
+PROJECT_NAME = "sparrow"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+__all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]
+
+
+# --------------------------------------------------------------------------------------------
+# Registration hooks: called once when the plugin manager is first used.
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def sparrow_register_platforms(register: Callable[..., None]) -> None:
+    """Register hardware platforms.
+
+    When: once per process, the first time a platform is resolved (engine start-up, or
+        ``sparrow plugins``), in every process that resolves one.
+    Args:
+        register: ``register(name, detect, priority=0)``. ``name`` is what users pass as
+            ``device=``; ``detect()`` is a cheap check that must not import heavy code (no torch
+            import at module level, no device initialisation beyond a query) and returns the import
+            path ``"package.module:PlatformClass"`` when the device is present, else None.
+            ``priority`` orders the present platforms for ``device="auto"`` (highest wins).
+    Returns: nothing; registration goes through the callback, which rejects duplicate names.
+    Semantics: collecting; every implementation is called.
+    """
+
+
+@hookspec
+def sparrow_register_schedulers(register: Callable[..., None]) -> None:
+    """Register scheduler policies by name.
+
+    When: once per engine-core process, when the engine core builds its scheduler.
+    Args:
+        register: ``register(name, scheduler_cls)`` where ``scheduler_cls`` subclasses
+            :class:`sparrow.core.sched.scheduler.Scheduler` (reusing its budgeting, preemption and
+            allocation) or implements :class:`sparrow.core.sched.interface.SchedulerInterface`.
+    Returns: nothing.
+    Semantics: collecting; duplicate names are an error naming both plugins.
+    """
+
+
+@hookspec
+def sparrow_register_kv_connectors(register: Callable[..., None]) -> None:
+    """Register KV connectors by name.
+
+    When: once per process that builds a connector (engine core: scheduler side; worker: worker
+        side), when ``kv_connector`` is set in the configuration.
+    Args:
+        register: ``register(name, connector_cls)``; the class implements
+            :class:`sparrow.kv_transfer.KVConnectorBase`.
+    Returns: nothing.
+    Semantics: collecting.
+    """
+
+
+@hookspec
+def sparrow_register_model_architectures(register: Callable[..., None]) -> None:
+    """Register model architectures by the name in ``config.json``'s ``architectures`` list.
+
+    When: once per process that loads a model (the worker), before the model is built.
+    Args:
+        register: ``register(architecture, import_path)`` with ``import_path`` of the form
+            ``"package.module:ModelClass"``; the class is imported only if it is used.
+    Returns: nothing.
+    Semantics: collecting; a later registration of the same name is an error unless the plugin
+        passes ``override=True``.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Core decision hooks: called on the hot path.
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def sparrow_schedule(scheduler: SchedulerInterface) -> SchedulerOutput | None:
+    """Decide what runs in the next engine step.
+
+    When: once per engine step, in the engine-core process, before the model executes.
+    Args:
+        scheduler: the engine's scheduler, built from the ``scheduler=`` configuration.
+    Returns: the step's :class:`SchedulerOutput` (``{request_id: num_new_tokens}`` plus new and
+        cached request data).
+    Semantics: firstresult, stops at the first non-None result. The built-in scheduler plugin
+        returns ``scheduler.schedule()``; a plugin replaces the decision with ``tryfirst=True`` or
+        observes it with ``wrapper=True``.
+    """
+
+
+@hookspec(firstresult=True)
+def sparrow_allocate_slots(
+    kv_cache_manager: KVCacheManager,
+    request: Request,
+    num_new_tokens: int,
+    num_new_computed_tokens: int,
+    new_computed_blocks: KVCacheBlocks | None,
+) -> KVCacheBlocks | None:
+    """Allocate KV-cache slots for ``num_new_tokens`` more tokens of ``request``.
+
+    When: in the engine-core process, each time the scheduler needs slots for a request (every
+        scheduled request, every step).
+    Args:
+        kv_cache_manager: the kernel's KV-cache manager.
+        request: the request being scheduled.
+        num_new_tokens: tokens to compute this step.
+        num_new_computed_tokens: tokens newly found in the prefix cache (waiting requests only).
+        new_computed_blocks: the cached blocks that hold them, or None.
+    Returns: the newly allocated blocks, or None when they cannot fit (the scheduler then
+        preempts, or leaves the waiting request waiting).
+    Semantics: firstresult; the kernel's default (``KVCacheManager.allocate_slots``) runs last and
+        its None means "cannot fit". A plugin that wants the default decision returns None.
+    """
+
+
+@hookspec(firstresult=True)
+def sparrow_execute_model(worker: Any, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    """Run the model for one scheduled step and sample.
+
+    When: once per engine step, in every worker process (rank 0 returns what the engine uses).
+    Args:
+        worker: the platform's worker, which owns the model runner and the KV cache.
+        scheduler_output: what the scheduler decided for this step.
+    Returns: a :class:`ModelRunnerOutput` with the sampled token ids per request.
+    Semantics: firstresult. Each platform plugin answers for its own workers (and returns None
+        for others); observe with ``wrapper=True`` (for example to time steps).
+    """
+
+
+@hookspec(firstresult=True)
+def sparrow_attention_backend(platform: Any, requested: str, model_config: Any) -> type | None:
+    """Choose the attention backend class for a worker.
+
+    When: once per worker, at start-up, before the model is built.
+    Args:
+        platform: the worker's platform object (``platform.name`` says which).
+        requested: the ``attention_backend`` configuration value (``"auto"`` or a name).
+        model_config: the model configuration (head size, dtype...).
+    Returns: a class implementing :class:`sparrow.attention.AttentionBackend`, or None when this
+        plugin does not serve that platform or name.
+    Semantics: firstresult; platform plugins answer for their own platform.
+    """

@@ -30,7 +30,7 @@ from sparrow.core.kv_cache_utils import (
 from sparrow.core.request import Request
 from sparrow.sampling_params import SamplingParams
 
-MACHINE_SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None)
+MACHINE_SETTINGS = settings(max_examples=150, stateful_step_count=50, deadline=None)
 
 
 def make_request(request_id: str, prompt_token_ids: list[int], **sampling: object) -> Request:
@@ -174,7 +174,9 @@ token_lists = st.lists(st.integers(0, 50_000), min_size=8, max_size=40)
 
 
 @given(token_lists, st.data())
-def test_early_difference_changes_every_later_hash(token_ids: list[int], data: st.DataObject) -> None:
+def test_early_difference_changes_every_later_hash(
+    token_ids: list[int], data: st.DataObject
+) -> None:
     block_size = 4
     position = data.draw(st.integers(0, len(token_ids) - 1), label="position")
     changed = list(token_ids)
@@ -304,10 +306,12 @@ class BlockPoolMachine(RuleBasedStateMachine):
         check_pool_invariants(self.pool)
 
     def teardown(self) -> None:
+        if not hasattr(self, "pool"):
+            return
         for _, blocks in self.holders:
             self.pool.free_blocks(reversed(blocks))
-        if hasattr(self, "pool"):
-            assert self.pool.get_num_free_blocks() == self.pool.num_blocks
+        assert self.pool.get_num_free_blocks() == self.pool.num_blocks
+        check_pool_invariants(self.pool)
 
 
 BlockPoolMachine.TestCase.settings = MACHINE_SETTINGS
@@ -368,7 +372,13 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         request.num_preemptions += 1
         self.waiting.insert(0, request)
 
-    @rule(prefix=st.sampled_from(SHARED_PREFIXES), suffix=st.lists(st.integers(0, 9), min_size=1, max_size=14))
+    def _running_in_order(self) -> list[Request]:
+        return [self.running[request_id] for request_id in sorted(self.running)]
+
+    @rule(
+        prefix=st.sampled_from(SHARED_PREFIXES),
+        suffix=st.lists(st.integers(0, 9), min_size=1, max_size=14),
+    )
     def add_request(self, prefix: tuple[int, ...], suffix: list[int]) -> None:
         self.num_requests += 1
         request = make_request(f"req-{self.num_requests}", list(prefix) + suffix)
@@ -384,7 +394,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.running)
     @rule(data=st.data(), num_lookahead_tokens=st.sampled_from([0, 0, 3]))
     def decode(self, data: st.DataObject, num_lookahead_tokens: int) -> None:
-        request = data.draw(st.sampled_from(sorted(self.running.values(), key=lambda r: r.request_id)))
+        request = data.draw(st.sampled_from(self._running_in_order()), label="request")
         before = self._snapshot()
         new_blocks = self.manager.allocate_slots(
             request, 1, num_lookahead_tokens=num_lookahead_tokens
@@ -399,7 +409,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.running)
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
-        request = data.draw(st.sampled_from(sorted(self.running.values(), key=lambda r: r.request_id)))
+        request = data.draw(st.sampled_from(self._running_in_order()), label="request")
         self.manager.free(request)
         del self.running[request.request_id]
 

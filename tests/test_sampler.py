@@ -138,7 +138,7 @@ def test_greedy_is_argmax_and_mixed_batches_keep_greedy_rows_exact(device):
     ],
 )
 def test_random_sampling_matches_intended_distribution(filters, wrong):
-    counts = draw_counts(SamplingParams(**filters), 20_000, "cpu", seed=1)
+    counts = draw_counts(SamplingParams(**filters), 20_000, "cpu", seed=0)
     assert_fits(counts, reference_filtered(**filters))
     # The test has the power to tell: a nearby wrong distribution is rejected.
     assert_rejected(counts, reference_filtered(**wrong))
@@ -147,7 +147,7 @@ def test_random_sampling_matches_intended_distribution(filters, wrong):
 @pytest.mark.parametrize("device", DEVICES)
 def test_distribution_on_device(device):
     filters = dict(temperature=0.9, top_k=5, top_p=0.85)
-    counts = draw_counts(SamplingParams(**filters), 20_000, device, seed=2)
+    counts = draw_counts(SamplingParams(**filters), 20_000, device, seed=0)
     assert_fits(counts, reference_filtered(**filters))
 
 
@@ -306,9 +306,12 @@ def test_cached_tensors_match_a_fresh_build():
     assert set(cached.generators) == {2}
     assert cached.num_logprobs == [None, 2, None] and cached.max_num_logprobs == 2
     logits = torch.randn(3, 50)
-    assert torch.equal(
-        Sampler()(logits, cached).sampled_token_ids, Sampler()(logits, fresh).sampled_token_ids
-    )
+    first = Sampler(torch.Generator().manual_seed(0))(logits, cached).sampled_token_ids
+    second = Sampler(torch.Generator().manual_seed(0))(logits, fresh).sampled_token_ids
+    assert torch.equal(first, second)
+    # Metadata is safe to reuse: the seeded row does not advance between calls.
+    again = Sampler(torch.Generator().manual_seed(1))(logits, cached).sampled_token_ids
+    assert again[2] == first[2]
 
 
 # --- logprobs ---------------------------------------------------------------------------------

@@ -49,7 +49,9 @@ class KVCacheManager:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 1):
-            raise ValueError(f"max_model_len must be an integer >= 1 or None, got {max_model_len!r}")
+            raise ValueError(
+                f"max_model_len must be an integer >= 1 or None, got {max_model_len!r}"
+            )
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len

@@ -1,7 +1,42 @@
-"""Placeholder: the model helper replaces this file."""
+"""Built-in model architectures, registered through the same hook a plugin uses.
+
+The kernel registers this module as a plugin (``sparrow.plugins.KERNEL_PLUGINS``). Classes are
+named by import path and imported only when a model of that architecture is loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
 from sparrow.hookspecs import hookimpl
+from sparrow.plugins import import_object
+
+# config.json architecture name -> "module:Class"
+BUILTIN_ARCHITECTURES: tuple[tuple[str, str], ...] = (
+    ("LlamaForCausalLM", "sparrow.models.llama:LlamaForCausalLM"),
+    ("MistralForCausalLM", "sparrow.models.llama:LlamaForCausalLM"),
+    ("Qwen2ForCausalLM", "sparrow.models.qwen2:Qwen2ForCausalLM"),
+    ("Qwen3ForCausalLM", "sparrow.models.qwen3:Qwen3ForCausalLM"),
+)
+
+
+class UnsupportedArchitectureError(ValueError):
+    """No registered architecture matches the config's ``architectures``."""
 
 
 @hookimpl
-def sparrow_register_model_architectures(register):
-    pass
+def sparrow_register_model_architectures(register: Callable[..., None]) -> None:
+    for architecture, import_path in BUILTIN_ARCHITECTURES:
+        register(architecture, import_path)
+
+
+def resolve_model_class(hf_config: Any, registry_architectures: dict[str, str]) -> type:
+    """The model class of the first of ``hf_config.architectures`` that is registered."""
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    for architecture in architectures:
+        if architecture in registry_architectures:
+            return import_object(registry_architectures[architecture])
+    raise UnsupportedArchitectureError(
+        f"config.json architectures {architectures} are not supported; "
+        f"supported architectures: {', '.join(sorted(registry_architectures))}"
+    )

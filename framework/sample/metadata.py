@@ -11,8 +11,9 @@ the ``Sampler`` with the step's logits. Two ways to build it:
 
 Seeding: a seeded request must sample the same tokens whatever else is in the batch and however
 often it was preempted and recomputed. So no generator carries state from one step to the next:
-before each step the generator of a seeded row is reseeded from ``(seed, num_output_tokens)``, the
-position of the token about to be sampled, and the sampler draws that row's noise from it alone.
+the metadata carries each seeded row's ``step_seed(seed, num_output_tokens)`` (the position of the
+token about to be sampled), and the sampler reseeds that row's generator with it right before
+drawing the row's noise from it alone.
 """
 
 from __future__ import annotations
@@ -55,8 +56,11 @@ class SamplingMetadata:
     vocab_size: int
     # row -> token ids that get -inf this step (EOS and stop ids of rows still below min_tokens).
     stop_token_ids_to_mask: dict[int, set[int]] = field(default_factory=dict)
-    # row -> generator already seeded for this step (seeded, non-greedy rows only).
+    # row -> generator for that row's noise (seeded, non-greedy rows only), and row -> the seed
+    # it is set to right before the draw. Reseeding at draw time, not at build time, makes
+    # sampling twice with the same metadata give the same tokens.
     generators: dict[int, torch.Generator] = field(default_factory=dict)
+    step_seeds: dict[int, int] = field(default_factory=dict)
     # Per row, how many top logprobs it asked for (None = no logprobs); max over rows or None.
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None
@@ -83,10 +87,9 @@ def pad_token_ids(
 ) -> torch.Tensor:
     """Lists of ids -> [len(token_ids), max_len] int64 on ``device``, padded with ``pad_id``."""
     max_len = max((len(ids) for ids in token_ids), default=0)
-    padded = torch.full((len(token_ids), max_len), pad_id, dtype=torch.int64)
-    for row, ids in enumerate(token_ids):
-        if ids:
-            padded[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+    # One tensor from one nested list: far cheaper than a tensor per row.
+    rows = [list(ids) + [pad_id] * (max_len - len(ids)) for ids in token_ids]
+    padded = torch.tensor(rows, dtype=torch.int64).reshape(len(token_ids), max_len)
     return padded.to(device, non_blocking=True)
 
 
@@ -173,7 +176,7 @@ class SamplingTensors:
         self.device = torch.device(device)
         self._static: SamplingMetadata | None = None
         self._rows: list[_RowStepInfo] = []
-        # Generators are reseeded before every use, so any of them may serve any row; the pool
+        # Generators are reseeded before every draw, so any of them may serve any row; the pool
         # only saves creating one per seeded row per step.
         self._generator_pool: list[torch.Generator] = []
 
@@ -205,19 +208,20 @@ class SamplingTensors:
             )
         stop_token_ids_to_mask: dict[int, set[int]] = {}
         generators: dict[int, torch.Generator] = {}
+        step_seeds: dict[int, int] = {}
         for info in self._rows:
             num_output_tokens = len(output_token_ids[info.row])
             if info.stop_ids and num_output_tokens < info.min_tokens:
                 stop_token_ids_to_mask[info.row] = set(info.stop_ids)
             if info.seed is not None:
-                generator = self._generator(len(generators))
-                generator.manual_seed(step_seed(info.seed, num_output_tokens))
-                generators[info.row] = generator
+                generators[info.row] = self._generator(len(generators))
+                step_seeds[info.row] = step_seed(info.seed, num_output_tokens)
         return dataclasses.replace(
             self._static,
             output_token_ids=output_token_ids,
             stop_token_ids_to_mask=stop_token_ids_to_mask,
             generators=generators,
+            step_seeds=step_seeds,
         )
 
     def _generator(self, index: int) -> torch.Generator:

@@ -93,7 +93,9 @@ class Sampler:
         if metadata.top_k is not None or metadata.top_p is not None:
             logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
         probs = logits.softmax(dim=-1)  # [B, V]
-        random_ids = exponential_race(probs, metadata.generators, self.generator)
+        random_ids = exponential_race(
+            probs, metadata.generators, metadata.step_seeds, self.generator
+        )
         if greedy_ids is None:
             return random_ids
         return torch.where(greedy_rows, greedy_ids, random_ids)
@@ -199,19 +201,22 @@ def apply_top_k_top_p(
 def exponential_race(
     probs: torch.Tensor,
     generators: dict[int, torch.Generator],
+    step_seeds: dict[int, int],
     generator: torch.Generator | None,
 ) -> torch.Tensor:
     """Sample one token per row: argmax(probs / E) with E ~ Exponential(1) i.i.d. per token.
 
     The argmax of p_i / E_i is token i with probability p_i (the smallest of independent
     Exponential(p_i) times), so this is exact sampling without a cumulative sum. Rows in
-    ``generators`` draw their [V] noise from their own generator, which keeps a seeded row's draw
-    independent of its neighbours and of its position in the batch.
+    ``generators`` draw their [V] noise from their own generator, reseeded with
+    ``step_seeds[row]`` first, which makes a seeded row's draw depend on nothing but its seed and
+    position: not on its neighbours, its row, or what was sampled before.
     """
     noise = torch.empty_like(probs)  # [B, V]
     if len(generators) < probs.shape[0]:
         noise.exponential_(generator=generator)
     for row, row_generator in generators.items():
+        row_generator.manual_seed(step_seeds[row])
         noise[row].exponential_(generator=row_generator)
     # exponential_ may return exactly 0 with tiny probability; that would divide by zero.
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)

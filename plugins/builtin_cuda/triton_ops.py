@@ -94,6 +94,7 @@ def _attend_tile(
     stride_c_block, stride_c_slot, stride_c_head, qk_scale,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
 ):
     """Fold keys [tile_start, tile_start + TILE_N) into the running softmax of the query tile."""
     key_pos = tile_start + tl.arange(0, TILE_N)  # [TILE_N]
@@ -115,6 +116,9 @@ def _attend_tile(
     else:
         k_t = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
+    if DOT_IN_FP32:
+        k_t = k_t.to(tl.float32)
+        v = v.to(tl.float32)
 
     s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N], log2 units
     if CAUSAL_MASK:
@@ -144,7 +148,7 @@ def _unified_attention_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     # grid: (num_query_tiles_upper_bound, num_kv_heads, NUM_SPLITS)
     tile_id = tl.program_id(0)
@@ -183,6 +187,8 @@ def _unified_attention_kernel(
     q_ptrs = (query_ptr + token[:, None] * stride_q_tok + head[:, None] * stride_q_head
               + dims[None, :])
     q = tl.load(q_ptrs, mask=row_valid[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
 
     # Keys this tile may see: up to the position of its last token.
     kv_end = tl.minimum(seq_len, context_len + q_block_start + BLOCK_Q)
@@ -207,13 +213,13 @@ def _unified_attention_kernel(
             q, acc, m_i, l_i, t * TILE_N, kv_end, query_pos,
             key_cache_ptr, value_cache_ptr, block_table_row_ptr, kv_head,
             stride_c_block, stride_c_slot, stride_c_head, qk_scale,
-            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, False, DOT_PRECISION)
+            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, False, DOT_PRECISION, DOT_IN_FP32)
     for t in range(free_hi, tile_hi):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, t * TILE_N, kv_end, query_pos,
             key_cache_ptr, value_cache_ptr, block_table_row_ptr, kv_head,
             stride_c_block, stride_c_slot, stride_c_head, qk_scale,
-            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, True, DOT_PRECISION)
+            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, True, DOT_PRECISION, DOT_IN_FP32)
 
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / safe_l[:, None]
@@ -223,7 +229,7 @@ def _unified_attention_kernel(
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
         # An empty segment leaves m_i = -inf, l_i = 0: its lse is -inf and it weighs nothing.
-        lse = m_i + tl.log2(l_i)  # [BLOCK_M], log2 units
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))  # [BLOCK_M], log2 units
         po_ptrs = (partial_out_ptr + token[:, None] * stride_po_tok
                    + head[:, None] * stride_po_head + split * stride_po_split + dims[None, :])
         tl.store(po_ptrs, acc, mask=store_mask)
@@ -346,6 +352,8 @@ def unified_paged_attention(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         BLOCK_Q=block_q, TILE_N=tile_n, NUM_SPLITS=num_kv_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        # Triton's CPU interpreter computes bf16 tl.dot wrongly; it only ever runs on CPU tensors.
+        DOT_IN_FP32=query.device.type == "cpu" and query.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_kv_splits > 1:

@@ -1,0 +1,45 @@
+# Sparrow: `make run` sets up and generates text with the built-in model; `make test` runs the suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= Once upon a time
+
+.PHONY: setup run test test-fast check-install bench serve clean wheelhouse
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV)
+	# torch is pinned to the CPU build on disk; a looser pin pulls gigabytes of CUDA packages.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+run: setup
+	$(VENV)/bin/sparrow generate --prompt "$(PROMPT)" --max-tokens 32
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: setup
+	$(PY) -m pytest -q -x -m "not slow"
+
+# A non-editable install into a fresh virtual environment imports every package.
+check-install:
+	rm -rf /tmp/sparrow-install-check
+	$(PYTHON) -m venv /tmp/sparrow-install-check
+	/tmp/sparrow-install-check/bin/python -m pip install -q torch==2.13.0
+	/tmp/sparrow-install-check/bin/python -m pip install -q .
+	cd /tmp && /tmp/sparrow-install-check/bin/python -c "import sparrow, sparrow.hookspecs, sparrow_schedulers, sparrow_cpu, sparrow_cuda; from sparrow.plugins import get_registry; r = get_registry(); print('installed:', sorted(r.platforms), sorted(r.schedulers))"
+
+bench: setup
+	$(VENV)/bin/sparrow bench throughput --compare-hf
+
+serve: setup
+	$(VENV)/bin/sparrow serve
+
+wheelhouse:
+	$(PYTHON) scripts/build_wheelhouse.py --python-version 3.12 --dest .whl
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,159 @@
+"""What a user gets back: vLLM's ``RequestOutput``, ``CompletionOutput`` and ``Logprob``.
+
+In-process types (plain dataclasses); they never cross the process boundary, the engine core
+sends ``EngineCoreOutput`` and the frontend's output processor builds these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class Logprob:
+    """The log probability of one token at one position.
+
+    ``rank`` is 1-based in the full distribution; ``decoded_token`` is the token decoded on its
+    own (None when detokenization is off).
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per position: token id -> Logprob, the chosen (or prompt) token first, then the top-k.
+SampleLogprobs = list[dict[int, Logprob]]
+# Position 0 is None: the first prompt token has no context to be predicted from.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timestamps of one request, in ``time.monotonic()`` seconds (the engine core's clock).
+
+    ``first_token_time`` and ``last_token_time`` are when the frontend received the first and the
+    latest output tokens; ``finished_time`` when it saw the request finish.
+    """
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_generation_tokens: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+    @property
+    def mean_inter_token_latency(self) -> float | None:
+        # Tokens after the first arrive over (last - first); a single token has no gap to measure.
+        if self.first_token_time is None or self.last_token_time is None or self.num_generation_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_generation_tokens - 1)
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One generated sequence of a request (a request with ``n`` > 1 has ``n`` of them).
+
+    ``finish_reason`` is "stop", "length" or "abort" once finished, else None; ``stop_reason``
+    is the stop string or stop token id that ended it (None for EOS or any other reason).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
+            f"cumulative_logprob={self.cumulative_logprob}, logprobs={self.logprobs}, "
+            f"finish_reason={self.finish_reason}, stop_reason={self.stop_reason})"
+        )
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """Everything a request has produced so far (or, in DELTA mode, since the last output).
+
+    ``prompt`` is None when the request came as token ids. ``outputs`` is sorted by index.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    # vLLM's fields for LoRA and encoder-decoder models: unused here, kept so that positional
+    # arguments line up with vLLM's constructor.
+    lora_request: Any = None
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
+    num_cached_tokens: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
+        """Merge a later output of the same request into this one.
+
+        Used by a consumer that fell behind: with ``aggregate`` (DELTA outputs) the texts, token
+        ids and logprobs of each completion are appended; otherwise the later completion
+        replaces the earlier one.
+        """
+        if next_output.request_id != self.request_id:
+            raise ValueError(
+                f"request_id {next_output.request_id!r} cannot be merged into request {self.request_id!r}"
+            )
+        self.finished |= next_output.finished
+        self.metrics = next_output.metrics
+        if next_output.num_cached_tokens is not None:
+            self.num_cached_tokens = next_output.num_cached_tokens
+        if next_output.kv_transfer_params is not None:
+            self.kv_transfer_params = next_output.kv_transfer_params
+        if next_output.prompt_logprobs:
+            self.prompt_logprobs = next_output.prompt_logprobs
+        by_index = {completion.index: position for position, completion in enumerate(self.outputs)}
+        for completion in next_output.outputs:
+            position = by_index.get(completion.index)
+            if position is None:
+                self.outputs.append(completion)
+                continue
+            if not aggregate:
+                self.outputs[position] = completion
+                continue
+            merged = self.outputs[position]
+            merged.text += completion.text
+            merged.token_ids = list(merged.token_ids) + list(completion.token_ids)
+            if completion.logprobs is not None:
+                merged.logprobs = (merged.logprobs or []) + completion.logprobs
+            merged.cumulative_logprob = completion.cumulative_logprob
+            merged.finish_reason = completion.finish_reason
+            merged.stop_reason = completion.stop_reason
+        self.outputs.sort(key=lambda completion: completion.index)
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
+            f"prompt_token_ids={self.prompt_token_ids}, prompt_logprobs={self.prompt_logprobs}, "
+            f"outputs={self.outputs}, finished={self.finished}, metrics={self.metrics}, "
+            f"num_cached_tokens={self.num_cached_tokens})"
+        )

@@ -1,0 +1,105 @@
+"""The persistent batch: per-request rows of token ids and block tables, kept across steps.
+
+Rows change only when requests join, leave, or are not scheduled in a step; each step then
+reads its inputs from these arrays with vectorised numpy indexing instead of rebuilding them from
+Python lists. Removing a row moves the last row into the hole, so rows stay dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sparrow.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """What a worker remembers about a request while it is unfinished (scheduled or not)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        # [max_num_reqs, max_model_len]: prompt then output token ids of the request in each row
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        # [max_num_reqs, max_num_blocks_per_req]: physical block ids, 0 past num_blocks
+        self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.req_ids: list[str] = []  # row -> req_id
+        self.req_id_to_row: dict[str, int] = {}
+        self.states: list[CachedRequestState] = []  # row -> state
+        # Bumped whenever rows change, so the sampling tensors know to rebuild.
+        self.version = 0
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    def add(self, state: CachedRequestState) -> int:
+        row = len(self.req_ids)
+        if row >= self.max_num_reqs:
+            raise RuntimeError(f"persistent batch is full ({self.max_num_reqs} rows)")
+        tokens = state.prompt_token_ids + state.output_token_ids
+        if len(tokens) > self.max_model_len:
+            raise ValueError(f"request {state.req_id!r} has {len(tokens)} tokens > max_model_len {self.max_model_len}")
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.block_table[row, : len(state.block_ids)] = state.block_ids
+        self.num_blocks[row] = len(state.block_ids)
+        self.num_computed_tokens[row] = state.num_computed_tokens
+        self.req_ids.append(state.req_id)
+        self.req_id_to_row[state.req_id] = row
+        self.states.append(state)
+        self.version += 1
+        return row
+
+    def remove(self, req_id: str) -> None:
+        row = self.req_id_to_row.pop(req_id, None)
+        if row is None:
+            return
+        last = len(self.req_ids) - 1
+        if row != last:
+            self._move(last, row)
+        self.req_ids.pop()
+        self.states.pop()
+        self.version += 1
+
+    def _move(self, src: int, dst: int) -> None:
+        n_tok, n_blk = int(self.num_tokens[src]), int(self.num_blocks[src])
+        self.token_ids[dst, :n_tok] = self.token_ids[src, :n_tok]
+        self.num_tokens[dst] = n_tok
+        self.block_table[dst, :n_blk] = self.block_table[src, :n_blk]
+        self.num_blocks[dst] = n_blk
+        self.num_computed_tokens[dst] = self.num_computed_tokens[src]
+        self.req_ids[dst] = self.req_ids[src]
+        self.states[dst] = self.states[src]
+        self.req_id_to_row[self.req_ids[dst]] = dst
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        start = int(self.num_blocks[row])
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def append_token(self, row: int, token_id: int) -> None:
+        n = int(self.num_tokens[row])
+        if n < self.max_model_len:
+            self.token_ids[row, n] = token_id
+        self.num_tokens[row] = n + 1

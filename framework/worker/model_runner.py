@@ -1,0 +1,207 @@
+"""The device-agnostic model runner: persistent batch -> flat inputs -> forward -> sample.
+
+Platform plugins use it as is (CPU) or subclass it (CUDA: pinned buffers, CUDA graphs) by
+overriding :meth:`ModelRunner.run_model` and the tensor-transfer helpers.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from sparrow.attention import AttentionMetadata
+from sparrow.config import EngineConfig
+from sparrow.core.sched.output import SchedulerOutput
+from sparrow.sample.logprobs import compute_token_logprobs
+from sparrow.sample.metadata import SamplingTensors
+from sparrow.sample.sampler import Sampler
+from sparrow.worker.input_batch import CachedRequestState, InputBatch
+from sparrow.worker.outputs import ModelRunnerOutput, TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class StepInputs:
+    """One step's flat inputs; host arrays are numpy, device tensors torch."""
+
+    __slots__ = ("input_ids", "positions", "metadata", "num_scheduled", "logits_indices", "complete_rows")
+
+    def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                 num_scheduled: np.ndarray, logits_indices: torch.Tensor, complete_rows: np.ndarray) -> None:
+        self.input_ids = input_ids  # [T] int64
+        self.positions = positions  # [T] int64
+        self.metadata = metadata
+        self.num_scheduled = num_scheduled  # [num_reqs] new tokens per row
+        self.logits_indices = logits_indices  # [num_reqs] flat index of each row's last token
+        self.complete_rows = complete_rows  # [num_reqs] bool: the row samples a token this step
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: Any, device: torch.device, dtype: torch.dtype,
+                 block_size: int, tp_rank: int = 0) -> None:
+        self.config = config
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.tp_rank = tp_rank
+        self.max_model_len = config.model.max_model_len
+        self.max_num_reqs = config.scheduler.max_num_seqs
+        self.max_num_blocks_per_req = -(-self.max_model_len // block_size)
+        self.vocab_size = model.vocab_size
+        self.requests: dict[str, CachedRequestState] = {}  # req_id -> state, scheduled or not
+        self.batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_blocks_per_req)
+        self.sampling_tensors = SamplingTensors(self.vocab_size, device)
+        self._sampling_version = -1
+        generator = torch.Generator(device=device)
+        generator.manual_seed(config.model.seed)
+        self.sampler = Sampler(generator)
+        self.kv_caches: list[torch.Tensor] = []
+
+    # -- KV cache ---------------------------------------------------------------------------
+    def kv_cache_bytes_per_block(self) -> int:
+        num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * num_layers * self.block_size * num_kv_heads * head_dim * element_size
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
+        # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_caches = [
+            torch.zeros(2, num_blocks, self.block_size, num_kv_heads, head_dim, dtype=self.dtype, device=self.device)
+            for _ in range(num_layers)
+        ]
+
+    # -- the step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0 or self.batch.num_reqs == 0:
+            return ModelRunnerOutput()
+        inputs = self.prepare_inputs(scheduler_output)
+        hidden_states = self.run_model(inputs)  # [T, hidden]
+        return self.sample(hidden_states, inputs)
+
+    def update_states(self, so: SchedulerOutput) -> None:
+        batch = self.batch
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove(req_id)
+        for new in so.scheduled_new_reqs:
+            batch.remove(new.req_id)  # a resumed request may still hold a stale row
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
+                sampling_params=new.sampling_params, block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens, output_token_ids=list(new.output_token_ids),
+            )
+        cached = so.scheduled_cached_reqs
+        for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            state = self.requests[req_id]
+            state.block_ids.extend(new_block_ids)
+            state.num_computed_tokens = num_computed
+            row = batch.req_id_to_row.get(req_id)
+            if row is not None:
+                batch.append_blocks(row, new_block_ids)
+                batch.num_computed_tokens[row] = num_computed
+        scheduled = so.num_scheduled_tokens
+        for req_id in [r for r in batch.req_ids if r not in scheduled]:
+            batch.remove(req_id)  # kept in self.requests until it is scheduled again
+        for req_id in scheduled:
+            if req_id not in batch.req_id_to_row:
+                batch.add(self.requests[req_id])
+
+    def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        batch, block_size = self.batch, self.block_size
+        num_reqs = batch.num_reqs
+        num_scheduled = np.fromiter((so.num_scheduled_tokens[r] for r in batch.req_ids), dtype=np.int64, count=num_reqs)
+        cu_num_tokens = np.cumsum(num_scheduled)
+        total = int(cu_num_tokens[-1])
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+        query_start_loc[1:] = cu_num_tokens
+        rows = np.repeat(np.arange(num_reqs), num_scheduled)  # [T] row of each token
+        offsets = np.arange(total) - np.repeat(query_start_loc[:-1].astype(np.int64), num_scheduled)
+        num_computed = batch.num_computed_tokens[:num_reqs]
+        positions = num_computed[rows] + offsets  # [T]
+        input_ids = batch.token_ids[rows, positions]  # [T]
+        slot_mapping = batch.block_table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        seq_lens = (num_computed + num_scheduled).astype(np.int32)  # [num_reqs]
+        max_blocks = int(batch.num_blocks[:num_reqs].max())
+        complete_rows = seq_lens >= batch.num_tokens[:num_reqs]
+        metadata = AttentionMetadata(
+            num_actual_tokens=total, num_reqs=num_reqs, max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=self.to_device(query_start_loc), seq_lens=self.to_device(seq_lens),
+            block_table=self.to_device(batch.block_table[:num_reqs, :max_blocks]),
+            slot_mapping=self.to_device(slot_mapping),
+            query_start_loc_cpu=torch.from_numpy(query_start_loc), seq_lens_cpu=torch.from_numpy(seq_lens),
+            is_decode_only=bool(total == num_reqs),
+        )
+        batch.num_computed_tokens[:num_reqs] += num_scheduled
+        return StepInputs(
+            input_ids=self.to_device(input_ids), positions=self.to_device(positions), metadata=metadata,
+            num_scheduled=num_scheduled, logits_indices=self.to_device(cu_num_tokens - 1),
+            complete_rows=complete_rows,
+        )
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
+
+    def run_model(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward pass; subclasses may replay a CUDA graph here."""
+        self.model.attn_backend.prepare(inputs.metadata)
+        return self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+
+    def sample(self, hidden_states: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
+        batch = self.batch
+        num_reqs = batch.num_reqs
+        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])  # [num_reqs, vocab]
+        if self._sampling_version != batch.version:
+            self.sampling_tensors.update_batch([s.sampling_params for s in batch.states],
+                                               [s.prompt_token_ids for s in batch.states])
+            self._sampling_version = batch.version
+        sampling_metadata = self.sampling_tensors.metadata([s.output_token_ids for s in batch.states])
+        sampler_output = self.sampler(logits, sampling_metadata)
+        sampled = sampler_output.sampled_token_ids.tolist()
+        logprobs_rows = sampler_output.logprobs_lists()
+
+        sampled_token_ids: list[list[int]] = []
+        logprobs: dict[str, list[TokenLogprobs]] = {}
+        for row in range(num_reqs):
+            if not inputs.complete_rows[row]:
+                sampled_token_ids.append([])
+                continue
+            token_id = sampled[row]
+            state = batch.states[row]
+            state.output_token_ids.append(token_id)
+            batch.append_token(row, token_id)
+            sampled_token_ids.append([token_id])
+            if logprobs_rows is not None and logprobs_rows[row] is not None:
+                logprobs[state.req_id] = [logprobs_rows[row]]
+        return ModelRunnerOutput(
+            req_ids=list(batch.req_ids), sampled_token_ids=sampled_token_ids, logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs(hidden_states, inputs),
+        )
+
+    def prompt_logprobs(self, hidden_states: torch.Tensor, inputs: StepInputs) -> dict[str, list[TokenLogprobs]]:
+        """Logprobs of the prompt tokens whose preceding position was computed this step."""
+        out: dict[str, list[TokenLogprobs]] = {}
+        qsl = inputs.metadata.query_start_loc_cpu
+        for row, state in enumerate(self.batch.states):
+            k = state.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            start = int(self.batch.num_computed_tokens[row] - inputs.num_scheduled[row])  # first position this step
+            stop = min(start + int(inputs.num_scheduled[row]), len(state.prompt_token_ids) - 1)
+            if stop <= start:
+                continue
+            flat = int(qsl[row])
+            logits = self.model.compute_logits(hidden_states[flat : flat + stop - start])
+            chosen = torch.tensor(state.prompt_token_ids[start + 1 : stop + 1], device=logits.device)
+            out[state.req_id] = compute_token_logprobs(logits.log_softmax(dim=-1), chosen, k)
+        return out

@@ -1,0 +1,96 @@
+"""The worker every platform builds on: device, model, KV cache, one step at a time."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from sparrow.config import EngineConfig
+from sparrow.core.sched.output import SchedulerOutput
+from sparrow.platforms.interface import Platform
+from sparrow.plugins import get_plugin_manager
+from sparrow.worker.model_runner import DTYPES, ModelRunner
+from sparrow.worker.outputs import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerBase:
+    """Subclasses set ``model_runner_cls`` and implement :meth:`available_kv_cache_bytes`."""
+
+    model_runner_cls: type[ModelRunner] = ModelRunner
+
+    def __init__(self, config: EngineConfig, platform: Platform, rank: int = 0, local_rank: int = 0,
+                 world_size: int = 1, distributed_init_method: str | None = None) -> None:
+        self.config = config
+        self.platform = platform
+        self.rank = rank
+        self.local_rank = local_rank
+        self.world_size = world_size
+        self.distributed_init_method = distributed_init_method
+        self.dtype = DTYPES[platform.resolve_dtype(config.model.dtype)]
+        self.block_size = config.cache.block_size or platform.default_block_size
+        self.device: torch.device = platform.device_for_rank(local_rank)
+        self.tp: Any = None
+        self.model_runner: ModelRunner | None = None
+
+    # -- start-up ---------------------------------------------------------------------------
+    def init_device(self) -> None:
+        torch.manual_seed(self.config.model.seed)
+        if self.world_size > 1:
+            from sparrow.worker.distributed import init_distributed
+
+            self.tp = init_distributed(self.platform, self.rank, self.world_size, self.distributed_init_method,
+                                       self.device)
+
+    def attention_backend_cls(self, hf_config: Any) -> type:
+        backend = get_plugin_manager().hook.sparrow_attention_backend(
+            platform=self.platform, requested=self.config.device.attention_backend, model_config=hf_config)
+        if backend is None:
+            raise ValueError(
+                f"no attention backend {self.config.device.attention_backend!r} for platform {self.platform.name!r}"
+            )
+        return backend
+
+    def load_model(self) -> None:
+        from sparrow.model_loader import get_hf_config, load_model
+
+        model_dir = self.config.model.model
+        hf_config = get_hf_config(model_dir)
+        model = load_model(model_dir, self.attention_backend_cls(hf_config), self.dtype, self.device, tp=self.tp)
+        self.model_runner = self.model_runner_cls(self.config, model, self.device, self.dtype, self.block_size,
+                                                  tp_rank=self.rank)
+
+    def available_kv_cache_bytes(self) -> int:
+        raise NotImplementedError
+
+    def determine_num_kv_blocks(self) -> int:
+        assert self.model_runner is not None
+        if self.config.cache.num_kv_blocks is not None:
+            return self.config.cache.num_kv_blocks
+        per_block = self.model_runner.kv_cache_bytes_per_block()
+        num_blocks = self.available_kv_cache_bytes() // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget ({self.available_kv_cache_bytes()} bytes) holds no block of "
+                f"{per_block} bytes; raise kv_cache_memory_bytes / gpu_memory_utilization"
+            )
+        return int(num_blocks)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        assert self.model_runner is not None
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    # -- steps ------------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.model_runner is not None
+        return self.model_runner.execute_model(scheduler_output)
+
+    def ping(self) -> str:
+        return "pong"
+
+    def shutdown(self) -> None:
+        if self.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

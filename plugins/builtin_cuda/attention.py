@@ -1,0 +1,168 @@
+"""Attention backends of the CUDA platform: Triton kernels (default) and FlashInfer (optional).
+
+Both write the step's new keys/values with the Triton ``reshape_and_cache`` kernel and then attend
+over the paged cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]``. Heavy imports
+(triton, flashinfer) happen when a backend is constructed, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sparrow.attention import AttentionBackend, AttentionMetadata
+
+_FLASHINFER_WORKSPACE_BYTES = 256 * 1024 * 1024
+
+
+def _empty_output(query: torch.Tensor) -> torch.Tensor:
+    # query may be a strided view of a fused qkv tensor; the output is always dense.
+    return torch.empty(query.shape, dtype=query.dtype, device=query.device)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """One unified Triton kernel for the mixed prefill/decode batch; nothing to plan per step."""
+
+    name = "triton"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, dtype, device)
+        from sparrow_cuda import triton_ops  # needs triton; imported only when chosen
+
+        self._ops = triton_ops
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows past the last request unset
+        self._ops.reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
+        out = _empty_output(query)
+        self._ops.unified_paged_attention(
+            query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens,
+            metadata.block_table, self.scale, metadata.max_query_len, metadata.max_seq_len)
+        return out
+
+
+@dataclass(slots=True)
+class _FlashInferPlan:
+    """What ``prepare`` planned for one step (kept in ``metadata.backend_state``)."""
+
+    wrapper: Any  # the planned BatchPrefill/BatchDecode wrapper
+    page_size: int
+    num_tokens: int  # rows of query the wrapper was planned for
+    owner: int  # id() of the backend that planned it
+
+
+def paged_kv_layout(
+    block_table: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32, on the device
+    seq_lens_cpu: torch.Tensor,  # [num_reqs] int32
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's CSR page table from our block table.
+
+    Returns ``(paged_kv_indptr [num_reqs + 1] int32 on CPU, paged_kv_indices [total_pages] int32 on
+    block_table's device, paged_kv_last_page_len [num_reqs] int32 on CPU)``.
+    """
+    seq_lens_cpu = seq_lens_cpu.to(torch.int32)
+    num_reqs = seq_lens_cpu.shape[0]
+    pages_per_req = (seq_lens_cpu + page_size - 1) // page_size  # [num_reqs]
+    indptr = torch.zeros(num_reqs + 1, dtype=torch.int32)
+    torch.cumsum(pages_per_req, dim=0, out=indptr[1:])
+    # Tokens in the last page: 1..page_size for a non-empty request, 0 for an empty one.
+    last_page_len = torch.where(pages_per_req > 0, seq_lens_cpu - (pages_per_req - 1) * page_size,
+                                torch.zeros_like(seq_lens_cpu))
+    # page k of the flat list belongs to request req_of_page[k], at column k - indptr[req].
+    req_of_page = torch.repeat_interleave(torch.arange(num_reqs), pages_per_req.long())
+    col_of_page = torch.arange(int(indptr[-1])) - indptr[req_of_page].long()
+    device = block_table.device
+    indices = block_table[req_of_page.to(device, non_blocking=True),
+                          col_of_page.to(device, non_blocking=True)].to(torch.int32)
+    return indptr, indices, last_page_len
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    """FlashInfer paged attention: a prefill (append) wrapper for mixed batches and a decode
+    wrapper for pure decode batches, planned once per step and reused by every layer.
+
+    The page size is the cache's block size. Pass ``block_size`` to plan in :meth:`prepare`;
+    without it the plan is made by the first layer's :meth:`forward` of the step, when the cache's
+    shape is known. Planning runs on the host, so steps are not CUDA-graph capturable.
+    """
+
+    name = "flashinfer"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 dtype: torch.dtype, device: torch.device, *, block_size: int | None = None,
+                 workspace_bytes: int = _FLASHINFER_WORKSPACE_BYTES) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, dtype, device)
+        try:
+            import flashinfer
+        except ImportError as exc:
+            raise ImportError(
+                "the 'flashinfer' attention backend needs FlashInfer: "
+                "pip install sparrow-llm[flashinfer]") from exc
+        from sparrow_cuda import triton_ops
+
+        self._ops = triton_ops
+        self.block_size = block_size
+        # One workspace for both wrappers: only one of them is planned and run in a step.
+        self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        # Tensor cores pay off for decode once a kv head serves several query heads.
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_tensor_cores=num_heads // num_kv_heads > 4)
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        metadata.backend_state = None
+        if self.block_size is not None:
+            metadata.backend_state = self._plan(metadata, self.block_size)
+
+    def _plan(self, metadata: AttentionMetadata, page_size: int) -> _FlashInferPlan:
+        num_reqs = metadata.num_reqs
+        seq_lens_cpu = (metadata.seq_lens_cpu if metadata.seq_lens_cpu is not None
+                        else metadata.seq_lens.cpu())[:num_reqs]
+        qo_indptr_cpu = (metadata.query_start_loc_cpu if metadata.query_start_loc_cpu is not None
+                         else metadata.query_start_loc.cpu())[:num_reqs + 1].to(torch.int32)
+        kv_indptr, kv_indices, last_page_len = paged_kv_layout(
+            metadata.block_table[:num_reqs], seq_lens_cpu, page_size)
+        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+        if metadata.is_decode_only:
+            self._decode.plan(kv_indptr, kv_indices, last_page_len, self.num_heads,
+                              self.num_kv_heads, self.head_dim, page_size, **common)
+            wrapper = self._decode
+        else:
+            # Causal masks in FlashInfer align the last query row with the last key, which is
+            # exactly our "token j sits at seq_len - query_len + j" rule for chunks after context.
+            self._prefill.plan(qo_indptr_cpu, kv_indptr, kv_indices, last_page_len, self.num_heads,
+                               self.num_kv_heads, self.head_dim, page_size, causal=True, **common)
+            wrapper = self._prefill
+        return _FlashInferPlan(wrapper=wrapper, page_size=page_size,
+                               num_tokens=int(qo_indptr_cpu[-1]), owner=id(self))
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows past the last request unset
+        page_size = kv_cache.shape[2]
+        plan = metadata.backend_state
+        if (not isinstance(plan, _FlashInferPlan) or plan.owner != id(self)
+                or plan.page_size != page_size):
+            plan = self._plan(metadata, page_size)
+            metadata.backend_state = plan
+        self._ops.reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
+        out = _empty_output(query)
+        rows = plan.num_tokens
+        # NHD pages: each of (k_cache, v_cache) is [num_blocks, block_size, num_kv_heads, head_dim].
+        plan.wrapper.run(query[:rows].contiguous(), (kv_cache[0], kv_cache[1]), out=out[:rows])
+        return out

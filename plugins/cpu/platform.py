@@ -1,0 +1,15 @@
+"""CPU platform definition (no heavy imports)."""
+
+from __future__ import annotations
+
+from sparrow.platforms.interface import Platform
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    default_block_size = 16
+    default_dtype = "float32"
+    supported_dtypes = ("float32", "bfloat16")
+    worker_cls = "sparrow_cpu.worker:CpuWorker"

@@ -1,0 +1,42 @@
+"""The CPU worker: KV cache sized from kv_cache_memory_bytes or from free RAM."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from sparrow.worker.worker_base import WorkerBase
+
+logger = logging.getLogger(__name__)
+
+# Without kv_cache_memory_bytes: this share of the available RAM, at most DEFAULT_MAX_BYTES.
+DEFAULT_RAM_FRACTION = 0.25
+DEFAULT_MAX_BYTES = 4 << 30
+
+
+def available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class CpuWorker(WorkerBase):
+    def init_device(self) -> None:
+        threads = os.environ.get("SPARROW_CPU_THREADS")
+        if threads:
+            torch.set_num_threads(int(threads))
+        super().init_device()
+
+    def available_kv_cache_bytes(self) -> int:
+        if self.config.cache.kv_cache_memory_bytes is not None:
+            return self.config.cache.kv_cache_memory_bytes
+        budget = min(int(available_ram_bytes() * DEFAULT_RAM_FRACTION), DEFAULT_MAX_BYTES)
+        logger.info("CPU KV cache: %.2f GiB (set kv_cache_memory_bytes to change)", budget / (1 << 30))
+        return budget

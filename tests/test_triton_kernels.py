@@ -1,27 +1,48 @@
 """The Triton paged-KV kernels against a plain torch reference, run by Triton's CPU interpreter.
 
-TRITON_INTERPRET must be set before triton is first imported, so it is set at the top of this
-module. Sizes and tiles are tiny: the interpreter runs every program in numpy.
+Triton decides at ``@triton.jit`` time whether a kernel is interpreted (TRITON_INTERPRET=1). To
+keep that choice out of every other test in the process (and the real GPU kernels of
+test_cuda_attention.py), this module loads a private copy of ``sparrow_cuda/triton_ops.py`` with
+the variable set only while it loads. Sizes and tiles are tiny: the interpreter runs every program
+in numpy.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import os
+import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import math  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton")
-if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - triton imported elsewhere first
-    pytest.skip("TRITON_INTERPRET=1 is needed to run Triton kernels on CPU", allow_module_level=True)
 
+import sparrow_cuda  # noqa: E402
 from sparrow.attention import AttentionMetadata  # noqa: E402
 from sparrow_cuda.attention import TritonAttentionBackend  # noqa: E402
-from sparrow_cuda.triton_ops import reshape_and_cache, unified_paged_attention  # noqa: E402
+
+
+def _load_interpreted_ops():
+    path = os.path.join(os.path.dirname(sparrow_cuda.__path__[0] + "/"), "triton_ops.py")
+    spec = importlib.util.spec_from_file_location("_sparrow_cuda_triton_ops_interpreted", path)
+    module = importlib.util.module_from_spec(spec)
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+    return module
+
+
+ops = _load_interpreted_ops()
+reshape_and_cache = ops.reshape_and_cache
+unified_paged_attention = ops.unified_paged_attention
 
 # Small tiles keep the interpreter quick (every program is executed in numpy).
 TINY_TILES = {"block_m": 16, "tile_n": 16}
@@ -197,10 +218,13 @@ def test_reshape_and_cache_strided_input_and_padding():
     assert torch.equal(kv_cache, expected)
 
 
-def test_triton_backend_forward():
+def test_triton_backend_forward(monkeypatch):
     # The backend end to end with its default (large) tiles: write new K/V, then attend.
     batch = Batch([(6, 10), (1, 16), (3, 0)], num_heads=4, num_kv_heads=2, head_dim=64,
                   block_size=16, dtype=torch.float32, seed=5)
+    # The backend imports sparrow_cuda.triton_ops; hand it the interpreted copy.
+    monkeypatch.setitem(sys.modules, "sparrow_cuda.triton_ops", ops)
+    monkeypatch.setattr(sparrow_cuda, "triton_ops", ops, raising=False)
     backend = TritonAttentionBackend(4, 2, 64, batch.scale, torch.float32, torch.device("cpu"))
     metadata = batch.metadata()
     backend.prepare(metadata)

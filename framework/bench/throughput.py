@@ -1,0 +1,174 @@
+"""`sparrow bench throughput`: the offline CPU workload of BENCHMARKS.md, optionally against HF.
+
+Workload: random token-id prompts with lengths uniform in [input_len_min, input_len_max), per-request
+max_tokens uniform in [output_len_min, output_len_max), ignore_eos, greedy. The HF reference runs
+`generate` on one left-padded batch with max_new_tokens = max(max_tokens) in the same process,
+counting only the tokens each request asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import random
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("throughput", help="offline throughput on a random-token workload")
+    p.add_argument("model", nargs="?", default=None, help="local model directory (default: built-in sparrow-tiny)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len-min", type=int, default=16)
+    p.add_argument("--input-len-max", type=int, default=400)
+    p.add_argument("--output-len-min", type=int, default=16)
+    p.add_argument("--output-len-max", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare-hf", action="store_true", help="also run HF transformers generate on the same prompts")
+    p.add_argument("--repeats", type=int, default=1, help="runs of the engine (the median is reported)")
+    p.add_argument("--result-file", default="bench-results/throughput.json")
+    p.add_argument("--engine-args", default="{}", help='JSON dict of extra engine arguments, e.g. \'{"max_num_seqs": 64}\'')
+    p.set_defaults(func=run)
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(args.seed)
+    workload = []
+    for _ in range(args.num_prompts):
+        prompt_len = rng.randrange(args.input_len_min, args.input_len_max)
+        max_tokens = rng.randrange(args.output_len_min, args.output_len_max)
+        # Avoid the top of the vocabulary, where the tiny tokenizer keeps special tokens.
+        prompt = [rng.randrange(0, vocab_size - 16) for _ in range(prompt_len)]
+        workload.append((prompt, max_tokens))
+    return workload
+
+
+def measure_matmul_flops(dtype_name: str = "float32", size: int = 1024, repeats: int = 10) -> float:
+    """Sustained FLOP/s of a square matmul in this process (the roofline's denominator)."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - started)
+    return 2 * size**3 / best
+
+
+def run_engine(model_path: str, workload, args, engine_args: dict) -> dict[str, Any]:
+    from sparrow import LLM, SamplingParams
+
+    llm = LLM(model=model_path, seed=args.seed, **engine_args)
+    prompts = [{"prompt_token_ids": prompt} for prompt, _ in workload]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=args.temperature, seed=args.seed + i)
+              for i, (_, m) in enumerate(workload)]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    times = []
+    for _ in range(args.repeats):
+        llm.reset_prefix_cache()  # random prompts share nothing, but runs must not share either
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - started)
+    num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
+    num_params = llm.num_parameters()
+    llm.shutdown()
+    elapsed = sorted(times)[len(times) // 2]
+    return {"elapsed_s": elapsed, "all_elapsed_s": times, "output_tokens": num_output, "num_params": num_params}
+
+
+def run_hf(model_path: str, workload) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, local_files_only=True)
+    model.eval()
+    max_len = max(len(p) for p, _ in workload)
+    max_new = max(m for _, m in workload)
+    pad_id = 0
+    input_ids = torch.full((len(workload), max_len), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, (prompt, _) in enumerate(workload):  # left padding
+        input_ids[row, max_len - len(prompt):] = torch.tensor(prompt)
+        attention_mask[row, max_len - len(prompt):] = 1
+    started = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new,
+                       min_new_tokens=max_new, do_sample=False, pad_token_id=pad_id)
+    elapsed = time.perf_counter() - started
+    return {"elapsed_s": elapsed, "output_tokens": sum(m for _, m in workload)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from sparrow.engine.setup import resolve_model_path
+    from sparrow.model_loader import get_hf_config
+
+    model_path = resolve_model_path(args.model)
+    vocab_size = get_hf_config(model_path).vocab_size
+    workload = make_workload(args, vocab_size)
+    num_prompt_tokens = sum(len(p) for p, _ in workload)
+    engine = run_engine(model_path, workload, args, json.loads(args.engine_args))
+    flops = measure_matmul_flops()
+    total_tokens = num_prompt_tokens + engine["output_tokens"]
+    roofline_s = total_tokens * 2 * engine["num_params"] / flops
+    result: dict[str, Any] = {
+        "benchmark": "throughput", "model": model_path, "num_prompts": len(workload),
+        "prompt_tokens": num_prompt_tokens, "output_tokens": engine["output_tokens"],
+        "engine_elapsed_s": engine["elapsed_s"], "engine_all_elapsed_s": engine["all_elapsed_s"],
+        "engine_output_tok_s": engine["output_tokens"] / engine["elapsed_s"],
+        "engine_total_tok_s": total_tokens / engine["elapsed_s"],
+        "num_params": engine["num_params"], "matmul_flops": flops,
+        "roofline_s": roofline_s, "roofline_share": roofline_s / engine["elapsed_s"],
+        "machine": f"{platform.node()} {platform.machine()} {torch.get_num_threads()} threads",
+        "torch": torch.__version__, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    if args.compare_hf:
+        hf = run_hf(model_path, workload)
+        result.update({
+            "hf_elapsed_s": hf["elapsed_s"],
+            "hf_output_tok_s": hf["output_tokens"] / hf["elapsed_s"],
+            "hf_total_tok_s": total_tokens / hf["elapsed_s"],
+            "speedup_vs_hf": hf["elapsed_s"] / engine["elapsed_s"],
+        })
+    print_table(result)
+    if args.result_file:
+        from pathlib import Path
+
+        Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.result_file).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.result_file}")
+    return result
+
+
+def print_table(result: dict[str, Any]) -> None:
+    rows = [
+        ("requests", f"{result['num_prompts']}"),
+        ("prompt / output tokens", f"{result['prompt_tokens']} / {result['output_tokens']}"),
+        ("sparrow elapsed (s)", f"{result['engine_elapsed_s']:.2f}"),
+        ("sparrow output tok/s", f"{result['engine_output_tok_s']:.1f}"),
+        ("sparrow total tok/s", f"{result['engine_total_tok_s']:.1f}"),
+        ("params", f"{result['num_params'] / 1e6:.1f} M"),
+        ("matmul fp32 GFLOP/s", f"{result['matmul_flops'] / 1e9:.1f}"),
+        ("roofline share", f"{100 * result['roofline_share']:.1f} %"),
+    ]
+    if "hf_elapsed_s" in result:
+        rows += [
+            ("HF elapsed (s)", f"{result['hf_elapsed_s']:.2f}"),
+            ("HF output tok/s", f"{result['hf_output_tok_s']:.1f}"),
+            ("HF total tok/s", f"{result['hf_total_tok_s']:.1f}"),
+            ("speed-up vs HF", f"{result['speedup_vs_hf']:.2f}x"),
+        ]
+    width = max(len(name) for name, _ in rows)
+    print(f"machine: {result['machine']}  torch {result['torch']}  {result['date']}")
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")

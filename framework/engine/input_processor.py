@@ -1,0 +1,250 @@
+"""Frontend (P0) input side: validate a prompt and its SamplingParams, tokenize, and build the
+``EngineCoreRequest`` the engine core receives.
+
+Prompts come in vLLM's forms:
+
+    "text"                                  a text prompt
+    {"prompt": "text"}                      TextPrompt
+    {"prompt_token_ids": [1, 2, 3]}         TokensPrompt (a "prompt" key, if any, is kept as text)
+    [{"role": "user", "content": "..."}]    chat messages, rendered with the chat template
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+import msgspec
+
+from sparrow.engine.messages import EngineCoreRequest
+from sparrow.sampling_params import SamplingParams
+
+PromptType = Union[str, Mapping[str, Any], Sequence[Mapping[str, Any]]]
+
+# vLLM's default cap on logprobs per position.
+DEFAULT_MAX_LOGPROBS = 20
+_PREVIEW_CHARS = 40
+_PREVIEW_TOKENS = 8
+
+
+def fan_out(request_id: str, n: int) -> list[str]:
+    """Engine-core ids of the ``n`` child requests of a request with ``n`` > 1 samples."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    return [f"{index}_{request_id}" for index in range(n)]
+
+
+def make_child_requests(request: EngineCoreRequest) -> list[EngineCoreRequest]:
+    """Split a request with ``n`` > 1 into ``n`` requests with ``n`` = 1 (itself when ``n`` = 1).
+
+    The engine core only knows single sequences; the output processor joins the children back
+    into one RequestOutput. A seeded request gives child ``i`` the seed ``seed + i``, so the
+    samples differ from each other and are still reproducible.
+    """
+    params = request.sampling_params
+    if params.n == 1:
+        return [request]
+    children = []
+    for index, child_id in enumerate(fan_out(request.request_id, params.n)):
+        seed = None if params.seed is None else params.seed + index
+        child_params = params.clone(n=1, seed=seed)
+        children.append(msgspec.structs.replace(request, request_id=child_id, sampling_params=child_params))
+    return children
+
+
+def _dedupe(token_ids: list[int]) -> list[int]:
+    return list(dict.fromkeys(token_ids))
+
+
+def describe_prompt(request_id: str, text: str | None, token_ids: Sequence[Any] | None) -> str:
+    """A short name for a prompt in error messages: the request id and the start of the prompt."""
+    if text is not None:
+        preview = text if len(text) <= _PREVIEW_CHARS else text[:_PREVIEW_CHARS] + "..."
+        return f"prompt of request {request_id!r} ({preview!r})"
+    shown = list(token_ids or [])[:_PREVIEW_TOKENS]
+    more = ", ..." if token_ids is not None and len(token_ids) > _PREVIEW_TOKENS else ""
+    return f"prompt of request {request_id!r} (token ids [{', '.join(map(str, shown))}{more}])"
+
+
+class InputProcessor:
+    """Turns (request_id, prompt, SamplingParams) into an ``EngineCoreRequest``; called by LLM,
+    AsyncLLM and the API server once per request, before the request reaches the engine core.
+
+    ``eos_token_ids`` are the model's end-of-sequence ids (from generation_config.json); the
+    tokenizer's eos id is always one of them. ``tokenizer`` may be None: then only token prompts
+    are accepted and nothing is detokenized.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_ids: int | Sequence[int] | None = None,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    ) -> None:
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (one prompt and one output token), got {max_model_len}")
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs
+        if isinstance(eos_token_ids, int):
+            eos_token_ids = [eos_token_ids]
+        tokenizer_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        candidates = ([tokenizer_eos] if tokenizer_eos is not None else []) + list(eos_token_ids or [])
+        for token_id in candidates:
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"eos_token_ids: {token_id} is outside the vocabulary [0, {vocab_size})")
+        # The first is the request's eos_token_id; the engine core reports the others as stop
+        # token ids, as vLLM does with a generation config listing several.
+        self.eos_token_ids: list[int] = _dedupe(candidates)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    # -- prompts ----------------------------------------------------------------------------
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render chat messages to the prompt text, with the assistant's turn opened."""
+        if self.tokenizer is None:
+            raise ValueError("messages: chat prompts need a tokenizer, and this engine has none")
+        if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("chat_template: the tokenizer has none; pass chat_template=...")
+        if not messages:
+            raise ValueError("messages must hold at least one message")
+        for position, message in enumerate(messages):
+            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+                raise ValueError(f"messages[{position}] must be a mapping with a string 'role', got {message!r}")
+        return self.tokenizer.apply_chat_template(
+            [dict(message) for message in messages],
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            tokenize=False,
+            **template_kwargs,
+        )
+
+    def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("prompt: text prompts need a tokenizer; pass {'prompt_token_ids': [...]}")
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def tokenize_prompt(self, request_id: str, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for a token prompt) and its token ids, not yet validated."""
+        if isinstance(prompt, str):
+            return prompt, self._encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, Mapping):
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"prompt of request {request_id!r}: 'prompt' must be a string, got {type(text).__name__}")
+            token_ids = prompt.get("prompt_token_ids")
+            if token_ids is not None:
+                return text, self._check_token_id_types(request_id, token_ids)
+            if text is not None:
+                return text, self._encode(text, add_special_tokens=True)
+        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+            text = self.apply_chat_template(prompt, add_generation_prompt=True)
+            # The template already wrote every special token the model expects.
+            return text, self._encode(text, add_special_tokens=False)
+        raise ValueError(
+            f"prompt of request {request_id!r} must be a str, {{'prompt': str}}, "
+            f"{{'prompt_token_ids': [int, ...]}} or a list of chat messages, got {type(prompt).__name__}"
+        )
+
+    @staticmethod
+    def _check_token_id_types(request_id: str, token_ids: Any) -> list[int]:
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+            raise ValueError(f"prompt_token_ids of request {request_id!r} must be a list of ints, got {type(token_ids).__name__}")
+        for position, token_id in enumerate(token_ids):
+            if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
+                raise ValueError(
+                    f"prompt_token_ids of request {request_id!r}: position {position} holds {token_id!r}, not an int"
+                )
+        return [int(token_id) for token_id in token_ids]
+
+    # -- the request ------------------------------------------------------------------------
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> tuple[str | None, EngineCoreRequest]:
+        """Validate and tokenize one prompt; return its text (None for token prompts) and the
+        request for the engine core. ``params`` is not modified: the request carries a copy
+        with ``max_tokens`` and ``all_stop_token_ids`` resolved."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params of request {request_id!r} must be SamplingParams, got {type(params).__name__}")
+        text, token_ids = self.tokenize_prompt(request_id, prompt)
+        name = describe_prompt(request_id, text, token_ids)
+        self._validate_prompt(name, token_ids)
+        params = self._resolve_params(name, len(token_ids), params)
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            # The engine core's clock: time.monotonic() is shared by every process of the machine.
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority,
+            max_tokens=params.max_tokens,
+        )
+        return text, request
+
+    def _validate_prompt(self, name: str, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError(f"{name} is empty; a prompt needs at least one token")
+        for position, token_id in enumerate(token_ids):
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(
+                    f"{name}: token id {token_id} at position {position} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"{name} is {len(token_ids)} tokens long, which leaves no room for an output token "
+                f"under max_model_len={self.max_model_len}"
+            )
+
+    def _resolve_params(self, name: str, prompt_len: int, params: SamplingParams) -> SamplingParams:
+        room = self.max_model_len - prompt_len
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise ValueError(
+                f"max_tokens={max_tokens} is too large for {name}: {prompt_len} prompt tokens + {max_tokens} "
+                f"output tokens exceed max_model_len={self.max_model_len}; max_tokens can be at most {room}"
+            )
+        for field_name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, field_name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"{field_name}={value} exceeds the maximum of {self.max_logprobs} for {name}")
+        if params.stop and (self.tokenizer is None or not params.detokenize):
+            raise ValueError(f"stop strings {params.stop!r} need detokenize=True and a tokenizer ({name})")
+        if params.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens={params.min_tokens} exceeds the {max_tokens} output tokens {name} has room for")
+        stop_token_ids = list(params.stop_token_ids or [])
+        for token_id in stop_token_ids:
+            if token_id >= self.vocab_size:
+                raise ValueError(f"stop_token_ids: {token_id} is outside the vocabulary [0, {self.vocab_size}) ({name})")
+        eos_ids = [] if params.ignore_eos else self.eos_token_ids
+        stop_token_ids = _dedupe(stop_token_ids + eos_ids[1:])
+        return params.clone(
+            max_tokens=max_tokens,
+            stop_token_ids=stop_token_ids,
+            all_stop_token_ids=_dedupe(eos_ids[:1] + stop_token_ids),
+        )

@@ -1,0 +1,342 @@
+"""Frontend (P0) output side: ``EngineCoreOutput`` -> ``RequestOutput``.
+
+Per request it keeps the detokenizer, the token ids and logprobs so far, and timing. It finds stop
+strings (the engine core only sees token ids, so it must be told to abort those requests) and joins
+the ``n`` child requests of a parallel-sampling request back into one ``RequestOutput``.
+EOS, stop token ids and max_tokens are decided by the engine core and arrive as finish_reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from sparrow.core.request import FinishReason
+from sparrow.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
+from sparrow.engine.input_processor import make_child_requests
+from sparrow.engine.messages import EngineCoreOutput, EngineCoreRequest
+from sparrow.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
+from sparrow.sampling_params import RequestOutputKind
+from sparrow.worker.outputs import TokenLogprobs
+
+
+class OutputQueue(Protocol):
+    """Where an asynchronous caller wants its request's outputs (e.g. an asyncio queue wrapper)."""
+
+    def put(self, output: RequestOutput) -> None: ...
+
+
+@dataclass(slots=True)
+class ProcessedOutputs:
+    # Outputs of requests that have no queue, at most one per request, in arrival order.
+    request_outputs: list[RequestOutput]
+    # Engine-core request ids that hit a stop string: the engine core must abort them.
+    reqs_to_abort: list[str]
+
+
+@dataclass(slots=True)
+class ParentRequest:
+    """A request with n > 1 samples, fanned out into n child requests in the engine core."""
+
+    request_id: str
+    output_kind: RequestOutputKind
+    # child request id -> index of its CompletionOutput
+    child_indexes: dict[str, int]
+    unfinished_children: set[str]
+    # index -> latest CompletionOutput (CUMULATIVE) or final one (FINAL_ONLY)
+    completions: dict[int, CompletionOutput] = field(default_factory=dict)
+    queue: OutputQueue | None = None
+
+
+def convert_logprobs(entry: TokenLogprobs, decoder: TokenDecoder | None) -> dict[int, Logprob]:
+    """One position's TokenLogprobs (chosen token first, then top-k) -> {token_id: Logprob}.
+
+    The chosen token keeps the first slot: if it is also among the top-k, its entry is the same.
+    """
+    return {
+        token_id: Logprob(logprob, rank, decoder.decode_token(token_id) if decoder is not None else None)
+        for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks)
+    }
+
+
+@dataclass(slots=True)
+class RequestState:
+    """Everything the frontend remembers about one engine-core request."""
+
+    request_id: str
+    # The id the caller knows: the parent's for a child of an n > 1 request.
+    external_id: str
+    index: int
+    parent: ParentRequest | None
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
+    detokenizer: IncrementalDetokenizer | None
+    # The token decoder for logprob texts; None when the request does not detokenize.
+    logprob_decoder: TokenDecoder | None
+    wants_logprobs: bool
+    metrics: RequestMetrics
+    queue: OutputQueue | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    # Position 0 is None; position i is the distribution that predicted prompt token i.
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0
+    # DELTA mode: how much has been handed out already.
+    num_sent_tokens: int = 0
+    num_sent_prompt_logprobs: int = 0
+
+    def record_logprobs(self, output: EngineCoreOutput) -> None:
+        if output.new_prompt_logprobs and self.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(convert_logprobs(entry, self.logprob_decoder) for entry in output.new_prompt_logprobs)
+        if output.new_logprobs and self.wants_logprobs:
+            assert self.logprobs is not None and self.cumulative_logprob is not None  # set together
+            for entry in output.new_logprobs:
+                self.logprobs.append(convert_logprobs(entry, self.logprob_decoder))
+                self.cumulative_logprob += entry.logprobs[0]
+
+    def record_token_times(self, num_new_tokens: int, now: float) -> None:
+        if num_new_tokens == 0:
+            return
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.last_token_time = now
+        self.metrics.num_generation_tokens += num_new_tokens
+
+    def make_completion(self, finish_reason: FinishReason | None, stop_reason: int | str | None) -> CompletionOutput:
+        finished = finish_reason is not None
+        delta = self.output_kind == RequestOutputKind.DELTA
+        text = self.detokenizer.get_next_output_text(finished, delta) if self.detokenizer is not None else ""
+        start = self.num_sent_tokens if delta else 0
+        # Copies: the caller keeps outputs while this state keeps growing.
+        token_ids = self.token_ids[start:]
+        logprobs = self.logprobs[start:] if self.logprobs is not None else None
+        if delta:
+            self.num_sent_tokens = len(self.token_ids)
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=str(finish_reason) if finished else None,
+            stop_reason=stop_reason if finished else None,
+        )
+
+    def take_prompt_logprobs(self) -> PromptLogprobs | None:
+        if self.prompt_logprobs is None or self.output_kind != RequestOutputKind.DELTA:
+            # Complete by the first output token (prefill is over) and not extended afterwards.
+            return self.prompt_logprobs
+        unsent = self.prompt_logprobs[self.num_sent_prompt_logprobs:]
+        self.num_sent_prompt_logprobs = len(self.prompt_logprobs)
+        return unsent
+
+
+class OutputProcessor:
+    """Owns the frontend's view of every unfinished request. Called by LLM/AsyncLLM: ``add_request``
+    when a request is submitted, ``process_outputs`` for every batch the engine core sends,
+    ``abort_requests`` when the caller gives up on requests."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._decoder = TokenDecoder.from_tokenizer(tokenizer) if tokenizer is not None else None
+        # engine-core request id -> state
+        self._states: dict[str, RequestState] = {}
+        # parent request id -> parent, for requests with n > 1
+        self._parents: dict[str, ParentRequest] = {}
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._states)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._states)
+
+    def add_request(
+        self, request: EngineCoreRequest, prompt: str | None, *, queue: OutputQueue | None = None
+    ) -> list[EngineCoreRequest]:
+        """Start tracking a request; return the requests to send to the engine core (the request
+        itself, or its n children when sampling_params.n > 1). With ``queue``, the request's
+        outputs are put there instead of being returned by ``process_outputs``."""
+        children = make_child_requests(request)
+        for request_id in {request.request_id, *(child.request_id for child in children)}:
+            if request_id in self._states or request_id in self._parents:
+                raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        params = request.sampling_params
+        parent = None
+        if len(children) > 1:
+            parent = ParentRequest(
+                request_id=request.request_id,
+                output_kind=params.output_kind,
+                child_indexes={child.request_id: index for index, child in enumerate(children)},
+                unfinished_children={child.request_id for child in children},
+                queue=queue,
+            )
+            self._parents[request.request_id] = parent
+        now = time.monotonic()
+        for index, child in enumerate(children):
+            self._states[child.request_id] = self._new_state(child, prompt, index, parent, queue, now)
+        return children
+
+    def _new_state(
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        index: int,
+        parent: ParentRequest | None,
+        queue: OutputQueue | None,
+        now: float,
+    ) -> RequestState:
+        params = request.sampling_params
+        detokenize = params.detokenize and self._decoder is not None
+        wants_logprobs = params.logprobs is not None
+        return RequestState(
+            request_id=request.request_id,
+            external_id=parent.request_id if parent is not None else request.request_id,
+            index=index,
+            parent=parent,
+            prompt=prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            output_kind=params.output_kind,
+            detokenizer=(
+                IncrementalDetokenizer.from_sampling_params(self._decoder, params, request.prompt_token_ids)
+                if detokenize and self._decoder is not None
+                else None
+            ),
+            logprob_decoder=self._decoder if detokenize else None,
+            wants_logprobs=wants_logprobs,
+            metrics=RequestMetrics(arrival_time=request.arrival_time or now),
+            queue=queue,
+            logprobs=[] if wants_logprobs else None,
+            cumulative_logprob=0.0 if wants_logprobs else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+
+    # -- outputs ----------------------------------------------------------------------------
+    def process_outputs(
+        self, engine_core_outputs: list[EngineCoreOutput], timestamp: float | None = None
+    ) -> ProcessedOutputs:
+        """Apply one batch of engine-core outputs. ``timestamp`` (time.monotonic()) defaults to now."""
+        now = time.monotonic() if timestamp is None else timestamp
+        # external request id -> its output of this batch (children of one parent are merged)
+        collected: dict[str, RequestOutput] = {}
+        queues: dict[str, OutputQueue | None] = {}
+        reqs_to_abort: list[str] = []
+        for engine_core_output in engine_core_outputs:
+            state = self._states.get(engine_core_output.request_id)
+            if state is None:
+                continue  # aborted by the caller while the engine core was still working on it
+            output, stopped_by_string = self._process_one(state, engine_core_output, now)
+            if stopped_by_string:
+                reqs_to_abort.append(state.request_id)
+            if output is not None:
+                self._collect(collected, queues, state, output)
+        request_outputs = []
+        for external_id, output in collected.items():
+            queue = queues[external_id]
+            if queue is not None:
+                queue.put(output)
+            else:
+                request_outputs.append(output)
+        return ProcessedOutputs(request_outputs=request_outputs, reqs_to_abort=reqs_to_abort)
+
+    def _process_one(
+        self, state: RequestState, engine_core_output: EngineCoreOutput, now: float
+    ) -> tuple[RequestOutput | None, bool]:
+        new_token_ids = engine_core_output.new_token_ids
+        finish_reason = engine_core_output.finish_reason
+        stop_reason = engine_core_output.stop_reason
+        state.num_cached_tokens = max(state.num_cached_tokens, engine_core_output.num_cached_tokens)
+        state.record_token_times(len(new_token_ids), now)
+        state.record_logprobs(engine_core_output)
+        state.token_ids.extend(new_token_ids)
+
+        stopped_by_string = False
+        if state.detokenizer is not None:
+            stop_string = state.detokenizer.update(
+                new_token_ids,
+                finished=finish_reason is not None,
+                stop_terminated=finish_reason == FinishReason.STOP,
+            )
+            if stop_string is not None:
+                # Only a request the engine core still runs needs aborting.
+                stopped_by_string = finish_reason is None
+                finish_reason, stop_reason = FinishReason.STOP, stop_string
+
+        finished = finish_reason is not None
+        if finished:
+            state.metrics.finished_time = now
+            self._forget(state)
+        elif not new_token_ids:
+            return None, False  # e.g. a prefill chunk that only carried prompt logprobs
+        if state.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None, stopped_by_string
+        completion = state.make_completion(finish_reason, stop_reason)
+        return self._make_request_output(state, completion, finished), stopped_by_string
+
+    def _make_request_output(self, state: RequestState, completion: CompletionOutput, finished: bool) -> RequestOutput | None:
+        parent = state.parent
+        if parent is None:
+            completions = [completion]
+        else:
+            if finished:
+                parent.unfinished_children.discard(state.request_id)
+            finished = not parent.unfinished_children
+            if parent.output_kind == RequestOutputKind.DELTA:
+                completions = [completion]
+            else:
+                parent.completions[completion.index] = completion
+                if parent.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+                    return None  # FINAL_ONLY: one output, once every child is done
+                completions = [parent.completions[index] for index in sorted(parent.completions)]
+        return RequestOutput(
+            request_id=state.external_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=state.take_prompt_logprobs(),
+            outputs=completions,
+            finished=finished,
+            metrics=dataclasses.replace(state.metrics),
+            num_cached_tokens=state.num_cached_tokens,
+        )
+
+    @staticmethod
+    def _collect(
+        collected: dict[str, RequestOutput],
+        queues: dict[str, OutputQueue | None],
+        state: RequestState,
+        output: RequestOutput,
+    ) -> None:
+        earlier = collected.get(state.external_id)
+        if earlier is None:
+            collected[state.external_id] = output
+            queues[state.external_id] = state.queue
+        else:
+            # Two children of one parent in the same batch: one RequestOutput for the parent.
+            earlier.add(output, aggregate=state.output_kind == RequestOutputKind.DELTA)
+
+    def _forget(self, state: RequestState) -> None:
+        self._states.pop(state.request_id, None)
+        parent = state.parent
+        if parent is not None and all(child_id not in self._states for child_id in parent.child_indexes):
+            self._parents.pop(parent.request_id, None)
+
+    # -- aborts -----------------------------------------------------------------------------
+    def abort_requests(self, request_ids: list[str] | str) -> list[str]:
+        """Stop tracking requests (caller ids, or engine-core child ids); return the engine-core
+        ids the engine core must abort. A request with a queue gets a final output with
+        finish_reason "abort" so that its consumer wakes up."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        engine_ids: list[str] = []
+        for request_id in request_ids:
+            parent = self._parents.get(request_id)
+            if parent is not None:
+                engine_ids.extend(child_id for child_id in parent.child_indexes if child_id in self._states)
+            elif request_id in self._states:
+                engine_ids.append(request_id)
+        engine_ids = list(dict.fromkeys(engine_ids))
+        aborted = [EngineCoreOutput(request_id=engine_id, new_token_ids=[], finish_reason=FinishReason.ABORT) for engine_id in engine_ids]
+        self.process_outputs(aborted)  # outputs of queue-less requests are dropped: nobody waits
+        return engine_ids

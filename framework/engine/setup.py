@@ -1,0 +1,50 @@
+"""Turning user arguments into a complete engine configuration (frontend side)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from sparrow.config import ConfigError, EngineConfig
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_MODELS = ("sparrow-tiny",)
+
+
+def resolve_model_path(model: str | None) -> str:
+    """A local model directory; None or a built-in name builds the built-in model on first use."""
+    if model is None or model in BUILTIN_MODELS:
+        from sparrow.tiny.model import get_builtin_model_path
+
+        return str(get_builtin_model_path(model or "sparrow-tiny"))
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"invalid engine argument 'model': {model!r} is not a local Hugging Face model directory "
+            f"(no config.json there); Sparrow never downloads models. Built-in: {', '.join(BUILTIN_MODELS)}"
+        )
+    return str(path.resolve())
+
+
+def finalize_config(config: EngineConfig) -> EngineConfig:
+    """Fill what the user left to defaults: model path, tokenizer, max_model_len, served name."""
+    from sparrow.model_loader import get_hf_config, get_max_model_len
+
+    model_path = resolve_model_path(config.model.model)
+    hf_config = get_hf_config(model_path)
+    model_max = get_max_model_len(hf_config)
+    max_model_len = config.model.max_model_len
+    if max_model_len is None:
+        max_model_len = model_max
+    elif max_model_len > model_max:
+        raise ConfigError(
+            f"invalid engine argument 'max_model_len': {max_model_len} exceeds the model's maximum {model_max}"
+        )
+    model = config.model.model_copy(update={
+        "model": model_path,
+        "tokenizer": config.model.tokenizer or model_path,
+        "max_model_len": max_model_len,
+        "served_model_name": config.model.served_model_name or (config.model.model or "sparrow-tiny"),
+    })
+    return config.model_copy(update={"model": model})

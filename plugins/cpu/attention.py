@@ -1,0 +1,241 @@
+"""Paged attention in plain torch, for the CPU platform.
+
+One step's work, per layer:
+
+1. write: the new keys/values go into the paged cache at ``slot_mapping`` with one
+   ``index_copy_`` per cache (padding slots, ``-1``, are left out);
+2. decodes (requests with one new token), all at once: each request's blocks are gathered through
+   the block table into a padded ``[B, max_seq_len, Hkv, D]`` tensor and attended with a length mask;
+3. prefill chunks, one request at a time: with no cached context the new keys/values are used
+   directly with a causal mask; otherwise the request's cached and new keys are gathered from the
+   cache and the causal mask is offset by the context length.
+
+The split of the batch into decodes and prefills is planned once per step (``prepare``) and shared
+by every layer. The cache must hold finite values everywhere (allocate it with ``torch.zeros``):
+padded positions are masked out, but a NaN in an unused slot would still poison a product.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from sparrow.attention import AttentionBackend, AttentionMetadata
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """The new tokens of one request with more than one new token."""
+
+    start: int  # first row of the chunk in the flat batch
+    end: int
+    request_index: int
+    context_len: int  # tokens already cached before this step
+    seq_len: int  # context_len + (end - start)
+    # [query_len, seq_len] bool (True: attend), or None when there is no context (plain causal)
+    mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Every request with exactly one new token, attended as one padded batch."""
+
+    # [B] int64 rows of the decode tokens in the flat batch, or None when they are rows 0..B-1
+    rows: torch.Tensor | None
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    mask: torch.Tensor  # [B, 1, 1, max_seq_len] bool (True: attend)
+    max_seq_len: int
+
+
+@dataclass(slots=True)
+class TorchAttentionPlan:
+    """Step-level work shared by all layers (stored in ``metadata.backend_state``)."""
+
+    num_actual_tokens: int
+    # [N] int64 rows whose slot is written, or None for rows 0..num_actual_tokens-1
+    write_rows: torch.Tensor | None
+    write_slots: torch.Tensor  # [N] int64
+    decode: DecodeGroup | None
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class TorchPagedAttention(AttentionBackend):
+    name = "torch"
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        metadata.backend_state = self.plan(metadata)
+
+    def plan(self, metadata: AttentionMetadata) -> TorchAttentionPlan:
+        """Split the step into a decode group and prefill chunks (host-side bookkeeping)."""
+        query_start_loc = _host(metadata.query_start_loc_cpu, metadata.query_start_loc).tolist()
+        seq_lens = _host(metadata.seq_lens_cpu, metadata.seq_lens).tolist()
+        num_reqs = metadata.num_reqs
+        if len(query_start_loc) < num_reqs + 1 or len(seq_lens) < num_reqs:
+            raise ValueError(
+                f"query_start_loc needs num_reqs + 1 = {num_reqs + 1} entries and seq_lens {num_reqs}; "
+                f"got {len(query_start_loc)} and {len(seq_lens)}"
+            )
+        decode_indices: list[int] = []
+        prefills: list[PrefillChunk] = []
+        for index in range(num_reqs):
+            start, end = query_start_loc[index], query_start_loc[index + 1]
+            query_len, seq_len = end - start, seq_lens[index]
+            if query_len > seq_len:
+                raise ValueError(f"seq_lens[{index}] = {seq_len} is smaller than its query length {query_len}")
+            if query_len == 1:
+                decode_indices.append(index)
+            elif query_len > 1:
+                prefills.append(self._plan_prefill(start, end, index, seq_len))
+        write_rows, write_slots = self._plan_writes(metadata)
+        return TorchAttentionPlan(
+            num_actual_tokens=metadata.num_actual_tokens,
+            write_rows=write_rows,
+            write_slots=write_slots,
+            decode=self._plan_decodes(metadata, decode_indices, query_start_loc, seq_lens),
+            prefills=prefills,
+        )
+
+    def _plan_writes(self, metadata: AttentionMetadata) -> tuple[torch.Tensor | None, torch.Tensor]:
+        slots = metadata.slot_mapping[: metadata.num_actual_tokens].to(torch.int64)
+        valid = slots >= 0
+        if bool(valid.all()):
+            return None, slots
+        rows = valid.nonzero().squeeze(1)
+        return rows, slots.index_select(0, rows)
+
+    def _plan_prefill(self, start: int, end: int, index: int, seq_len: int) -> PrefillChunk:
+        query_len = end - start
+        context_len = seq_len - query_len
+        mask = None
+        if context_len > 0:
+            # new token j sits at position context_len + j and sees keys at positions <= its own
+            key_positions = torch.arange(seq_len, device=self.device)
+            query_positions = torch.arange(context_len, seq_len, device=self.device)
+            mask = key_positions[None, :] <= query_positions[:, None]
+        return PrefillChunk(start, end, index, context_len, seq_len, mask)
+
+    def _plan_decodes(self, metadata: AttentionMetadata, indices: list[int],
+                      query_start_loc: list[int], seq_lens: list[int]) -> DecodeGroup | None:
+        if not indices:
+            return None
+        num_reqs = metadata.num_reqs
+        if len(indices) == num_reqs and query_start_loc[num_reqs] == num_reqs:
+            rows = None  # a pure decode batch: request i is row i
+            block_table = metadata.block_table[:num_reqs]
+            lens = metadata.seq_lens[:num_reqs]
+        else:
+            index_tensor = torch.tensor(indices, dtype=torch.int64, device=self.device)
+            rows = torch.tensor([query_start_loc[i] for i in indices], dtype=torch.int64, device=self.device)
+            block_table = metadata.block_table.index_select(0, index_tensor)
+            lens = metadata.seq_lens.index_select(0, index_tensor)
+        max_seq_len = max(seq_lens[i] for i in indices)
+        positions = torch.arange(max_seq_len, device=self.device)
+        mask = (positions[None, :] < lens.to(self.device)[:, None])[:, None, None, :]
+        return DecodeGroup(rows, block_table, mask, max_seq_len)
+
+    # ------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        plan = metadata.backend_state
+        if not isinstance(plan, TorchAttentionPlan):
+            plan = metadata.backend_state = self.plan(metadata)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]  # each [num_blocks, block_size, Hkv, D]
+        self._write_kv(key, value, key_cache, value_cache, plan)
+        output = query.new_empty(query.shape)
+        if plan.num_actual_tokens < query.shape[0]:
+            output[plan.num_actual_tokens:] = 0
+        if plan.decode is not None:
+            self._decode(query, key_cache, value_cache, plan.decode, output)
+        for chunk in plan.prefills:
+            self._prefill(query, key, value, key_cache, value_cache, chunk, metadata, output)
+        return output
+
+    def _write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor, plan: TorchAttentionPlan) -> None:
+        num_slots = key_cache.shape[0] * key_cache.shape[1]
+        flat_shape = (num_slots, self.num_kv_heads, self.head_dim)
+        new_keys, new_values = key[: plan.num_actual_tokens], value[: plan.num_actual_tokens]
+        if plan.write_rows is not None:
+            new_keys, new_values = new_keys.index_select(0, plan.write_rows), new_values.index_select(0, plan.write_rows)
+        key_cache.view(flat_shape).index_copy_(0, plan.write_slots, new_keys)
+        value_cache.view(flat_shape).index_copy_(0, plan.write_slots, new_values)
+
+    def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                group: DecodeGroup, output: torch.Tensor) -> None:
+        block_size = key_cache.shape[1]
+        num_blocks = -(-group.max_seq_len // block_size)
+        keys = self._gather_blocks(key_cache, group.block_table[:, :num_blocks], group.max_seq_len)
+        values = self._gather_blocks(value_cache, group.block_table[:, :num_blocks], group.max_seq_len)
+        q = query if group.rows is None else query.index_select(0, group.rows)
+        q = q[: group.mask.shape[0]]  # [B, Hq, D]
+        # keys/values [B, S, Hkv, D] -> [B, Hkv, S, D] views
+        out = self._attend(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), group.mask)
+        out = out.squeeze(2)  # [B, Hq, D]
+        if group.rows is None:
+            output[: out.shape[0]] = out
+        else:
+            output.index_copy_(0, group.rows, out)
+
+    def _gather_blocks(self, cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+        # cache [num_blocks, block_size, Hkv, D]; block_table [B, n] -> [B, seq_len, Hkv, D]
+        batch, num_blocks = block_table.shape
+        gathered = cache.index_select(0, block_table.reshape(-1).to(torch.int64))
+        return gathered.view(batch, num_blocks * cache.shape[1], self.num_kv_heads, self.head_dim)[:, :seq_len]
+
+    def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 key_cache: torch.Tensor, value_cache: torch.Tensor, chunk: PrefillChunk,
+                 metadata: AttentionMetadata, output: torch.Tensor) -> None:
+        q = query[chunk.start: chunk.end].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
+        if chunk.mask is None:
+            k = key[chunk.start: chunk.end]  # [L, Hkv, D]
+            v = value[chunk.start: chunk.end]
+        else:
+            block_table = metadata.block_table[chunk.request_index: chunk.request_index + 1]
+            num_blocks = -(-chunk.seq_len // key_cache.shape[1])
+            k = self._gather_blocks(key_cache, block_table[:, :num_blocks], chunk.seq_len)[0]  # [S, Hkv, D]
+            v = self._gather_blocks(value_cache, block_table[:, :num_blocks], chunk.seq_len)[0]
+        out = self._attend(q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), chunk.mask)
+        output[chunk.start: chunk.end] = out[0].transpose(0, 1)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """q [B, Hq, L, D], k/v [B, Hkv, S, D], mask [B or 1, 1, L, S] bool or None (causal, S == L)."""
+        if q.dtype == torch.float32:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+        return self._attend_grouped(q, k, v, mask)
+
+    def _attend_grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        mask: torch.Tensor | None) -> torch.Tensor:
+        """Half-precision path: GQA by grouping query heads, softmax in float32.
+
+        (torch's CPU SDPA is slower than this in bf16 for decode-sized problems.)
+        """
+        batch, num_heads, query_len, head_dim = q.shape
+        group = num_heads // self.num_kv_heads
+        seq_len = k.shape[2]
+        # [B, Hkv, G * L, D] @ [B, Hkv, D, S] -> [B, Hkv, G * L, S]
+        grouped_q = q.reshape(batch, self.num_kv_heads, group * query_len, head_dim)
+        scores = torch.matmul(grouped_q, k.transpose(-1, -2)) * self.scale
+        scores = scores.view(batch, self.num_kv_heads, group, query_len, seq_len)
+        if mask is None:
+            mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask.view(mask.shape[0], 1, 1, query_len, seq_len), float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs.view(batch, self.num_kv_heads, group * query_len, seq_len), v)
+        return out.view(batch, num_heads, query_len, head_dim)
+
+
+def _host(host_copy: torch.Tensor | None, tensor: torch.Tensor) -> torch.Tensor:
+    return host_copy if host_copy is not None else tensor.cpu()

@@ -43,6 +43,13 @@ class RequestMetrics:
     finished_time: float | None = None
     num_generation_tokens: int = 0
 
+    def snapshot(self) -> RequestMetrics:
+        # Each RequestOutput gets its own copy: the live one keeps changing (cheaper than replace()).
+        return RequestMetrics(
+            self.arrival_time, self.first_token_time, self.last_token_time, self.finished_time,
+            self.num_generation_tokens,
+        )
+
     @property
     def time_to_first_token(self) -> float | None:
         if self.first_token_time is None:

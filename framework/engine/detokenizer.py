@@ -16,7 +16,7 @@ of the output, never a decode of the whole output.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from sparrow.sampling_params import SamplingParams
 
@@ -40,13 +40,24 @@ class TokenDecoder:
     # Ids of added tokens (special or not): decoded verbatim, and separated by a space from their
     # neighbours under spaces_between_special_tokens, as Hugging Face's Python tokenizers do.
     added_ids: frozenset[int]
+    # token strings -> text. For a fast tokenizer, its Rust decoder called directly: this runs
+    # twice per token per request, and the transformers wrapper costs more than the decode.
+    _tokens_to_string: Callable[[list[str]], str]
     # token id -> the token decoded on its own; filled on demand, bounded by the vocabulary.
     _single_token_texts: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any) -> TokenDecoder:
-        added_ids = frozenset(int(token_id) for token_id in tokenizer.added_tokens_decoder)
-        return cls(tokenizer, frozenset(tokenizer.all_special_ids), added_ids)
+        added_tokens = tokenizer.added_tokens_decoder  # id -> AddedToken
+        added_ids = frozenset(int(token_id) for token_id in added_tokens)
+        # all_special_ids lists only the named ones (eos, pad, ...); reserved ids are special too.
+        flagged = {int(token_id) for token_id, token in added_tokens.items() if getattr(token, "special", False)}
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and backend.decoder is not None:
+            tokens_to_string = backend.decoder.decode
+        else:
+            tokens_to_string = tokenizer.convert_tokens_to_string
+        return cls(tokenizer, frozenset(tokenizer.all_special_ids) | flagged, added_ids, tokens_to_string)
 
     def id_to_token(self, token_id: int) -> str:
         token = self.tokenizer.convert_ids_to_tokens(token_id)
@@ -54,7 +65,7 @@ class TokenDecoder:
         return token if token is not None else ""
 
     def tokens_to_text(self, tokens: list[str]) -> str:
-        return self.tokenizer.convert_tokens_to_string(tokens) if tokens else ""
+        return self._tokens_to_string(tokens) if tokens else ""
 
     def decode_token(self, token_id: int) -> str:
         """The text of one token decoded on its own (may be U+FFFD for a partial character)."""

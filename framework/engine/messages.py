@@ -33,6 +33,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # 
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # Set when the engine core rejected the request (its add_request raised ValueError); the
+    # output is then finished with FinishReason.ABORT and the frontend raises this to the caller.
+    error_message: str | None = None
 
     @property
     def finished(self) -> bool:

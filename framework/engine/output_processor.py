@@ -8,7 +8,6 @@ EOS, stop token ids and max_tokens are decided by the engine core and arrive as 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -76,7 +75,6 @@ class RequestState:
     detokenizer: IncrementalDetokenizer | None
     # The token decoder for logprob texts; None when the request does not detokenize.
     logprob_decoder: TokenDecoder | None
-    wants_logprobs: bool
     metrics: RequestMetrics
     queue: OutputQueue | None = None
     token_ids: list[int] = field(default_factory=list)
@@ -87,16 +85,18 @@ class RequestState:
     num_cached_tokens: int = 0
     # DELTA mode: how much has been handed out already.
     num_sent_tokens: int = 0
+    num_sent_logprobs: int = 0
     num_sent_prompt_logprobs: int = 0
 
     def record_logprobs(self, output: EngineCoreOutput) -> None:
         if output.new_prompt_logprobs and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(convert_logprobs(entry, self.logprob_decoder) for entry in output.new_prompt_logprobs)
-        if output.new_logprobs and self.wants_logprobs:
-            assert self.logprobs is not None and self.cumulative_logprob is not None  # set together
+        if output.new_logprobs and self.logprobs is not None:
+            cumulative = self.cumulative_logprob or 0.0
             for entry in output.new_logprobs:
                 self.logprobs.append(convert_logprobs(entry, self.logprob_decoder))
-                self.cumulative_logprob += entry.logprobs[0]
+                cumulative += entry.logprobs[0]
+            self.cumulative_logprob = cumulative
 
     def record_token_times(self, num_new_tokens: int, now: float) -> None:
         if num_new_tokens == 0:
@@ -110,12 +110,14 @@ class RequestState:
         finished = finish_reason is not None
         delta = self.output_kind == RequestOutputKind.DELTA
         text = self.detokenizer.get_next_output_text(finished, delta) if self.detokenizer is not None else ""
-        start = self.num_sent_tokens if delta else 0
-        # Copies: the caller keeps outputs while this state keeps growing.
-        token_ids = self.token_ids[start:]
-        logprobs = self.logprobs[start:] if self.logprobs is not None else None
+        # Slices are copies: the caller keeps outputs while this state keeps growing.
+        token_ids = self.token_ids[self.num_sent_tokens:] if delta else self.token_ids[:]
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = self.logprobs[self.num_sent_logprobs:] if delta else self.logprobs[:]
         if delta:
             self.num_sent_tokens = len(self.token_ids)
+            self.num_sent_logprobs = len(self.logprobs or ())
         return CompletionOutput(
             index=self.index,
             text=text,
@@ -205,7 +207,6 @@ class OutputProcessor:
                 else None
             ),
             logprob_decoder=self._decoder if detokenize else None,
-            wants_logprobs=wants_logprobs,
             metrics=RequestMetrics(arrival_time=request.arrival_time or now),
             queue=queue,
             logprobs=[] if wants_logprobs else None,
@@ -297,7 +298,7 @@ class OutputProcessor:
             prompt_logprobs=state.take_prompt_logprobs(),
             outputs=completions,
             finished=finished,
-            metrics=dataclasses.replace(state.metrics),
+            metrics=state.metrics.snapshot(),
             num_cached_tokens=state.num_cached_tokens,
         )
 

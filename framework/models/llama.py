@@ -181,6 +181,7 @@ class LlamaForCausalLM(nn.Module):
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         self.config = hf_config
+        self.vocab_size = hf_config.vocab_size
         self.tp = resolve_tp(tp)
         self.dtype = dtype
         device = torch.device(device)

@@ -88,6 +88,10 @@ class WorkerBase:
         assert self.model_runner is not None
         return self.model_runner.execute_model(scheduler_output)
 
+    def num_parameters(self) -> int:
+        assert self.model_runner is not None
+        return sum(p.numel() for p in self.model_runner.model.parameters())
+
     def ping(self) -> str:
         return "pong"
 

@@ -34,7 +34,7 @@ class PrefillChunk:
     request_index: int
     context_len: int  # tokens already cached before this step
     seq_len: int  # context_len + (end - start)
-    # [query_len, seq_len] bool (True: attend), or None when there is no context (plain causal)
+    # [1, 1, query_len, seq_len] bool (True: attend), or None when there is no context (plain causal)
     mask: torch.Tensor | None
 
 
@@ -113,7 +113,7 @@ class TorchPagedAttention(AttentionBackend):
             # new token j sits at position context_len + j and sees keys at positions <= its own
             key_positions = torch.arange(seq_len, device=self.device)
             query_positions = torch.arange(context_len, seq_len, device=self.device)
-            mask = key_positions[None, :] <= query_positions[:, None]
+            mask = (key_positions[None, :] <= query_positions[:, None])[None, None]
         return PrefillChunk(start, end, index, context_len, seq_len, mask)
 
     def _plan_decodes(self, metadata: AttentionMetadata, indices: list[int],
@@ -230,7 +230,7 @@ class TorchPagedAttention(AttentionBackend):
         scores = torch.matmul(grouped_q, k.transpose(-1, -2)) * self.scale
         scores = scores.view(batch, self.num_kv_heads, group, query_len, seq_len)
         if mask is None:
-            mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril()
+            mask = torch.ones(1, 1, query_len, seq_len, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~mask.view(mask.shape[0], 1, 1, query_len, seq_len), float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs.view(batch, self.num_kv_heads, group * query_len, seq_len), v)

@@ -1,0 +1,122 @@
+"""LLMEngine: the synchronous frontend (input processor -> engine core client -> output processor)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from sparrow.config import EngineConfig
+from sparrow.engine.input_processor import InputProcessor, PromptType
+from sparrow.engine.messages import SchedulerStats
+from sparrow.engine.output_processor import OutputProcessor
+from sparrow.engine.setup import finalize_config
+from sparrow.outputs import RequestOutput
+from sparrow.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def model_eos_token_ids(model_dir: str) -> list[int]:
+    """eos ids from generation_config.json (falling back to config.json)."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            if value is not None:
+                return [value] if isinstance(value, int) else list(value)
+    return []
+
+
+def use_multiprocessing(requested: bool | None) -> bool:
+    """``SPARROW_ENABLE_MULTIPROCESSING=0`` keeps the engine core in this process (debugging)."""
+    if requested is not None:
+        return requested
+    return os.environ.get("SPARROW_ENABLE_MULTIPROCESSING", "1") != "0"
+
+
+def make_engine_client(config: EngineConfig, multiprocess: bool | None = None) -> Any:
+    if use_multiprocessing(multiprocess):
+        from sparrow.engine.mp_client import SyncMPClient
+
+        return SyncMPClient(config)
+    from sparrow.engine.core_client import InprocClient
+
+    return InprocClient(config)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, multiprocess: bool | None = None) -> None:
+        from sparrow.model_loader import get_hf_config
+
+        self.config = finalize_config(config)
+        model_dir = self.config.model.model
+        self.tokenizer = load_tokenizer(self.config.model.tokenizer)
+        self.hf_config = get_hf_config(model_dir)
+        self.input_processor = InputProcessor(
+            self.tokenizer, max_model_len=self.config.model.max_model_len,
+            vocab_size=self.hf_config.vocab_size, eos_token_ids=model_eos_token_ids(model_dir),
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = make_engine_client(self.config, multiprocess)
+        kv_info = self.engine_core.call_utility("get_kv_cache_info")
+        self.kv_cache_capacity_tokens = kv_info["num_blocks"] * kv_info["block_size"]
+        self.last_stats: SchedulerStats | None = None
+
+    # -- requests ---------------------------------------------------------------------------
+    def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0):
+        """Validate and tokenize; raises ValueError naming the prompt. Touches no engine state."""
+        text, request = self.input_processor.process_inputs(request_id, prompt, params, priority=priority)
+        needed = min(len(request.prompt_token_ids) + (request.max_tokens or 0), self.config.model.max_model_len)
+        if needed > self.kv_cache_capacity_tokens:
+            raise ValueError(
+                f"request {request_id!r} needs KV cache for {needed} tokens but the whole cache holds "
+                f"{self.kv_cache_capacity_tokens}; lower max_tokens or raise kv_cache_memory_bytes / num_kv_blocks"
+            )
+        return text, request
+
+    def add_processed_request(self, text: str | None, request: Any) -> None:
+        for child in self.output_processor.add_request(request, text):
+            self.engine_core.add_request(child)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> None:
+        text, request = self.process_request(request_id, prompt, params, priority)
+        self.add_processed_request(text, request)
+
+    def abort_request(self, request_ids: list[str] | str) -> None:
+        engine_ids = self.output_processor.abort_requests(request_ids)
+        self.engine_core.abort_requests(engine_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    # -- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine_core.get_output()
+        if outputs.scheduler_stats is not None:
+            self.last_stats = outputs.scheduler_stats
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    # -- utilities --------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.call_utility("reset_prefix_cache")
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        return self.engine_core.call_utility("collective_rpc", method, args)
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

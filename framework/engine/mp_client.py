@@ -1,0 +1,362 @@
+"""Clients that run the engine core in its own process (P1) and talk to it over ZMQ.
+
+``SyncMPClient`` is what ``LLM`` uses by default; ``AsyncMPClient`` is what ``AsyncLLM`` uses.
+Both start ``run_engine_core`` in a 'spawn' child, bind two ``ipc://`` sockets in a private temp
+dir (input: frontend PUSH -> core PULL; output: core PUSH -> frontend PULL), wait for the core's
+READY handshake, and then read outputs on a background thread:
+
+    reader thread:  output socket + the process sentinel
+        EngineCoreOutputs            -> the output queue (get_output / get_output_async)
+        utility_output               -> the future of that call id
+        engine_dead_message / exit   -> EngineDeadError to every pending and later caller
+
+Set ``SPARROW_ENABLE_MULTIPROCESSING=0`` to make ``make_client`` return an ``InprocClient``
+(the engine core inside the caller's process: for debugging with pdb or a profiler).
+``SPARROW_ENGINE_READY_TIMEOUT_S`` (default 600) bounds the wait for the core to start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import itertools
+import logging
+import multiprocessing
+import os
+import queue
+import shutil
+import tempfile
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+
+from sparrow.config import EngineConfig
+from sparrow.engine import serial
+from sparrow.engine.core_client import InprocClient
+from sparrow.engine.core_proc import load_executor_factory, run_engine_core
+from sparrow.engine.exceptions import EngineDeadError, EngineStartupError
+from sparrow.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+
+logger = logging.getLogger(__name__)
+
+ENV_MULTIPROCESSING = "SPARROW_ENABLE_MULTIPROCESSING"
+ENV_READY_TIMEOUT = "SPARROW_ENGINE_READY_TIMEOUT_S"
+# The reader thread wakes this often to notice a shutdown; outputs are read as they arrive.
+_READER_POLL_MS = 100
+# After the engine process exits, how long to wait for its last messages still in flight.
+_DRAIN_AFTER_EXIT_MS = 200
+_TERMINATE_TIMEOUT_S = 5.0
+
+
+def multiprocessing_enabled() -> bool:
+    return os.environ.get(ENV_MULTIPROCESSING, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def make_client(config: EngineConfig, multiprocess: bool | None = None, *,
+                executor_factory: str | None = None) -> InprocClient | SyncMPClient:
+    """The synchronous engine-core client ``LLM`` uses.
+
+    ``multiprocess`` None follows ``SPARROW_ENABLE_MULTIPROCESSING`` (on unless it is "0").
+    ``executor_factory`` ("package.module:callable") replaces the configured executor; tests use
+    it to run a fake model in the engine process.
+    """
+    if multiprocess is None:
+        multiprocess = multiprocessing_enabled()
+    if not multiprocess:
+        executor = load_executor_factory(executor_factory) if executor_factory else None
+        return InprocClient(config, executor)
+    return SyncMPClient(config, executor_factory=executor_factory)
+
+
+class MPClient:
+    """Starts and stops the engine process; owns the sockets and the reader thread."""
+
+    def __init__(self, config: EngineConfig, executor_factory: str | None = None) -> None:
+        self._closed = False
+        self._dead_error: EngineDeadError | None = None
+        self._lock = threading.Lock()  # guards _pending_calls, _dead_error and _closed
+        self._send_lock = threading.Lock()  # the input socket is used by any caller's thread
+        self._pending_calls: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+        self._stop_reader = threading.Event()
+        self._encoder = serial.make_encoder()
+
+        self._tmpdir = tempfile.mkdtemp(prefix="sparrow-engine-")
+        input_path = f"ipc://{self._tmpdir}/input.sock"
+        output_path = f"ipc://{self._tmpdir}/output.sock"
+        self._ctx = zmq.Context()
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._input.bind(input_path)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.bind(output_path)
+
+        mp_ctx = multiprocessing.get_context("spawn")
+        # The core watches the read end: the OS closes our write end when this process dies,
+        # however it dies, and the core shuts itself down.
+        death_reader, self._death_writer = mp_ctx.Pipe(duplex=False)
+        self.proc = mp_ctx.Process(
+            target=run_engine_core, name="EngineCore", daemon=False,
+            kwargs=dict(config=config, input_path=input_path, output_path=output_path,
+                        parent_pid=os.getpid(), death_pipe=death_reader, executor_factory=executor_factory),
+        )
+        # Non-daemon (a daemon could not start tensor-parallel workers), so multiprocessing
+        # would join it at exit: shut it down first. atexit runs handlers last-in first-out.
+        atexit.register(self.shutdown)
+        self.proc.start()
+        death_reader.close()
+        try:
+            self.kv_cache_info = self._wait_for_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        self._reader = threading.Thread(target=self._read_outputs, name="EngineCoreClientReader", daemon=True)
+        self._reader.start()
+
+    # -- start-up ---------------------------------------------------------------------------
+    def _wait_for_ready(self) -> dict[str, int]:
+        timeout_s = float(os.environ.get(ENV_READY_TIMEOUT, "600"))
+        poller = zmq.Poller()
+        poller.register(self._output, zmq.POLLIN)
+        poller.register(self.proc.sentinel, zmq.POLLIN)
+        remaining_ms = timeout_s * 1000
+        while remaining_ms > 0:
+            events = dict(poller.poll(min(remaining_ms, 1000)))
+            remaining_ms -= 1000
+            if self._output in events:
+                handshake = serial.handshake_decoder().decode(self._output.recv())
+                if handshake.status != "READY":
+                    raise EngineStartupError(f"the engine core failed to start:\n{handshake.error}")
+                logger.info("engine core pid %d ready: %d KV blocks of %d tokens",
+                            self.proc.pid, handshake.num_blocks, handshake.block_size)
+                return {"num_blocks": handshake.num_blocks, "block_size": handshake.block_size,
+                        "max_model_len": handshake.max_model_len}
+            if self.proc.sentinel in events:
+                self.proc.join(1.0)
+                raise EngineStartupError(
+                    f"the engine core process exited with code {self.proc.exitcode} before it was ready; "
+                    "see its log above")
+        raise EngineStartupError(f"the engine core was not ready after {timeout_s:.0f}s ({ENV_READY_TIMEOUT})")
+
+    # -- sending ----------------------------------------------------------------------------
+    def _send(self, request_type: EngineCoreRequestType, payload: bytes) -> None:
+        frames = (request_type.value, payload)
+        with self._send_lock:
+            while True:
+                self._raise_if_dead()
+                try:
+                    self._input.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    return
+                except zmq.Again:
+                    # Only before the core's input socket has connected (a few ms after READY)
+                    # or when it is gone: wait, but never past the core's death.
+                    if not self.proc.is_alive():
+                        raise self._dead_error or EngineDeadError() from None
+                    self._input.poll(_READER_POLL_MS, zmq.POLLOUT)
+
+    def _send_add(self, request: EngineCoreRequest) -> None:
+        self._send(EngineCoreRequestType.ADD, self._encoder.encode(request))
+
+    def _send_abort(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(EngineCoreRequestType.ABORT, self._encoder.encode(list(request_ids)))
+
+    def _start_utility_call(self, method: str, args: tuple[Any, ...]) -> Future:
+        future: Future = Future()
+        call_id = next(self._call_ids)
+        with self._lock:
+            self._raise_if_dead()
+            self._pending_calls[call_id] = future
+        try:
+            self._send(EngineCoreRequestType.UTILITY, self._encoder.encode([call_id, method, list(args)]))
+        except BaseException:
+            with self._lock:
+                self._pending_calls.pop(call_id, None)
+            raise
+        return future
+
+    # -- receiving (reader thread) ----------------------------------------------------------
+    def _read_outputs(self) -> None:
+        decoder = serial.outputs_decoder()
+        poller = zmq.Poller()
+        poller.register(self._output, zmq.POLLIN)
+        poller.register(self.proc.sentinel, zmq.POLLIN)
+        try:
+            while not self._stop_reader.is_set():
+                events = dict(poller.poll(_READER_POLL_MS))
+                if self._output in events:
+                    self._handle_outputs(decoder.decode(self._output.recv(copy=False).buffer))
+                elif self.proc.sentinel in events:
+                    # Read what the core sent before it exited, then declare it dead.
+                    while self._output.poll(_DRAIN_AFTER_EXIT_MS):
+                        self._handle_outputs(decoder.decode(self._output.recv(copy=False).buffer))
+                    self.proc.join(1.0)
+                    self._mark_dead(f"the engine core process exited unexpectedly (exit code {self.proc.exitcode})")
+                    return
+        except Exception as exc:  # noqa: BLE001 - a reader that stops must not leave callers waiting
+            logger.exception("engine core client reader failed")
+            self._mark_dead(f"the engine core client's reader failed: {exc!r}")
+        finally:
+            self._output.close(linger=0)
+
+    def _handle_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.utility_output is not None:
+            result = outputs.utility_output
+            with self._lock:
+                future = self._pending_calls.pop(result.call_id, None)
+            if future is not None:
+                if result.failure_message is not None:
+                    future.set_exception(RuntimeError(f"utility call failed in the engine core: {result.failure_message}"))
+                else:
+                    try:
+                        future.set_result(serial.decode_result(result.result))
+                    except Exception as exc:  # noqa: BLE001 - a bad result fails its call only
+                        future.set_exception(exc)
+        if outputs.outputs or outputs.scheduler_stats is not None:
+            self._deliver(outputs)
+        if outputs.engine_dead_message is not None:
+            self._mark_dead(outputs.engine_dead_message)
+
+    def _mark_dead(self, message: str) -> None:
+        with self._lock:
+            if self._dead_error is not None:
+                return
+            if self._closed:
+                message = "the engine was shut down"
+            else:
+                logger.error("engine core is dead: %s", message)
+            self._dead_error = EngineDeadError(message)
+            pending, self._pending_calls = self._pending_calls, {}
+        for future in pending.values():
+            future.set_exception(self._dead_error)
+        self._deliver(self._dead_error)
+
+    def _raise_if_dead(self) -> None:
+        if self._dead_error is not None:
+            raise self._dead_error
+        if self._closed:
+            raise EngineDeadError("the engine was shut down")
+
+    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        """Hand an output (or the death notice) to the consumer; called on the reader thread."""
+        raise NotImplementedError
+
+    # -- state and shutdown -----------------------------------------------------------------
+    @property
+    def is_dead(self) -> bool:
+        return self._dead_error is not None
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._dead_error
+
+    def shutdown(self) -> None:
+        """Stop the engine process (SIGTERM, then SIGKILL after a grace period) and clean up."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        atexit.unregister(self.shutdown)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(_TERMINATE_TIMEOUT_S)
+            if self.proc.is_alive():
+                logger.warning("engine core pid %d ignored SIGTERM; killing it", self.proc.pid)
+                self.proc.kill()
+                self.proc.join(_TERMINATE_TIMEOUT_S)
+        self._stop_reader.set()
+        reader = getattr(self, "_reader", None)
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(_TERMINATE_TIMEOUT_S)
+        else:
+            self._output.close(linger=0)
+        self._mark_dead("the engine was shut down")
+        with self._send_lock:
+            self._input.close(linger=0)
+        self._death_writer.close()
+        self._ctx.term()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+
+class SyncMPClient(MPClient):
+    """Blocking client with the same methods as ``InprocClient``."""
+
+    def __init__(self, config: EngineConfig, executor_factory: str | None = None) -> None:
+        self._outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
+        super().__init__(config, executor_factory)
+
+    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        self._outputs.put(item)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send_add(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._send_abort(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        """The next outputs of the core; raises EngineDeadError once the core is dead."""
+        item = self._outputs.get()
+        if isinstance(item, EngineDeadError):
+            self._outputs.put(item)  # every later (or concurrent) caller fails too
+            raise item
+        return item
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        return self._start_utility_call(method, args).result()
+
+
+class AsyncMPClient(MPClient):
+    """asyncio client. It binds to the event loop of its first async call."""
+
+    def __init__(self, config: EngineConfig, executor_factory: str | None = None) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
+        self._early: list[EngineCoreOutputs | EngineDeadError] = []  # delivered before binding
+        self._bind_lock = threading.Lock()
+        super().__init__(config, executor_factory)
+
+    def _bind_loop(self) -> asyncio.Queue:
+        loop = asyncio.get_running_loop()
+        with self._bind_lock:
+            if self._loop is None:
+                self._loop, self._outputs = loop, asyncio.Queue()
+                for item in self._early:
+                    self._outputs.put_nowait(item)
+                self._early.clear()
+            elif self._loop is not loop:
+                raise RuntimeError("AsyncMPClient is used from a different event loop than the one it is bound to")
+        assert self._outputs is not None
+        return self._outputs
+
+    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        with self._bind_lock:
+            if self._loop is None:
+                self._early.append(item)
+                return
+            loop, outputs = self._loop, self._outputs
+        assert outputs is not None
+        try:
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is left to read outputs
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self._bind_loop()
+        self._send_add(request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        self._send_abort(request_ids)
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        outputs = self._bind_loop()
+        item = await outputs.get()
+        if isinstance(item, EngineDeadError):
+            outputs.put_nowait(item)
+            raise item
+        return item
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        self._bind_loop()
+        return await asyncio.wrap_future(self._start_utility_call(method, args))

@@ -1,0 +1,80 @@
+"""msgpack encoding of the messages between the frontend and the engine core.
+
+Every message to the engine core is two ZMQ frames, ``[request_type, payload]``:
+
+    ADD      payload = EngineCoreRequest
+    ABORT    payload = [request_id, ...]
+    UTILITY  payload = [call_id, method_name, [arg, ...]]
+
+Every message from the engine core is one frame: the handshake (a ``HandshakeMessage``) first,
+then ``EngineCoreOutputs`` for the rest of its life.
+
+Utility results are ``Any`` on the wire, so a msgspec Struct (e.g. ``SchedulerStats``) would come
+back as a bare list. ``encode_result`` tags a top-level Struct with its import path and
+``decode_result`` rebuilds it; only types from sparrow's own packages are rebuilt, so a message
+can never make the frontend import arbitrary code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+import msgspec
+
+from sparrow.engine.messages import EngineCoreOutputs, EngineCoreRequest
+
+_STRUCT_TAG = "__sparrow_struct__"
+_TRUSTED_MODULE_PREFIXES = ("sparrow.", "sparrow_")
+
+
+class HandshakeMessage(msgspec.Struct, omit_defaults=True):  # type: ignore[call-arg]
+    """The engine core's first message: READY with its KV cache, or FAILED with a traceback."""
+
+    status: str  # "READY" | "FAILED"
+    num_blocks: int = 0
+    block_size: int = 0
+    max_model_len: int = 0
+    error: str | None = None
+
+
+def make_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def request_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(EngineCoreRequest)
+
+
+def outputs_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(EngineCoreOutputs)
+
+
+def handshake_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(HandshakeMessage)
+
+
+def generic_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder()
+
+
+def encode_result(value: Any) -> Any:
+    """A utility result as builtins, with a top-level Struct or dataclass tagged by type."""
+    if isinstance(value, msgspec.Struct) or (dataclasses.is_dataclass(value) and not isinstance(value, type)):
+        cls = type(value)
+        return {_STRUCT_TAG: f"{cls.__module__}:{cls.__qualname__}", "data": msgspec.to_builtins(value)}
+    return value
+
+
+def decode_result(value: Any) -> Any:
+    if not (isinstance(value, dict) and _STRUCT_TAG in value):
+        return value
+    path = value[_STRUCT_TAG]
+    module_name, _, qualname = path.partition(":")
+    if not module_name.startswith(_TRUSTED_MODULE_PREFIXES):
+        raise ValueError(f"utility result type {path!r} is not a sparrow type")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return msgspec.convert(value["data"], obj)

@@ -189,7 +189,9 @@ def run_engine_core(config: EngineConfig, input_path: str, output_path: str, par
     try:
         exit_code = _serve(config, input_path, output_path, zmq_ctx, executor_factory)
     finally:
-        zmq_ctx.term()
+        # destroy() closes any socket a signal left open mid-way; term() alone would wait on it
+        # forever. The I/O threads are stopped by now.
+        zmq_ctx.destroy(linger=_OUTPUT_LINGER_MS)
     sys.exit(exit_code)
 
 

@@ -166,7 +166,9 @@ class InputProcessor:
     @staticmethod
     def _check_token_id_types(request_id: str, token_ids: Any) -> list[int]:
         if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
-            raise ValueError(f"prompt_token_ids of request {request_id!r} must be a list of ints, got {type(token_ids).__name__}")
+            raise ValueError(
+                f"prompt_token_ids of request {request_id!r} must be a list of ints, got {type(token_ids).__name__}"
+            )
         for position, token_id in enumerate(token_ids):
             if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
                 raise ValueError(

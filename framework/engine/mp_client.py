@@ -127,6 +127,7 @@ class MPClient:
             if self._output in events:
                 handshake = serial.handshake_decoder().decode(self._output.recv())
                 if handshake.status != "READY":
+                    self.proc.join(_TERMINATE_TIMEOUT_S)  # it exits by itself after saying so
                     raise EngineStartupError(f"the engine core failed to start:\n{handshake.error}")
                 logger.info("engine core pid %d ready: %d KV blocks of %d tokens",
                             self.proc.pid, handshake.num_blocks, handshake.block_size)

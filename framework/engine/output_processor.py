@@ -46,7 +46,6 @@ class ParentRequest:
     unfinished_children: set[str]
     # index -> latest CompletionOutput (CUMULATIVE) or final one (FINAL_ONLY)
     completions: dict[int, CompletionOutput] = field(default_factory=dict)
-    queue: OutputQueue | None = None
 
 
 def convert_logprobs(entry: TokenLogprobs, decoder: TokenDecoder | None) -> dict[int, Logprob]:
@@ -90,7 +89,9 @@ class RequestState:
 
     def record_logprobs(self, output: EngineCoreOutput) -> None:
         if output.new_prompt_logprobs and self.prompt_logprobs is not None:
-            self.prompt_logprobs.extend(convert_logprobs(entry, self.logprob_decoder) for entry in output.new_prompt_logprobs)
+            self.prompt_logprobs.extend(
+                convert_logprobs(entry, self.logprob_decoder) for entry in output.new_prompt_logprobs
+            )
         if output.new_logprobs and self.logprobs is not None:
             cumulative = self.cumulative_logprob or 0.0
             for entry in output.new_logprobs:
@@ -173,7 +174,6 @@ class OutputProcessor:
                 output_kind=params.output_kind,
                 child_indexes={child.request_id: index for index, child in enumerate(children)},
                 unfinished_children={child.request_id for child in children},
-                queue=queue,
             )
             self._parents[request.request_id] = parent
         now = time.monotonic()
@@ -191,7 +191,7 @@ class OutputProcessor:
         now: float,
     ) -> RequestState:
         params = request.sampling_params
-        detokenize = params.detokenize and self._decoder is not None
+        decoder = self._decoder if params.detokenize else None
         wants_logprobs = params.logprobs is not None
         return RequestState(
             request_id=request.request_id,
@@ -202,11 +202,11 @@ class OutputProcessor:
             prompt_token_ids=request.prompt_token_ids,
             output_kind=params.output_kind,
             detokenizer=(
-                IncrementalDetokenizer.from_sampling_params(self._decoder, params, request.prompt_token_ids)
-                if detokenize and self._decoder is not None
+                IncrementalDetokenizer.from_sampling_params(decoder, params, request.prompt_token_ids)
+                if decoder is not None
                 else None
             ),
-            logprob_decoder=self._decoder if detokenize else None,
+            logprob_decoder=decoder,
             metrics=RequestMetrics(arrival_time=request.arrival_time or now),
             queue=queue,
             logprobs=[] if wants_logprobs else None,
@@ -276,7 +276,9 @@ class OutputProcessor:
         completion = state.make_completion(finish_reason, stop_reason)
         return self._make_request_output(state, completion, finished), stopped_by_string
 
-    def _make_request_output(self, state: RequestState, completion: CompletionOutput, finished: bool) -> RequestOutput | None:
+    def _make_request_output(
+        self, state: RequestState, completion: CompletionOutput, finished: bool
+    ) -> RequestOutput | None:
         parent = state.parent
         if parent is None:
             completions = [completion]
@@ -338,6 +340,9 @@ class OutputProcessor:
             elif request_id in self._states:
                 engine_ids.append(request_id)
         engine_ids = list(dict.fromkeys(engine_ids))
-        aborted = [EngineCoreOutput(request_id=engine_id, new_token_ids=[], finish_reason=FinishReason.ABORT) for engine_id in engine_ids]
+        aborted = [
+            EngineCoreOutput(request_id=engine_id, new_token_ids=[], finish_reason=FinishReason.ABORT)
+            for engine_id in engine_ids
+        ]
         self.process_outputs(aborted)  # outputs of queue-less requests are dropped: nobody waits
         return engine_ids

@@ -144,7 +144,9 @@ def build_tokenizer(
     bytes and the merges, then ``<|reserved_N|>`` special tokens if training stopped short.
     """
     if not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(f"vocab_size must be an integer >= {MIN_VOCAB_SIZE} (256 bytes + special tokens), got {vocab_size!r}")
+        raise ValueError(
+            f"vocab_size must be an integer >= {MIN_VOCAB_SIZE} (256 bytes + special tokens), got {vocab_size!r}"
+        )
     if model_max_length is not None and model_max_length < 1:
         raise ValueError(f"model_max_length must be >= 1, got {model_max_length!r}")
     corpus = Path(corpus_path) if corpus_path is not None else CORPUS_PATH

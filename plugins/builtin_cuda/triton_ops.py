@@ -159,7 +159,7 @@ def _unified_attention_kernel(
     # Request i owns query tiles [first_tile(i), first_tile(i+1)) with
     # first_tile(i) = (query_start_loc[i] + i * (BLOCK_Q - 1)) // BLOCK_Q; the i * (BLOCK_Q - 1)
     # term guarantees at least cdiv(query_len_i, BLOCK_Q) tiles each. Binary search for i.
-    lo = tl.full([], 0, tl.int32)
+    lo = tile_id * 0  # a scalar int32 tensor: loop-carried below
     hi = lo + num_reqs
     while hi - lo > 1:
         mid = (lo + hi) // 2

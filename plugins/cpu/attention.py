@@ -187,8 +187,11 @@ class TorchPagedAttention(AttentionBackend):
 
     def _gather_blocks(self, cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
         # cache [num_blocks, block_size, Hkv, D]; block_table [B, n] -> [B, seq_len, Hkv, D]
+        # Gathering whole blocks as rows of a 2-D view is a plain row copy (much faster on CPU
+        # than index_select on the 4-D tensor).
         batch, num_blocks = block_table.shape
-        gathered = cache.index_select(0, block_table.reshape(-1).to(torch.int64))
+        rows = cache.view(cache.shape[0], -1)  # [num_blocks, block_size * Hkv * D]
+        gathered = rows.index_select(0, block_table.reshape(-1).to(torch.int64))
         return gathered.view(batch, num_blocks * cache.shape[1], self.num_kv_heads, self.head_dim)[:, :seq_len]
 
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

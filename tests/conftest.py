@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny models built locally (random weights, fixed seeds) once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests must never reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _sparrow_cache(tmp_path_factory):
+    """The built-in model is built into a per-session cache, never into the user's home."""
+    if "SPARROW_CACHE_DIR" not in os.environ:
+        os.environ["SPARROW_CACHE_DIR"] = str(tmp_path_factory.mktemp("sparrow-cache"))
+    yield
+
+
+# arch -> build_model_dir overrides. Llama covers GQA with unequal head counts, untied embeddings
+# and llama3 rope scaling; Qwen2 adds QKV bias; Qwen3 q/k norms.
+PARITY_MODELS = {
+    "llama": dict(arch="llama", preset="test", seed=1, tie_word_embeddings=False, rope_scaling="llama3"),
+    "qwen2": dict(arch="qwen2", preset="test", seed=2, tie_word_embeddings=True),
+    "qwen3": dict(arch="qwen3", preset="test", seed=3, tie_word_embeddings=False),
+}
+
+
+def build_test_model(out_dir, arch: str, preset: str = "test", seed: int = 0, **overrides):
+    from sparrow.tiny.model import LLAMA3_ROPE_SCALING, build_model_dir
+
+    if overrides.get("rope_scaling") == "llama3":
+        overrides["rope_scaling"] = dict(LLAMA3_ROPE_SCALING)
+    build_model_dir(out_dir, arch=arch, preset=preset, seed=seed, save_dtype="float32", **overrides)
+    return str(out_dir)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    """arch -> directory of a small test model of that architecture (with tokenizer)."""
+    root = tmp_path_factory.mktemp("models")
+    return {name: build_test_model(root / name, **spec) for name, spec in PARITY_MODELS.items()}
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(model_dirs) -> str:
+    return model_dirs["qwen3"]

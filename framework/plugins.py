@@ -20,8 +20,8 @@ from sparrow.hookspecs import PROJECT_NAME
 
 logger = logging.getLogger(__name__)
 
-# The kernel's own hook implementations (default allocation, built-in model architectures).
-KERNEL_PLUGINS = ("sparrow.core.default_hooks", "sparrow.models.registry")
+# The kernel's own hook implementations (default allocation, built-in architectures, connectors).
+KERNEL_PLUGINS = ("sparrow.core.default_hooks", "sparrow.models.registry", "sparrow.kv_transfer.shared_storage")
 
 
 class PluginError(RuntimeError):

@@ -258,13 +258,14 @@ def test_bfloat16_runs_and_is_close(variant):
         for rid, logprobs in run_step(model, cache, works).items():
             pieces[rid].append(logprobs)
             computed[rid] += logprobs.shape[0]
-    for rid, ids in prompts.items():
-        got, expected = torch.cat(pieces[rid]), hf_logprobs(hf_model, ids[: computed[rid]])
-        assert torch.isfinite(got).all()
-        probs_error = (got.exp() - expected.exp()).abs().sum(-1).max().item()
-        assert probs_error < 0.25, f"{name} bf16 {rid}: total variation {probs_error:.3f}"
-        agreement = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
-        assert agreement > 0.8, f"{name} bf16 {rid}: greedy agreement {agreement:.2f}"
+    got = torch.cat([torch.cat(pieces[rid]) for rid in prompts])
+    expected = torch.cat([hf_logprobs(hf_model, ids[: computed[rid]]) for rid, ids in prompts.items()])
+    assert torch.isfinite(got).all()
+    # Random logits of std ~4 over 4096 tokens have near-ties, so greedy agreement is pooled.
+    total_variation = 0.5 * (got.exp() - expected.exp()).abs().sum(-1).max().item()
+    assert total_variation < 0.15, f"{name} bf16: total variation {total_variation:.3f}"
+    agreement = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    assert agreement > 0.85, f"{name} bf16: greedy agreement {agreement:.2f}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -355,3 +356,61 @@ def test_recipe_is_deterministic_and_caps_context(tmp_path):
     assert get_max_model_len(config) == 2048
     config.sliding_window = 512
     assert get_max_model_len(config) == 512
+
+
+def _tensor_parallel_worker(rank: int, world_size: int, init_file: str, model_dir: str, result_dir: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                         world_size=world_size)
+    try:
+        torch.set_num_threads(1)
+        tp = ParallelContext(rank=rank, world_size=world_size)
+        model = load_model(model_dir, TorchPagedAttention, torch.float32, "cpu", tp=tp)
+        prompts = prompts_for(model.vocab_size, lens=(9, 40), seed=7)
+        cache = PagedCache.for_model(model)
+        got = run_step(model, cache, [Work(rid, ids, 0) for rid, ids in prompts.items()])
+        got.update({f"{rid}-decode": lp for rid, lp in run_step(
+            model, cache, [Work(rid, [3], len(ids)) for rid, ids in prompts.items()]).items()})
+        torch.save(got, f"{result_dir}/rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_tensor_parallel_forward_matches_single_device(tmp_path):
+    """Two gloo ranks (column/row-parallel linears, sharded KV heads and vocabulary) give the
+    logits of one device."""
+    model_dir = build_model_dir(tmp_path / "m", "qwen3", "test", with_tokenizer=False)
+    torch.multiprocessing.spawn(
+        _tensor_parallel_worker, args=(2, str(tmp_path / "init"), str(model_dir), str(tmp_path)),
+        nprocs=2, join=True,
+    )
+    model = load_model(model_dir, TorchPagedAttention, torch.float32, "cpu")
+    prompts = prompts_for(model.vocab_size, lens=(9, 40), seed=7)
+    cache = PagedCache.for_model(model)
+    expected = run_step(model, cache, [Work(rid, ids, 0) for rid, ids in prompts.items()])
+    expected.update({f"{rid}-decode": lp for rid, lp in run_step(
+        model, cache, [Work(rid, [3], len(ids)) for rid, ids in prompts.items()]).items()})
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for key, logprobs in expected.items():
+            assert_close(got[key], logprobs, f"tp rank {rank} {key}")
+
+
+def test_builtin_model_is_built_once_into_the_cache(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import sparrow.tiny.model as recipe
+
+    monkeypatch.setenv("SPARROW_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setitem(recipe.BUILTIN_MODELS, "sparrow-test", dict(arch="qwen3", preset="test", seed=0))
+    path = recipe.get_builtin_model_path("sparrow-test")
+    assert path == tmp_path / "cache" / "models" / "sparrow-test"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["sparrow-test"]  # no staging left
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert recipe.get_builtin_model_path("sparrow-test") == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp  # not rebuilt
+    hf_model = AutoModelForCausalLM.from_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    assert hf_model.config.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert hf_model.generation_config.eos_token_id[0] == hf_model.config.eos_token_id
+    with pytest.raises(ValueError, match="sparrow-tiny"):
+        recipe.get_builtin_model_path("no-such-model")

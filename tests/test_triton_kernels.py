@@ -28,7 +28,32 @@ pytest.importorskip("triton")
 from sparrow.attention import AttentionMetadata  # noqa: E402
 from sparrow_cuda.attention import TritonAttentionBackend  # noqa: E402
 
+
+def _interpreter_runs_dynamic_loops() -> bool:
+    """Older interpreters (e.g. triton 3.6) turn scalars into 1-element arrays that numpy >= 2.4
+    refuses to convert to int, so any loop with a runtime bound fails there."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def count_kernel(out_ptr, n):
+        total = n * 0
+        for _ in range(0, tl.load(out_ptr) + n):
+            total += 1
+        tl.store(out_ptr, total)
+
+    out = torch.zeros(1, dtype=torch.int32)
+    try:
+        count_kernel[(1,)](out, 3)
+    except Exception:  # noqa: BLE001 - any failure means "cannot run these tests here"
+        return False
+    return int(out) == 3
+
+
 if INTERPRETING:
+    if not _interpreter_runs_dynamic_loops():
+        pytest.skip("this triton's interpreter cannot run loops with runtime bounds under this "
+                    "numpy (fixed in newer triton)", allow_module_level=True)
     from sparrow_cuda.triton_ops import reshape_and_cache, unified_paged_attention
 
 interpreted = pytest.mark.skipif(not INTERPRETING, reason="runs in the interpreter subprocess")
@@ -38,9 +63,11 @@ interpreted = pytest.mark.skipif(not INTERPRETING, reason="runs in the interpret
 def test_interpreted_kernels_in_subprocess():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", __file__],
         env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
+    if " passed" not in result.stdout:
+        pytest.skip("interpreter run skipped: " + result.stdout.strip()[-300:])
 
 
 # Small tiles keep the interpreter quick (every program is executed in numpy).

@@ -13,6 +13,7 @@ from sparrow.core.request import Request, RequestStatus
 from sparrow.core.sched.interface import SchedulerInterface
 from sparrow.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from sparrow.executor import Executor, make_executor
+from sparrow.kv_transfer import KVConnectorRole, build_connector
 from sparrow.plugins import get_plugin_manager, get_registry
 
 logger = logging.getLogger(__name__)
@@ -109,4 +110,5 @@ def build_scheduler(config: EngineConfig, kv_cache_manager: KVCacheManager, pm: 
         enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
         long_prefill_token_threshold=config.scheduler.long_prefill_token_threshold,
         allocate_slots=pm.hook.sparrow_allocate_slots,
+        kv_connector=build_connector(config, KVConnectorRole.SCHEDULER, kv_cache_manager.block_size),
     )

@@ -51,6 +51,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):  # ty
     num_preemptions: int = 0  # preemptions since the last stats (delta)
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    kv_connector_loaded_tokens: int = 0  # tokens loaded through a KV connector since the last stats (delta)
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]

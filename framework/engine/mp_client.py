@@ -350,6 +350,10 @@ class AsyncMPClient(MPClient):
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         self._send_abort(request_ids)
 
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Sending never waits on the engine, so an abort works from sync code (a closing generator)."""
+        self._send_abort(request_ids)
+
     async def get_output_async(self) -> EngineCoreOutputs:
         outputs = self._bind_loop()
         item = await outputs.get()

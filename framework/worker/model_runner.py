@@ -62,6 +62,7 @@ class ModelRunner:
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_connector: Any = None  # worker half of a KV connector, set by the worker
 
     # -- KV cache ---------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -84,8 +85,22 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0 or self.batch.num_reqs == 0:
             return ModelRunnerOutput()
         inputs = self.prepare_inputs(scheduler_output)
+        connector_meta = scheduler_output.kv_connector_metadata
+        if self.kv_connector is not None and connector_meta is not None:
+            self.kv_connector.start_load_kv(self.kv_connector_meta(connector_meta))
         hidden_states = self.run_model(inputs)  # [T, hidden]
+        if self.kv_connector is not None and connector_meta is not None:
+            self.kv_connector.save_kv(self.kv_connector_meta(connector_meta))
         return self.sample(hidden_states, inputs)
+
+    def kv_connector_meta(self, meta: Any) -> Any:
+        """Connector metadata as its own type (after a process hop it arrives as plain lists)."""
+        meta_type = getattr(self.kv_connector, "metadata_type", None)
+        if meta_type is not None and not isinstance(meta, meta_type):
+            import msgspec
+
+            return msgspec.convert(meta, meta_type)
+        return meta
 
     def update_states(self, so: SchedulerOutput) -> None:
         batch = self.batch

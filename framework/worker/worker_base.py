@@ -82,6 +82,13 @@ class WorkerBase:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         assert self.model_runner is not None
         self.model_runner.initialize_kv_cache(num_blocks)
+        from sparrow.kv_transfer import KVConnectorRole, build_connector
+
+        connector = build_connector(self.config, KVConnectorRole.WORKER, self.block_size)
+        if connector is not None:
+            connector.rank = self.rank
+            connector.register_kv_caches(self.model_runner.kv_caches)
+            self.model_runner.kv_connector = connector
 
     # -- steps ------------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -308,13 +308,17 @@ def unified_paged_attention(
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    # Defaults measured on an H100 (bf16): 64-row query tiles beat 128 once decodes share the
+    # batch; 64 keys per step (128 at head_dim 64) keep a 4-warp program fed.
+    decode_only = max_query_len <= 1
     if block_m is None:
         # tl.dot needs >= 16 rows; decode tiles hold one token (x the GQA group), prefill many.
-        block_m = 16 if max_query_len <= 1 else (128 if head_dim_pad <= 64 else 64)
+        block_m = 16 if decode_only else 64
     block_m = max(block_m, group_pad, 16)
     block_q = max(1, block_m // group_pad)
     if tile_n is None:
-        tile_n = 64 if head_dim_pad <= 128 else 32
+        tile_n = 32 if head_dim_pad > 128 else (128 if head_dim_pad <= 64 and not decode_only
+                                                 else 64)
     num_q_tiles = (num_tokens + num_reqs * (block_q - 1)) // block_q
 
     if num_kv_splits is None:

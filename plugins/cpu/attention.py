@@ -191,7 +191,7 @@ class TorchPagedAttention(AttentionBackend):
         # than index_select on the 4-D tensor).
         batch, num_blocks = block_table.shape
         rows = cache.view(cache.shape[0], -1)  # [num_blocks, block_size * Hkv * D]
-        gathered = rows.index_select(0, block_table.reshape(-1).to(torch.int64))
+        gathered = rows.index_select(0, block_table.reshape(-1))  # int32 ids are fine here
         return gathered.view(batch, num_blocks * cache.shape[1], self.num_kv_heads, self.head_dim)[:, :seq_len]
 
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -212,7 +212,7 @@ class TorchPagedAttention(AttentionBackend):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
         """q [B, Hq, L, D], k/v [B, Hkv, S, D], mask [B or 1, 1, L, S] bool or None (causal, S == L)."""
-        if q.dtype == torch.float32:
+        if q.dtype == torch.float32 or q.shape[2] > 1:
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,
@@ -221,9 +221,9 @@ class TorchPagedAttention(AttentionBackend):
 
     def _attend_grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         mask: torch.Tensor | None) -> torch.Tensor:
-        """Half-precision path: GQA by grouping query heads, softmax in float32.
+        """Half-precision decode: GQA by grouping query heads, softmax in float32.
 
-        (torch's CPU SDPA is slower than this in bf16 for decode-sized problems.)
+        (torch's CPU SDPA is slower than this in bf16 when each request has one query token.)
         """
         batch, num_heads, query_len, head_dim = q.shape
         group = num_heads // self.num_kv_heads

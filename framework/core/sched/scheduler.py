@@ -52,7 +52,11 @@ class Scheduler(SchedulerInterface):
         self.enable_chunked_prefill = enable_chunked_prefill
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self._allocate = allocate_slots or _allocate_directly
+        # Scheduler half of a KV connector (sparrow.kv_transfer), or None.
         self.kv_connector = kv_connector
+        if kv_connector is not None:
+            kv_connector.kv_cache_manager = kv_cache_manager
+        self.num_external_computed_tokens = 0  # loaded through the connector since the last stats
 
         self.requests: dict[str, Request] = {}  # req_id -> request, every unfinished one
         self.waiting: deque[Request] = deque()
@@ -106,6 +110,8 @@ class Scheduler(SchedulerInterface):
             self._free(request)
 
     def _free(self, request: Request) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(request)
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -190,16 +196,25 @@ class Scheduler(SchedulerInterface):
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
                 computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
-                num_new_tokens = request.num_tokens - num_computed
+                num_external = 0
+                if self.kv_connector is not None:
+                    num_external = self.kv_connector.get_num_new_matched_tokens(request, num_computed)
+                num_new_tokens = request.num_tokens - num_computed - num_external
                 if not self.enable_chunked_prefill and num_new_tokens > token_budget:
                     break
                 num_new_tokens = self._cap(request, num_new_tokens, token_budget)
-                new_blocks = self._allocate_for(request, num_new_tokens, num_computed, computed_blocks)
+                # Externally loaded tokens need slots but no compute budget.
+                new_blocks = self._allocate_for(request, num_new_tokens + num_external, num_computed, computed_blocks)
                 if new_blocks is None:
                     break
+                if self.kv_connector is not None:
+                    self.kv_connector.update_state_after_alloc(
+                        request, self.kv_cache_manager.get_blocks(request.request_id), num_external)
+                    self.num_external_computed_tokens += num_external
                 self.waiting.popleft()
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
+                num_computed += num_external
                 request.num_computed_tokens = num_computed
                 if request.num_cached_tokens is None:
                     request.num_cached_tokens = num_computed
@@ -218,6 +233,8 @@ class Scheduler(SchedulerInterface):
             total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
             finished_req_ids=sorted(self.finished_req_ids),
         )
+        if self.kv_connector is not None:
+            output.kv_connector_metadata = self.kv_connector.build_connector_meta(output, self.requests)
         self.finished_req_ids = set()
         # The tokens are as good as computed once scheduled: the next step builds on them.
         for req_id, num_new_tokens in num_scheduled_tokens.items():
@@ -279,8 +296,10 @@ class Scheduler(SchedulerInterface):
             prefix_cache_hits=cache_stats.hits, num_preemptions=self.num_preemptions,
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
             num_total_blocks=self.kv_cache_manager.num_blocks,
+            kv_connector_loaded_tokens=self.num_external_computed_tokens,
         )
         self.num_preemptions = 0
+        self.num_external_computed_tokens = 0
         return stats
 
 

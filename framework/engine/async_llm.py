@@ -1,0 +1,329 @@
+"""AsyncLLM: the asyncio frontend (vLLM's ``AsyncLLM``), used by the OpenAI-compatible server.
+
+    generate() -> InputProcessor -> OutputProcessor.add_request -> AsyncMPClient -> engine core
+    output handler task: engine core outputs -> OutputProcessor -> per-request collectors
+                         -> generate() yields RequestOutputs to its consumer
+
+The engine core always runs in its own process here (an in-process core would block the event
+loop during every forward pass). A consumer that stops early (its task is cancelled, or it
+closes the generator) aborts the request in the engine core, which frees its KV blocks.
+When the engine core dies, every pending and later call raises ``EngineDeadError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from sparrow.config import EngineConfig
+from sparrow.engine.exceptions import EngineDeadError
+from sparrow.engine.input_processor import InputProcessor, PromptType
+from sparrow.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from sparrow.engine.metrics import EngineMetrics
+from sparrow.engine.mp_client import AsyncMPClient
+from sparrow.engine.output_processor import OutputProcessor
+from sparrow.engine.setup import finalize_config
+from sparrow.outputs import RequestOutput
+from sparrow.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestOutputCollector:
+    """The mailbox between the output handler and one ``generate()`` consumer.
+
+    Holds at most one pending output: a consumer that falls behind gets the outputs merged
+    (DELTA: appended; CUMULATIVE: the latest), never a growing backlog. An error replaces
+    whatever is pending and stays.
+    """
+
+    def __init__(self, output_kind: RequestOutputKind) -> None:
+        self.aggregate = output_kind == RequestOutputKind.DELTA
+        self._pending: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, output: RequestOutput | BaseException) -> None:
+        if isinstance(self._pending, BaseException):
+            return
+        if self._pending is None or isinstance(output, BaseException):
+            self._pending = output
+        else:
+            self._pending.add(output, aggregate=self.aggregate)
+        self._ready.set()
+
+    def get_nowait(self) -> RequestOutput | None:
+        pending, self._pending = self._pending, None
+        self._ready.clear()
+        if isinstance(pending, BaseException):
+            raise pending
+        return pending
+
+    async def get(self) -> RequestOutput:
+        while self._pending is None:
+            await self._ready.wait()
+        output = self.get_nowait()
+        assert output is not None
+        return output
+
+
+class AsyncLLM:
+    """An asyncio engine. ``AsyncLLM.from_engine_args(model=..., max_model_len=...)`` takes the
+    same keywords as ``LLM``; ``executor_factory`` ("package.module:callable") replaces the
+    configured executor in the engine process (tests)."""
+
+    def __init__(self, config: EngineConfig, *, executor_factory: str | None = None) -> None:
+        from sparrow.engine.llm_engine import load_tokenizer, model_eos_token_ids
+        from sparrow.model_loader import get_hf_config
+
+        self.config = finalize_config(config)
+        model_dir = self.config.model.model
+        assert model_dir is not None and self.config.model.max_model_len is not None
+        self.model_config = self.config.model
+        self.served_model_name = self.config.model.served_model_name or model_dir
+        self.tokenizer = load_tokenizer(self.config.model.tokenizer)
+        self.hf_config = get_hf_config(model_dir)
+        self.input_processor = InputProcessor(
+            self.tokenizer, max_model_len=self.config.model.max_model_len,
+            vocab_size=self.hf_config.vocab_size, eos_token_ids=model_eos_token_ids(model_dir))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.metrics = EngineMetrics(self.served_model_name)
+        self.last_stats: SchedulerStats | None = None
+        # request_id -> the mailbox of its generate() consumer
+        self._collectors: dict[str, RequestOutputCollector] = {}
+        # engine-core request id -> caller's request id (they differ for the children of n > 1)
+        self._external_ids: dict[str, str] = {}
+        # engine-core request id -> prompt length, for the prompt-token counter
+        self._prompt_lens: dict[str, int] = {}
+        self._dead_error: EngineDeadError | None = None
+        self._output_handler: asyncio.Task | None = None
+        self.engine_core = AsyncMPClient(self.config, executor_factory=executor_factory)
+        kv_info = self.engine_core.kv_cache_info
+        self.kv_cache_capacity_tokens = kv_info["num_blocks"] * kv_info["block_size"]
+
+    @classmethod
+    def from_engine_args(cls, executor_factory: str | None = None, **engine_args: Any) -> AsyncLLM:
+        return cls(EngineConfig.from_kwargs(**engine_args), executor_factory=executor_factory)
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        return self._dead_error is not None or self.engine_core.is_dead
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._dead_error or self.engine_core.dead_error
+
+    @property
+    def is_running(self) -> bool:
+        return not self.errored
+
+    async def check_health(self) -> None:
+        """Raises EngineDeadError when the engine core is gone."""
+        self._raise_if_dead()
+
+    def _raise_if_dead(self) -> None:
+        error = self.dead_error
+        if error is not None:
+            raise error
+
+    async def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # -- requests ---------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None,
+        request_id: str,
+        *,
+        priority: int = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's outputs as they come (per ``sampling_params.output_kind``).
+
+        Raises ValueError for an invalid request (before anything is yielded) and
+        EngineDeadError when the engine dies. Closing or cancelling the consumer aborts it.
+        """
+        collector = await self.add_request(request_id, prompt, sampling_params, priority=priority)
+        stream = self.stream_outputs(request_id, collector)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            # Closing an unfinished stream aborts the request in the engine core.
+            await stream.aclose()
+
+    async def stream_outputs(self, request_id: str, collector: RequestOutputCollector
+                             ) -> AsyncGenerator[RequestOutput, None]:
+        """The outputs of a request submitted with ``add_request``, until it finishes. For
+        servers that validate (``add_request``) before they commit to a response."""
+        finished = False
+        try:
+            while not finished:
+                output = collector.get_nowait() or await collector.get()
+                finished = output.finished
+                yield output
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:
+                logger.debug("request %s: consumer went away; aborting it", request_id)
+                self._abort_now([request_id])
+            raise
+        finally:
+            self._collectors.pop(request_id, None)
+
+    async def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None,
+                          *, priority: int = 0, arrival_time: float | None = None) -> RequestOutputCollector:
+        """Validate and submit a request; its outputs go to the returned collector."""
+        self._raise_if_dead()
+        self._ensure_output_handler()
+        if request_id in self._collectors:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        text, request = self.input_processor.process_inputs(
+            request_id, prompt, params, priority=priority, arrival_time=arrival_time)
+        self._check_kv_capacity(request)
+        collector = RequestOutputCollector(params.output_kind)
+        children = self.output_processor.add_request(request, text, queue=collector)
+        self._collectors[request_id] = collector
+        for child in children:
+            self._external_ids[child.request_id] = request_id
+            self._prompt_lens[child.request_id] = len(child.prompt_token_ids)
+            self.metrics.request_added(child.request_id, child.arrival_time)
+        try:
+            for child in children:
+                await self.engine_core.add_request_async(child)
+        except BaseException:
+            self._abort_now([request_id])
+            self._collectors.pop(request_id, None)
+            raise
+        return collector
+
+    def _check_kv_capacity(self, request: EngineCoreRequest) -> None:
+        needed = min(len(request.prompt_token_ids) + (request.max_tokens or 0), self.model_config.max_model_len or 0)
+        if needed > self.kv_cache_capacity_tokens:
+            raise ValueError(
+                f"request {request.request_id!r} needs KV cache for {needed} tokens but the whole cache holds "
+                f"{self.kv_cache_capacity_tokens}; lower max_tokens or raise kv_cache_memory_bytes / num_kv_blocks")
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Abort requests: their consumers get a final output with finish_reason "abort"."""
+        self._abort_now([request_id] if isinstance(request_id, str) else list(request_id))
+
+    def _abort_now(self, request_ids: list[str]) -> None:
+        engine_ids = self.output_processor.abort_requests(request_ids)
+        for engine_id in engine_ids:
+            self._engine_request_done(engine_id, "abort")
+        if engine_ids and not self.errored:
+            try:
+                self.engine_core.abort_requests(engine_ids)
+            except EngineDeadError:
+                pass  # nothing left to free
+
+    def _engine_request_done(self, engine_id: str, finish_reason: str) -> None:
+        self.metrics.request_finished(engine_id, finish_reason)
+        self._external_ids.pop(engine_id, None)
+        self._prompt_lens.pop(engine_id, None)
+
+    # -- the output handler -----------------------------------------------------------------
+    def _ensure_output_handler(self) -> None:
+        if self._output_handler is None:
+            self._output_handler = asyncio.get_running_loop().create_task(
+                self._run_output_handler(), name="AsyncLLM.output_handler")
+
+    async def _run_output_handler(self) -> None:
+        try:
+            while True:
+                outputs = await self.engine_core.get_output_async()
+                now = time.monotonic()
+                if outputs.scheduler_stats is not None:
+                    self.last_stats = outputs.scheduler_stats
+                    self.metrics.record_scheduler_stats(outputs.scheduler_stats)
+                if outputs.outputs:
+                    self._process_outputs(outputs.outputs, now)
+        except EngineDeadError as exc:
+            self._set_dead(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a broken handler must fail callers, not hang them
+            logger.exception("AsyncLLM output handler failed")
+            self._set_dead(EngineDeadError(f"the output handler failed: {type(exc).__name__}: {exc}"))
+
+    def _process_outputs(self, core_outputs: list[EngineCoreOutput], now: float) -> None:
+        if any(output.error_message is not None for output in core_outputs):
+            core_outputs = self._fail_rejected(core_outputs)
+        self.metrics.record_outputs(core_outputs, self._prompt_lens, now)
+        processed = self.output_processor.process_outputs(core_outputs, now)
+        for output in core_outputs:
+            if output.finish_reason is not None:
+                self._engine_request_done(output.request_id, str(output.finish_reason))
+        if processed.reqs_to_abort:
+            # Stop strings are found here, not in the engine core: tell it to stop generating.
+            for engine_id in processed.reqs_to_abort:
+                self._engine_request_done(engine_id, "stop")
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+
+    def _fail_rejected(self, core_outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Raise the engine core's rejection to the request's consumer; drop those outputs."""
+        kept = []
+        for output in core_outputs:
+            if output.error_message is None:
+                kept.append(output)
+                continue
+            external_id = self._external_ids.get(output.request_id)
+            collector = self._collectors.get(external_id) if external_id is not None else None
+            if collector is not None:
+                collector.put(ValueError(output.error_message))
+            self._engine_request_done(output.request_id, "error")
+            if external_id is not None:
+                # The other samples of an n > 1 request cannot complete it any more.
+                self._abort_now([external_id])
+        return kept
+
+    def _set_dead(self, error: EngineDeadError) -> None:
+        if self._dead_error is None:
+            self._dead_error = error
+        for collector in self._collectors.values():
+            collector.put(error)
+
+    # -- utilities --------------------------------------------------------------------------
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine_core.call_utility_async("reset_prefix_cache")
+
+    async def get_scheduler_stats(self) -> SchedulerStats:
+        stats = await self.engine_core.call_utility_async("get_scheduler_stats")
+        # The call consumed the cache-counter deltas; keep them in the Prometheus counters.
+        self.metrics.record_scheduler_stats(stats)
+        return stats
+
+    async def get_kv_cache_info(self) -> dict[str, int]:
+        return await self.engine_core.call_utility_async("get_kv_cache_info")
+
+    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        return await self.engine_core.call_utility_async("collective_rpc", method, args, kwargs)
+
+    def shutdown(self) -> None:
+        """Stop the engine process; pending consumers get EngineDeadError."""
+        self.engine_core.shutdown()
+        error = self.engine_core.dead_error or EngineDeadError("the engine was shut down")
+        handler = self._output_handler
+        if handler is None or handler.done():
+            return
+
+        def stop() -> None:
+            self._set_dead(error)
+            handler.cancel()
+
+        loop = handler.get_loop()
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        try:
+            if running is loop:
+                stop()
+            else:
+                loop.call_soon_threadsafe(stop)
+        except RuntimeError:
+            pass  # the loop is closed; the task died with it

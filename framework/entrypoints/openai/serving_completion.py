@@ -1,0 +1,170 @@
+"""POST /v1/completions: text or token-id prompts, streamed (SSE) or whole."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from sparrow.engine.exceptions import EngineDeadError
+from sparrow.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+)
+from sparrow.entrypoints.openai.serving_engine import (
+    APIError,
+    OpenAIServing,
+    bad_request,
+    cancel_on_disconnect,
+    clamp_logprob,
+    engine_dead,
+    merge_streams,
+)
+from sparrow.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+
+logger = logging.getLogger(__name__)
+
+
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
+    """OpenAI's prompt forms as engine prompts: one per choice group."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", "BadRequestError", param="prompt", code="invalid_value")
+    if all(isinstance(item, int) for item in prompt):
+        return [{"prompt_token_ids": list(prompt)}]
+    if all(isinstance(item, str) for item in prompt):
+        return list(prompt)
+    return [{"prompt_token_ids": list(item)} for item in prompt]
+
+
+class CompletionLogprobsBuilder:
+    """OpenAI's completion logprobs (tokens, token_logprobs, top_logprobs, text_offset) for one
+    choice, built incrementally so streamed chunks continue the offsets of earlier ones."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.offset = 0
+
+    def token_text(self, token_id: int, decoded: str | None) -> str:
+        return decoded if decoded is not None else self.tokenizer.decode([token_id])
+
+    def build(self, token_ids: list[int], logprobs: SampleLogprobs) -> CompletionLogProbs:
+        out = CompletionLogProbs()
+        for token_id, position in zip(token_ids, logprobs):
+            chosen = position.get(token_id)
+            text = self.token_text(token_id, chosen.decoded_token if chosen else None)
+            out.tokens.append(text)
+            out.token_logprobs.append(clamp_logprob(chosen.logprob) if chosen else None)
+            out.top_logprobs.append({
+                self.token_text(other_id, entry.decoded_token): clamp_logprob(entry.logprob)
+                for other_id, entry in position.items()
+            })
+            out.text_offset.append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    request_id_prefix = "cmpl"
+
+    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
+        model = self.check_model(request.model)
+        self.check_common(request)
+        if request.suffix:
+            raise APIError(400, "suffix is not supported", "BadRequestError", param="suffix", code="unsupported")
+        if request.echo:
+            raise APIError(400, "echo is not supported", "BadRequestError", param="echo", code="unsupported")
+        if request.best_of is not None and request.best_of != request.n:
+            raise APIError(400, "best_of must equal n (beam-style best_of is not supported)", "BadRequestError",
+                           param="best_of", code="unsupported")
+        prompts = completion_prompts(request.prompt)
+        params = self.sampling_params(request, max_tokens=request.max_tokens, logprobs=request.logprobs,
+                                      stream=bool(request.stream), prompt_logprobs=request.prompt_logprobs)
+        request_id = self.new_request_id()
+        streams = await self.submit(request_id, prompts, params, request.priority)
+        n = request.n
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            return StreamingResponse(self._stream(request_id, model, n, streams, include_usage),
+                                     media_type="text/event-stream")
+        finals = await cancel_on_disconnect(raw_request, self._collect(streams))
+        if finals is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        return JSONResponse(self._response(request_id, model, n, finals).model_dump(mode="json"))
+
+    @staticmethod
+    async def _collect(streams: list) -> list[RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for index, output in merge_streams(streams):
+                finals[index] = output
+        except EngineDeadError as exc:
+            raise engine_dead(exc) from None
+        except ValueError as exc:
+            raise bad_request(exc) from None  # the engine core rejected a request
+        return [finals[index] for index in range(len(streams))]
+
+    def _response(self, request_id: str, model: str, n: int, finals: list[RequestOutput]) -> CompletionResponse:
+        choices, usage = [], UsageInfo()
+        for prompt_index, final in enumerate(finals):
+            usage.prompt_tokens += len(final.prompt_token_ids or [])
+            for completion in final.outputs:
+                usage.completion_tokens += len(completion.token_ids)
+                choices.append(self._choice(prompt_index * n + completion.index, completion,
+                                            CompletionLogprobsBuilder(self.engine.tokenizer)))
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        choices.sort(key=lambda choice: choice.index)
+        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+
+    @staticmethod
+    def _choice(index: int, completion: CompletionOutput, builder: CompletionLogprobsBuilder) -> CompletionResponseChoice:
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = builder.build(completion.token_ids, completion.logprobs)
+        return CompletionResponseChoice(index=index, text=completion.text, logprobs=logprobs,
+                                        finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+
+    async def _stream(self, request_id: str, model: str, n: int, streams: list,
+                      include_usage: bool) -> AsyncIterator[str]:
+        builders: dict[int, CompletionLogprobsBuilder] = {}
+        prompt_tokens: dict[int, int] = {}
+        completion_tokens = 0
+        try:
+            async for prompt_index, output in merge_streams(streams):
+                prompt_tokens[prompt_index] = len(output.prompt_token_ids or [])
+                choices = []
+                for completion in output.outputs:
+                    index = prompt_index * n + completion.index
+                    completion_tokens += len(completion.token_ids)
+                    # Tokens that end mid-character carry no text yet; send them with the next
+                    # chunk unless their logprobs must go out now.
+                    if not completion.text and completion.finish_reason is None and not completion.logprobs:
+                        continue
+                    builder = builders.setdefault(index, CompletionLogprobsBuilder(self.engine.tokenizer))
+                    choices.append(self._choice(index, completion, builder))
+                if choices:
+                    chunk = CompletionStreamResponse(id=request_id, model=model, choices=choices)
+                    yield f"data: {chunk.model_dump_json()}\n\n"
+            if include_usage:
+                total_prompt = sum(prompt_tokens.values())
+                usage = UsageInfo(prompt_tokens=total_prompt, completion_tokens=completion_tokens,
+                                  total_tokens=total_prompt + completion_tokens)
+                chunk = CompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage)
+                yield f"data: {chunk.model_dump_json()}\n\n"
+        except EngineDeadError as exc:
+            yield f"data: {json.dumps(engine_dead(exc).body())}\n\n"
+        except APIError as exc:
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        except ValueError as exc:
+            # The engine core rejected a request after the stream started.
+            yield f"data: {json.dumps(APIError(400, str(exc), 'BadRequestError').body())}\n\n"
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,215 @@
+"""What the completion and chat endpoints share: errors in OpenAI's shape, model checks,
+SamplingParams from a request, submitting prompts, merging streams, and client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from sparrow.engine.async_llm import AsyncLLM
+from sparrow.engine.exceptions import EngineDeadError
+from sparrow.entrypoints.openai.protocol import SamplingFields
+from sparrow.outputs import RequestOutput
+from sparrow.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# The request fields an engine-side ValueError may name first in its message.
+_PARAM_NAMES = {
+    "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
+    "prompt_logprobs", "prompt", "prompt_token_ids", "messages", "chat_template", "priority",
+}
+_LEADING_NAME = re.compile(r"^(?:SamplingParams\.)?([a-z_]+)")
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM reports this instead
+
+
+class APIError(Exception):
+    """An error the server answers with ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status_code: int, message: str, err_type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.err_type = err_type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
+
+
+def bad_request(exc: ValueError, default_param: str | None = None) -> APIError:
+    """A 400 for an invalid value the engine found, naming the field when the message does."""
+    message = str(exc)
+    match = _LEADING_NAME.match(message)
+    param = match.group(1) if match and match.group(1) in _PARAM_NAMES else default_param
+    if param == "prompt_token_ids":
+        param = "prompt"
+    return APIError(400, message, "BadRequestError", param=param, code="invalid_value")
+
+
+def engine_dead(exc: EngineDeadError) -> APIError:
+    return APIError(503, f"the engine is not running: {exc}", "ServiceUnavailableError", code="engine_dead")
+
+
+def clamp_logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+class OpenAIServing:
+    """Base of the endpoint handlers: one per endpoint, built once per app."""
+
+    request_id_prefix = "req"
+
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+
+    def check_model(self, model: str | None) -> str:
+        if model is None or model in self.served_model_names:
+            return self.served_model_names[0]
+        raise APIError(404, f"the model {model!r} does not exist; served: {', '.join(self.served_model_names)}",
+                       "NotFoundError", param="model", code="model_not_found")
+
+    def new_request_id(self) -> str:
+        return f"{self.request_id_prefix}-{uuid.uuid4().hex}"
+
+    @staticmethod
+    def check_common(request: SamplingFields) -> None:
+        if request.stream_options is not None and not request.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", "BadRequestError",
+                           param="stream_options", code="invalid_value")
+        if request.logit_bias:
+            raise APIError(400, "logit_bias is not supported", "BadRequestError", param="logit_bias",
+                           code="unsupported")
+        if request.model_extra:
+            logger.warning("ignoring unsupported request fields: %s", ", ".join(sorted(request.model_extra)))
+
+    @staticmethod
+    def sampling_params(request: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                        stream: bool, prompt_logprobs: int | None = None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=request.n,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=0 if request.top_k is None else request.top_k,
+                min_p=0.0 if request.min_p is None else request.min_p,
+                presence_penalty=request.presence_penalty or 0.0,
+                frequency_penalty=request.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+                seed=request.seed,
+                stop=request.stop,
+                stop_token_ids=request.stop_token_ids,
+                ignore_eos=request.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+                spaces_between_special_tokens=request.spaces_between_special_tokens,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                # A stream sends what is new; a full response needs only the end.
+                output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            )
+        except ValueError as exc:
+            raise bad_request(exc) from None
+
+    async def submit(self, request_id: str, prompts: list[Any], params: SamplingParams,
+                     priority: int) -> list[AsyncGenerator[RequestOutput, None]]:
+        """Validate and submit every prompt before any response is sent, so that an invalid one
+        is a 400 and costs the others nothing; one stream of outputs per prompt."""
+        engine = self.engine
+        submitted: list[str] = []
+        streams = []
+        try:
+            for index, prompt in enumerate(prompts):
+                sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+                collector = await engine.add_request(sub_id, prompt, params, priority=priority)
+                submitted.append(sub_id)
+                streams.append(engine.stream_outputs(sub_id, collector))
+        except ValueError as exc:
+            await engine.abort(submitted)
+            raise bad_request(exc, default_param="prompt") from None
+        except EngineDeadError as exc:
+            raise engine_dead(exc) from None
+        return streams
+
+
+async def merge_streams(streams: list[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async generators as they come, tagged with the generator's index.
+
+    Leaving early (an error, a cancelled consumer) closes every stream, which aborts its request.
+    """
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue[tuple[int, Any] | tuple[int, BaseException] | None] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, exc))
+        finally:
+            await stream.aclose()
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            entry = await queue.get()
+            if entry is None:
+                remaining -= 1
+                continue
+            index, item = entry
+            if isinstance(item, BaseException):
+                raise item
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def cancel_on_disconnect(raw_request: Request, work: Awaitable[T]) -> T | None:
+    """Run ``work`` unless the client disconnects first; then cancel it (aborting its requests)
+    and return None. Streaming responses get this from Starlette; full responses need it."""
+    work_task = asyncio.ensure_future(work)
+
+    async def wait_for_disconnect() -> None:
+        while True:
+            message = await raw_request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    listener = asyncio.create_task(wait_for_disconnect())
+    try:
+        done, _ = await asyncio.wait({work_task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work_task.cancel()
+        raise
+    finally:
+        listener.cancel()
+    if work_task in done:
+        return work_task.result()
+    logger.info("client disconnected; aborting its request")
+    work_task.cancel()
+    await asyncio.gather(work_task, return_exceptions=True)
+    return None

@@ -1,0 +1,438 @@
+"""`sparrow serve` end to end: a real server process on 127.0.0.1, a small real model built
+locally, the real `openai` client (and httpx for what the client cannot express)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+API_KEY = "test-key"
+MODEL_NAME = "tiny-test"
+MAX_BODY_BYTES = 1_000_000
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+
+
+# -- the server process ---------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _proc_children(pid: int) -> list[tuple[int, bytes]]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat[1]) == pid and stat[0] != "Z":
+            children.append((int(entry.name), cmdline))
+    return children
+
+
+def is_running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Server:
+    def __init__(self, model_dir: str, log_path: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        command = [
+            sys.executable, "-m", "sparrow.entrypoints.cli", "serve", model_dir, "--port", str(self.port),
+            "--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--max-model-len", "512",
+            "--kv-cache-memory-bytes", str(16 << 20), "--max-request-body-bytes", str(MAX_BODY_BYTES),
+            "--disable-access-log", *extra,
+        ]
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server not healthy in time:\n{self.log()}")
+            time.sleep(0.2)
+        self.engine_pid = self._engine_pid()
+
+    def _engine_pid(self) -> int:
+        engines = [pid for pid, cmdline in _proc_children(self.proc.pid) if b"spawn_main" in cmdline]
+        assert len(engines) == 1, f"expected one engine process, found {engines}"
+        return engines[0]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, **kwargs)
+
+    def async_client(self, **kwargs) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=API_KEY, max_retries=0, **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        values = {}
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                values[re.sub(r'model_name="[^"]*",?', "", name).replace("{}", "")] = float(value)
+        return values
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from sparrow.tiny.model import build_model_dir
+
+    return str(build_model_dir(tmp_path_factory.mktemp("serve-model"), "qwen3", "test", seed=5))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    srv = Server(model_dir, tmp_path_factory.mktemp("logs") / "server.log")
+    yield srv
+    engine_pid = srv.engine_pid
+    srv.stop()
+    assert srv.proc.returncode == 0, srv.log()
+    deadline = time.monotonic() + 10
+    while is_running(engine_pid):
+        assert time.monotonic() < deadline, "the engine process outlived the server"
+        time.sleep(0.1)
+
+
+def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+# -- endpoints --------------------------------------------------------------------------------
+def test_health_models_and_version(server):
+    assert httpx.get(server.url + "/health").status_code == 200
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert httpx.get(server.url + "/version").json()["version"]
+
+
+def test_completion_streamed_text_equals_whole_text_under_greedy(server):
+    client = server.client()
+    whole = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    streamed = "".join(choice.text for chunk in chunks for choice in chunk.choices)
+    assert streamed == whole.choices[0].text and len(whole.choices[0].text) > 0
+    assert whole.choices[0].finish_reason == "length"
+    assert [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason] == ["length"]
+    assert whole.usage.completion_tokens == 24
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 24
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+
+
+def test_completion_accepts_token_ids_like_the_text_it_encodes(server, model_dir):
+    from transformers import AutoTokenizer
+
+    token_ids = AutoTokenizer.from_pretrained(model_dir).encode(PROMPT)
+    client = server.client()
+    by_text = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0)
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=token_ids, max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(token_ids) == by_text.usage.prompt_tokens
+    # Several prompts: one choice each, in order.
+    several = client.completions.create(model=MODEL_NAME, prompt=[PROMPT, "Hello"], max_tokens=4, temperature=0)
+    assert [c.index for c in several.choices] == [0, 1]
+    assert several.choices[0].text == by_text.choices[0].text[:len(several.choices[0].text)]
+
+
+def test_completion_logprobs(server):
+    response = server.client().completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0,
+                                                  logprobs=3, extra_body={"ignore_eos": True})
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 8
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    assert all(3 <= len(top) <= 4 for top in logprobs.top_logprobs)
+    # Greedy: the chosen token is the most likely one.
+    for token, chosen, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert chosen == pytest.approx(max(top.values()))
+        assert top[token] == pytest.approx(chosen)
+    offsets = logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    assert [b - a for a, b in zip(offsets, offsets[1:])] == [len(t) for t in logprobs.tokens[:-1]]
+
+
+def test_chat_streamed_equals_whole_with_usage_and_logprobs(server):
+    client = server.client()
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say something."}]
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=16,
+                                           temperature=0, logprobs=True, top_logprobs=2,
+                                           extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=16,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices)
+    message = whole.choices[0].message
+    assert message.role == "assistant" and streamed == message.content
+    assert whole.usage.completion_tokens == 16 == chunks[-1].usage.completion_tokens
+    assert whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens > 10  # the template's tokens count
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 16
+    assert all(len(entry.top_logprobs) == 2 for entry in content)
+    assert all(entry.logprob == pytest.approx(entry.top_logprobs[0].logprob) for entry in content)
+
+
+def test_n_samples_whole_and_streamed(server):
+    client = server.client()
+    response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, n=2, temperature=1.0,
+                                         seed=7, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in response.choices) == [0, 1]
+    assert response.usage.completion_tokens == 20
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=6, n=2, temperature=1.0, seed=7, stream=True,
+                                            extra_body={"ignore_eos": True})
+    finished = {c.index: c.finish_reason for chunk in stream for c in chunk.choices if c.finish_reason}
+    assert finished == {0: "length", 1: "length"}
+
+
+def test_stop_string_ends_the_text_before_it(server):
+    client = server.client()
+    base = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=40, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    # A stop string from the middle of the greedy text: the stopped text is what precedes it.
+    candidates = [base[i:i + 3] for i in range(5, len(base) - 3) if "\ufffd" not in base[i:i + 3]]
+    assert candidates, f"no usable stop string in {base!r}"
+    stop = candidates[len(candidates) // 2]
+    for stream in (False, True):
+        response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=40, temperature=0,
+                                             stop=[stop], stream=stream, extra_body={"ignore_eos": True})
+        if stream:
+            chunks = list(response)
+            text = "".join(c.text for chunk in chunks for c in chunk.choices)
+            finish = [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason]
+        else:
+            text, finish = response.choices[0].text, [response.choices[0].finish_reason]
+        assert text == base[:base.index(stop)]
+        assert finish == ["stop"]
+
+
+# -- errors ------------------------------------------------------------------------------------
+def test_invalid_parameters_are_400_naming_the_field(server):
+    client = server.client()
+    cases = [
+        (dict(top_p=5.0), "top_p"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(max_tokens=100_000), "max_tokens"),
+        (dict(logprobs=50), "logprobs"),
+        (dict(extra_body={"top_k": -7}), "top_k"),
+        (dict(stop=[""]), "stop"),
+    ]
+    for kwargs, field in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL_NAME, prompt=PROMPT, **kwargs)
+        error = info.value.body
+        assert error["param"] == field, (kwargs, error)
+        assert field in error["message"]
+        assert error["type"] and "code" in error
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt=[1, 2, 10**6], max_tokens=2)
+    assert info.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL_NAME, messages=[], max_tokens=2)
+    assert info.value.body["param"] == "messages"
+
+
+def test_auth_model_and_size_errors(server):
+    with pytest.raises(openai.AuthenticationError) as info:
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert info.value.status_code == 401 and info.value.body["type"] == "AuthenticationError"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/health").status_code == 200  # only /v1 needs the key
+    with pytest.raises(openai.NotFoundError) as info:
+        server.client().completions.create(model="no-such-model", prompt=PROMPT, max_tokens=2)
+    assert info.value.body["param"] == "model"
+
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    big = json.dumps({"model": MODEL_NAME, "prompt": "x" * (MAX_BODY_BYTES + 10)}).encode()
+    response = httpx.post(server.url + "/v1/completions", content=big, headers=headers)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+    def chunked():  # no Content-Length: the limit is enforced on the bytes received
+        for start in range(0, len(big), 65536):
+            yield big[start:start + 65536]
+
+    response = httpx.post(server.url + "/v1/completions", content=chunked(), headers=headers)
+    assert response.status_code == 413 and "error" in response.json()
+
+
+# -- concurrency and aborts --------------------------------------------------------------------
+def test_64_concurrent_streaming_clients_all_complete(server):
+    async def one(client: openai.AsyncOpenAI, index: int) -> tuple[str, int]:
+        stream = await client.completions.create(
+            model=MODEL_NAME, prompt=f"{PROMPT} {index}", max_tokens=16, temperature=0.8, seed=index,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        finish, tokens = None, 0
+        async for chunk in stream:
+            for choice in chunk.choices:
+                finish = choice.finish_reason or finish
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return finish, tokens
+
+    async def main():
+        async with server.async_client(timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(main())
+    assert results == [("length", 16)] * 64
+    metrics = server.metrics()
+    assert metrics["sparrow:generation_tokens_total"] >= 64 * 16
+    assert metrics["sparrow:request_success_total{finished_reason=\"length\"}"] >= 64
+    assert metrics["sparrow:time_to_first_token_seconds_count"] >= 64
+
+
+def test_client_disconnect_aborts_the_request_and_frees_its_blocks(server):
+    aborted_before = server.metrics().get('sparrow:request_success_total{finished_reason="abort"}', 0.0)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", server.url + "/v1/completions", json=body, headers=headers) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            wait_until(lambda: server.metrics()["sparrow:kv_cache_usage_perc"] > 0, what="blocks in use")
+        # Leaving the block closes the connection mid-stream.
+    wait_until(lambda: server.metrics()["sparrow:num_requests_running"] == 0, what="the request to stop")
+    metrics = server.metrics()
+    assert metrics["sparrow:kv_cache_usage_perc"] == 0.0
+    assert metrics['sparrow:request_success_total{finished_reason="abort"}'] == aborted_before + 1
+
+    # A whole (non-streamed) request whose client gives up is aborted too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, headers=headers, timeout=1.0)
+    wait_until(lambda: server.metrics().get('sparrow:request_success_total{finished_reason="abort"}', 0)
+               == aborted_before + 2, what="the second abort")
+    wait_until(lambda: server.metrics()["sparrow:kv_cache_usage_perc"] == 0.0, what="blocks to be freed")
+
+
+def _bounded(body):
+    """Keep generated work small: a few short samples per request (the checks are about shapes)."""
+    if isinstance(body, dict):
+        def is_int(value):
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        for key in ("max_tokens", "max_completion_tokens"):
+            if is_int(body.get(key)) and body[key] > 4:
+                body[key] = 4
+        if is_int(body.get("n")) and body["n"] > 2:
+            body["n"] = 2
+        if isinstance(body.get("prompt"), list) and body["prompt"] and isinstance(body["prompt"][0], list):
+            body["prompt"] = body["prompt"][:2]
+    return body
+
+
+def test_openapi_schema_fuzzing_finds_no_server_error(server):
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from schemathesis import GenerationMode
+
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    failures = []
+    labels = []
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        labels.append(operation.label)
+        strategies = [operation.as_strategy(GenerationMode.POSITIVE)]
+        if operation.method.upper() == "POST":
+            strategies.append(operation.as_strategy(GenerationMode.NEGATIVE))
+
+        @given(case=st.one_of(strategies))
+        @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        def call(case):
+            case.body = _bounded(case.body)
+            response = case.call(base_url=server.url, headers=headers, timeout=60)
+            if response.status_code >= 500:
+                failures.append((operation.label, case.body, response.status_code, response.text[:300]))
+
+        call()
+    assert "POST /v1/completions" in labels and "POST /v1/chat/completions" in labels
+    assert not failures, failures[:5]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+# -- engine death -----------------------------------------------------------------------------
+def test_killing_the_engine_fails_in_flight_requests_and_health(model_dir, tmp_path):
+    server = Server(model_dir, tmp_path / "server.log")
+    try:
+        async def stream_until_error(client: openai.AsyncOpenAI) -> BaseException | None:
+            stream = await client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=400, stream=True,
+                                                     extra_body={"ignore_eos": True})
+            try:
+                async for _ in stream:
+                    pass
+            except openai.APIError as exc:
+                return exc
+            return None
+
+        async def main():
+            async with server.async_client(timeout=60) as client:
+                tasks = [asyncio.create_task(stream_until_error(client)) for _ in range(4)]
+                await asyncio.to_thread(wait_until, lambda: server.metrics()["sparrow:num_requests_running"] == 4,
+                                        30, "4 running requests")
+                os.kill(server.engine_pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+                results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+                return results, time.monotonic() - killed_at
+
+        results, elapsed = asyncio.run(main())
+        assert all(isinstance(r, openai.APIError) for r in results), results
+        assert elapsed < 5
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        with pytest.raises(openai.InternalServerError) as info:
+            server.client().completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
+        assert info.value.status_code == 503
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0, server.log()
+    assert not _proc_children(server.proc.pid)

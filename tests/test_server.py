@@ -100,7 +100,9 @@ class Server:
         for line in httpx.get(self.url + "/metrics").text.splitlines():
             if line and not line.startswith("#"):
                 name, _, value = line.rpartition(" ")
-                values[re.sub(r'model_name="[^"]*",?', "", name).replace("{}", "")] = float(value)
+                # Drop the model_name label: 'x{a="1",model_name="m"}' -> 'x{a="1"}', 'x{model_name="m"}' -> 'x'.
+                name = re.sub(r',?model_name="[^"]*"', "", name).replace("{,", "{").replace("{}", "")
+                values[name] = float(value)
         return values
 
     def stop(self) -> None:
@@ -345,11 +347,13 @@ def test_client_disconnect_aborts_the_request_and_frees_its_blocks(server):
     assert metrics["sparrow:kv_cache_usage_perc"] == 0.0
     assert metrics['sparrow:request_success_total{finished_reason="abort"}'] == aborted_before + 1
 
-    # A whole (non-streamed) request whose client gives up is aborted too.
+    # A whole (non-streamed) request whose client gives up is aborted too: 16 samples of 480
+    # tokens take seconds, the client waits 0.3 s.
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, headers=headers, timeout=1.0)
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False, "n": 16, "max_tokens": 480},
+                   headers=headers, timeout=0.3)
     wait_until(lambda: server.metrics().get('sparrow:request_success_total{finished_reason="abort"}', 0)
-               == aborted_before + 2, what="the second abort")
+               == aborted_before + 1 + 16, what="the 16 samples to be aborted")
     wait_until(lambda: server.metrics()["sparrow:kv_cache_usage_perc"] == 0.0, what="blocks to be freed")
 
 

@@ -63,13 +63,14 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
 
     # -- prefix cache -------------------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(self, request: Request, record_stats: bool = True) -> tuple[KVCacheBlocks, int]:
         """Longest cached prefix of ``request``: its blocks and num_computed_tokens.
 
         Called by the scheduler when it considers admitting a waiting request (new or resumed
         after preemption). The block holding the last token (index ``num_tokens - 1``) is never
         a hit: that token must go through the model to produce logits. Every call counts in
-        the prefix-cache stats, so call it once per admission attempt.
+        the prefix-cache stats unless ``record_stats`` is False (the scheduler records only the
+        admissions that succeed, so a request retried while memory is short counts once).
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             # Prompt logprobs need the logits at every prompt position: nothing may be skipped.
@@ -83,7 +84,8 @@ class KVCacheManager:
                 break
             hit_blocks.append(block)
         num_computed_tokens = len(hit_blocks) * self.block_size
-        self.prefix_cache_stats.record(request.num_tokens, num_computed_tokens)
+        if record_stats:
+            self.prefix_cache_stats.record(request.num_tokens, num_computed_tokens)
         return KVCacheBlocks(hit_blocks), num_computed_tokens
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:

@@ -195,7 +195,7 @@ class Scheduler(SchedulerInterface):
                 self.waiting = deque(sorted(self.waiting, key=self.waiting_key))
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
-                computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+                computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request, record_stats=False)
                 num_external = 0
                 if self.kv_connector is not None:
                     num_external = self.kv_connector.get_num_new_matched_tokens(request, num_computed)
@@ -211,6 +211,8 @@ class Scheduler(SchedulerInterface):
                     self.kv_connector.update_state_after_alloc(
                         request, self.kv_cache_manager.get_blocks(request.request_id), num_external)
                     self.num_external_computed_tokens += num_external
+                if self.kv_cache_manager.enable_caching:
+                    self.kv_cache_manager.prefix_cache_stats.record(request.num_tokens, num_computed)
                 self.waiting.popleft()
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING

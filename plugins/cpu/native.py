@@ -1,0 +1,158 @@
+"""A C++ paged-attention kernel for the CPU platform, compiled on first use.
+
+Why: decode attention is memory-bound. The torch path gathers every request's blocks into a padded
+copy and then reads the copy again, moving each cached key and value three times per layer and
+step. This kernel walks the block table directly and reads each cached row once, with the query
+heads of one KV head (GQA) sharing every load and an online softmax in fp32.
+
+It is built with ``torch.utils.cpp_extension.load_inline`` (gcc, ninja) into torch's extension
+cache, keyed by the source, so a machine compiles it once. ``paged_attention`` is None when the
+build is impossible (no compiler) or disabled with ``SPARROW_CPU_NATIVE_ATTENTION=0``; the backend
+then uses plain torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+template <typename scalar_t>
+static inline float to_float(scalar_t v) { return static_cast<float>(v); }
+
+// query [T, Hq, D], kv_cache [2, NB, BS, Hkv, D], out [T, Hq, D] (same dtype as query)
+// rows [N] int64: which query rows to compute; row_req [N] int64: their request index
+// query_start_loc [R+1] int32, seq_lens [R] int32, block_table [R, MB] int32
+template <typename scalar_t>
+static void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out,
+                                 const at::Tensor& rows, const at::Tensor& row_req,
+                                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                                 const at::Tensor& block_table, double scale) {
+  const int64_t num_rows = rows.size(0);
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_table.size(1);
+  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = kv_cache.data_ptr<scalar_t>();
+  const int64_t kv_stride = kv_cache.stride(0);  // keys -> values
+  const scalar_t* v_ptr = k_ptr + kv_stride;
+  const int64_t block_stride = kv_cache.stride(1), row_stride = kv_cache.stride(2), head_stride = kv_cache.stride(3);
+  scalar_t* o_ptr = out.data_ptr<scalar_t>();
+  const int64_t* rows_ptr = rows.data_ptr<int64_t>();
+  const int64_t* req_ptr = row_req.data_ptr<int64_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * head_dim), acc(group * head_dim), m(group), l(group);
+    std::vector<float> scores(group * block_size);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t t = rows_ptr[n], r = req_ptr[n];
+      const int64_t query_len = qsl[r + 1] - qsl[r];
+      const int64_t position = lens[r] - query_len + (t - qsl[r]);  // causal: attend to [0, position]
+      const int64_t context = position + 1;
+      for (int64_t g = 0; g < group; ++g) {
+        const scalar_t* src = q_ptr + (t * num_heads + h * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = to_float(src[d]) * fscale;
+        m[g] = -std::numeric_limits<float>::infinity();
+        l[g] = 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      const int64_t num_blocks = (context + block_size - 1) / block_size;
+      for (int64_t j = 0; j < num_blocks && j < max_blocks; ++j) {
+        const int64_t block = table[r * max_blocks + j];
+        const int64_t valid = std::min(block_size, context - j * block_size);
+        const scalar_t* kb = k_ptr + block * block_stride + h * head_stride;
+        const scalar_t* vb = v_ptr + block * block_stride + h * head_stride;
+        for (int64_t s = 0; s < valid; ++s) {
+          const scalar_t* krow = kb + s * row_stride;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = q.data() + g * head_dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+:dot)
+            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * to_float(krow[d]);
+            scores[g * block_size + s] = dot;
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float block_max = m[g];
+          for (int64_t s = 0; s < valid; ++s) block_max = std::max(block_max, scores[g * block_size + s]);
+          const float correction = std::exp(m[g] - block_max);
+          float* ag = acc.data() + g * head_dim;
+          if (correction != 1.f) {
+            l[g] *= correction;
+            for (int64_t d = 0; d < head_dim; ++d) ag[d] *= correction;
+          }
+          m[g] = block_max;
+          for (int64_t s = 0; s < valid; ++s) {
+            const float p = std::exp(scores[g * block_size + s] - block_max);
+            l[g] += p;
+            const scalar_t* vrow = vb + s * row_stride;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * to_float(vrow[d]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        scalar_t* dst = o_ptr + (t * num_heads + h * group + g) * head_dim;
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv);
+      }
+    }
+  });
+}
+
+void paged_attention(at::Tensor query, at::Tensor kv_cache, at::Tensor out, at::Tensor rows, at::Tensor row_req,
+                     at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor block_table, double scale) {
+  TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && out.is_contiguous(), "contiguous tensors expected");
+  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "query and kv_cache dtypes differ");
+  if (query.scalar_type() == at::kFloat) {
+    paged_attention_impl<float>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens, block_table, scale);
+  } else if (query.scalar_type() == at::kBFloat16) {
+    paged_attention_impl<at::BFloat16>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens, block_table, scale);
+  } else {
+    TORCH_CHECK(false, "paged_attention supports float32 and bfloat16");
+  }
+}
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> Any:
+    if os.environ.get("SPARROW_CPU_NATIVE_ATTENTION", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        return load_inline(
+            name="sparrow_cpu_paged_attention",
+            cpp_sources=[_SOURCE],
+            functions=["paged_attention"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure falls back to plain torch
+        logger.warning("CPU paged-attention kernel unavailable, using plain torch: %s", exc)
+        return None
+
+
+def get_paged_attention() -> Callable[..., None] | None:
+    """``paged_attention(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens,
+    block_table, scale)`` writing ``out[rows]``, or None when the kernel cannot be built."""
+    module = _load()
+    return None if module is None else module.paged_attention

@@ -34,7 +34,28 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--repeats", type=int, default=1, help="runs of the engine (the median is reported)")
     p.add_argument("--result-file", default="bench-results/throughput.json")
     p.add_argument("--engine-args", default="{}", help='JSON dict of extra engine arguments, e.g. \'{"max_num_seqs": 64}\'')
+    p.add_argument("--preset", choices=("cpu", "gpu"), default="cpu",
+                   help="gpu: Qwen3-0.6B-shaped random bf16 model, 256 requests, lengths 100-1024, temperature 0.6")
+    p.add_argument("--hf-num-prompts", type=int, default=None, help="run HF on the first N prompts only")
     p.set_defaults(func=run)
+
+
+GPU_PRESET = dict(num_prompts=256, input_len_min=100, input_len_max=1025, output_len_min=100,
+                  output_len_max=1025, temperature=0.6)
+
+
+def apply_preset(args: argparse.Namespace) -> dict:
+    """Fill the GPU workload's defaults; returns extra engine arguments."""
+    if args.preset != "gpu":
+        return {}
+    defaults = {"num_prompts": 64, "input_len_min": 16, "input_len_max": 400, "output_len_min": 16,
+                "output_len_max": 200, "temperature": 0.0}
+    for name, value in GPU_PRESET.items():
+        if getattr(args, name) == defaults[name]:
+            setattr(args, name, value)
+    if args.hf_num_prompts is None:
+        args.hf_num_prompts = 32
+    return {"device": "cuda", "max_num_seqs": 256, "max_num_batched_tokens": 16384}
 
 
 def make_workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -69,8 +90,10 @@ def run_engine(model_path: str, workload, args, engine_args: dict) -> dict[str, 
 
     llm = LLM(model=model_path, seed=args.seed, **engine_args)
     prompts = [{"prompt_token_ids": prompt} for prompt, _ in workload]
-    params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=args.temperature, seed=args.seed + i)
-              for i, (_, m) in enumerate(workload)]
+    # The GPU model's vocabulary is wider than its small tokenizer: no text, only token ids.
+    detokenize = args.preset != "gpu"
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=args.temperature, seed=args.seed + i,
+                             detokenize=detokenize) for i, (_, m) in enumerate(workload)]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     times = []
     for _ in range(args.repeats):
@@ -113,14 +136,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from sparrow.engine.setup import resolve_model_path
     from sparrow.model_loader import get_hf_config
 
-    model_path = resolve_model_path(args.model)
-    vocab_size = get_hf_config(model_path).vocab_size
-    workload = make_workload(args, vocab_size)
+    engine_args = {**apply_preset(args), **json.loads(args.engine_args)}
+    if args.preset == "gpu" and args.model is None:
+        from sparrow.bench.gpu import build_qwen3_0_6b
+        from sparrow.tiny.model import cache_root
+
+        model_path = str(build_qwen3_0_6b(cache_root() / "qwen3-0.6b-random"))
+    else:
+        model_path = resolve_model_path(args.model)
+    hf_config = get_hf_config(model_path)
+    workload = make_workload(args, min(hf_config.vocab_size, 4096))
     num_prompt_tokens = sum(len(p) for p, _ in workload)
-    engine = run_engine(model_path, workload, args, json.loads(args.engine_args))
-    flops = measure_matmul_flops()
+    engine = run_engine(model_path, workload, args, engine_args)
     total_tokens = num_prompt_tokens + engine["output_tokens"]
-    roofline_s = total_tokens * 2 * engine["num_params"] / flops
+    if args.preset == "gpu":
+        from sparrow.bench.gpu import measure_copy_bandwidth, memory_roofline_bytes
+
+        flops = measure_copy_bandwidth()  # bytes/s: the roofline is a memory roofline on the GPU
+        roofline = memory_roofline_bytes(hf_config, workload)
+        roofline_s = roofline["total_bytes"] / flops
+    else:
+        flops = measure_matmul_flops()
+        roofline_s = total_tokens * 2 * engine["num_params"] / flops
     result: dict[str, Any] = {
         "benchmark": "throughput", "model": model_path, "num_prompts": len(workload),
         "prompt_tokens": num_prompt_tokens, "output_tokens": engine["output_tokens"],
@@ -132,13 +169,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": f"{platform.node()} {platform.machine()} {torch.get_num_threads()} threads",
         "torch": torch.__version__, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+    if args.preset == "gpu":
+        result["roofline"] = "memory: bytes of weights + KV read by every decode step / copy bandwidth"
+        result["roofline_bytes"] = roofline["total_bytes"]
+        result["copy_bandwidth_bytes_s"] = flops
+        result["device_name"] = torch.cuda.get_device_name()
     if args.compare_hf:
-        hf = run_hf(model_path, workload)
+        hf_workload = workload[: args.hf_num_prompts] if args.hf_num_prompts else workload
+        if args.preset == "gpu":
+            from sparrow.bench.gpu import run_hf_gpu
+
+            hf = run_hf_gpu(model_path, hf_workload, args.temperature)
+        else:
+            hf = run_hf(model_path, hf_workload)
+        hf_total = sum(len(p) for p, _ in hf_workload) + hf["output_tokens"]
         result.update({
+            "hf_num_prompts": len(hf_workload),
             "hf_elapsed_s": hf["elapsed_s"],
             "hf_output_tok_s": hf["output_tokens"] / hf["elapsed_s"],
-            "hf_total_tok_s": total_tokens / hf["elapsed_s"],
-            "speedup_vs_hf": hf["elapsed_s"] / engine["elapsed_s"],
+            "hf_total_tok_s": hf_total / hf["elapsed_s"],
+            # Throughput ratio (HF may have run a subset of the prompts).
+            "speedup_vs_hf": result["engine_output_tok_s"] / (hf["output_tokens"] / hf["elapsed_s"]),
         })
     print_table(result)
     if args.result_file:
@@ -158,17 +209,18 @@ def print_table(result: dict[str, Any]) -> None:
         ("sparrow output tok/s", f"{result['engine_output_tok_s']:.1f}"),
         ("sparrow total tok/s", f"{result['engine_total_tok_s']:.1f}"),
         ("params", f"{result['num_params'] / 1e6:.1f} M"),
-        ("matmul fp32 GFLOP/s", f"{result['matmul_flops'] / 1e9:.1f}"),
+        ("copy GB/s" if "roofline_bytes" in result else "matmul fp32 GFLOP/s", f"{result['matmul_flops'] / 1e9:.1f}"),
         ("roofline share", f"{100 * result['roofline_share']:.1f} %"),
     ]
     if "hf_elapsed_s" in result:
         rows += [
+            ("HF prompts", f"{result['hf_num_prompts']}"),
             ("HF elapsed (s)", f"{result['hf_elapsed_s']:.2f}"),
             ("HF output tok/s", f"{result['hf_output_tok_s']:.1f}"),
             ("HF total tok/s", f"{result['hf_total_tok_s']:.1f}"),
             ("speed-up vs HF", f"{result['speedup_vs_hf']:.2f}x"),
         ]
     width = max(len(name) for name, _ in rows)
-    print(f"machine: {result['machine']}  torch {result['torch']}  {result['date']}")
+    print(f"machine: {result['machine']} {result.get('device_name', '')}  torch {result['torch']}  {result['date']}")
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")

@@ -17,8 +17,8 @@ def detect() -> str | None:
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
         return None
     torch = sys.modules.get("torch")
-    if torch is not None and getattr(torch.version, "cuda", None) is None:
-        return None  # this torch build cannot drive a GPU
+    if torch is not None:  # already paid for: ask it
+        return "sparrow_cuda.platform:CudaPlatform" if torch.cuda.is_available() else None
     if not glob.glob("/dev/nvidia[0-9]*") and not glob.glob("/proc/driver/nvidia/gpus/*"):
         return None
     return "sparrow_cuda.platform:CudaPlatform"

@@ -145,7 +145,7 @@ def _unified_attention_kernel(
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_block, stride_c_slot, stride_c_head, stride_bt_req,
     stride_po_tok, stride_po_head, stride_po_split, stride_pl_tok, stride_pl_head,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
@@ -225,7 +225,8 @@ def _unified_attention_kernel(
     acc = acc / safe_l[:, None]
     store_mask = row_valid[:, None] & (dims[None, :] < HEAD_DIM)
     if NUM_SPLITS == 1:
-        o_ptrs = out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
+        o_ptrs = (out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head
+                  + dims[None, :])
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
         # An empty segment leaves m_i = -inf, l_i = 0: its lse is -inf and it weighs nothing.
@@ -352,7 +353,7 @@ def unified_paged_attention(
         partial_out.stride(0), partial_out.stride(1),
         partial_out.stride(2) if num_kv_splits > 1 else 0,
         partial_lse.stride(0), partial_lse.stride(1),
-        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad,
+        GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         BLOCK_Q=block_q, TILE_N=tile_n, NUM_SPLITS=num_kv_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",

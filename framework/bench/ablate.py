@@ -1,0 +1,351 @@
+"""`sparrow bench ablate`: one workload across a grid of engine settings.
+
+Every grid point gets a fresh ``LLM`` (so no cache or warm state leaks between points), a short
+warm-up, then the whole workload submitted at once (every request arrives at t0, as in an offline
+batch). Per point: request and token throughput, mean / median / p99 end-to-end latency (t0 to the
+request's ``metrics.finished_time``), and the prefix-cache hit rate from the engine's scheduler
+stats (tokens found / tokens looked up, summed over the steps of the run).
+
+Workloads (BENCHMARKS.md):
+
+- ``offline``: the zero-hit offline workload, random prompts of [16, 400) tokens, [16, 200) outputs;
+- ``shared-prefix``: a 256-token system prefix shared by every request plus a [32, 128]-token
+  unique suffix, [16, 64) outputs;
+- ``mixed``: for comparing schedulers, 80% short requests ([16, 64) prompt, [8, 32) output) and
+  20% long ones ([256, 512) prompt, [128, 256) output), interleaved at random.
+
+Every request also gets a random priority in {0, 1, 2}, read only by the ``priority`` scheduler.
+Writes ``results.md`` (table), ``results.json`` and ``results.png`` (chart) to ``--output-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+WORKLOADS = ("offline", "shared-prefix", "mixed")
+# (flag dest, engine argument, short label for chart and table)
+AXES = (
+    ("schedulers", "scheduler", "sched"),
+    ("prefix_caching", "enable_prefix_caching", "pc"),
+    ("max_num_batched_tokens", "max_num_batched_tokens", "mbt"),
+    ("block_size", "block_size", "bs"),
+    ("max_num_seqs", "max_num_seqs", "seqs"),
+)
+NUM_PRIORITIES = 3
+# The tiny tokenizer keeps its special tokens at the top of the vocabulary: prompts stay below.
+RESERVED_TOP_IDS = 16
+
+
+@dataclass(slots=True)
+class WorkItem:
+    prompt_token_ids: list[int]
+    max_tokens: int
+    priority: int
+
+
+# -- command line -----------------------------------------------------------------------------
+def _csv(convert):
+    def parse(text: str) -> list:
+        values = [convert(part.strip()) for part in text.split(",") if part.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError("expected a comma-separated list with at least one value")
+        return values
+    return parse
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _on_off(text: str) -> bool:
+    value = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return value
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("ablate", help="one workload across a grid of schedulers and engine settings")
+    p.add_argument("model", nargs="?", default=None, help="local model directory (default: built-in sparrow-tiny)")
+    p.add_argument("--workload", choices=WORKLOADS, default="mixed")
+    p.add_argument("--num-prompts", type=_positive_int, default=64)
+    grid = p.add_argument_group("grid (comma-separated values; every combination is one point)")
+    grid.add_argument("--schedulers", type=str, default="fcfs",
+                      help="scheduler names, or 'all' for every registered scheduler (default fcfs)")
+    grid.add_argument("--prefix-caching", type=_csv(_on_off), default=None, help="on,off (default: engine's, on)")
+    grid.add_argument("--max-num-batched-tokens", type=_csv(_positive_int), default=None,
+                      help="token budgets per step (default: engine's)")
+    grid.add_argument("--block-size", type=_csv(_positive_int), default=None, help="KV block sizes (default: platform's)")
+    grid.add_argument("--max-num-seqs", type=_csv(_positive_int), default=None,
+                      help="running-batch caps (default: engine's); small values make requests queue")
+    p.add_argument("--length-scale", type=float, default=1.0,
+                   help="multiply every prompt and output length of the workload (e.g. 0.25 for a quick run)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-args", default="{}", help='JSON dict of extra engine arguments, e.g. \'{"dtype": "float32"}\'')
+    p.add_argument("--multiprocess", action=argparse.BooleanOptionalAction, default=None,
+                   help="engine core in its own process (default: the engine's default, yes)")
+    p.add_argument("--output-dir", default="bench-results/ablate")
+    p.set_defaults(func=run)
+    return p
+
+
+# -- workloads --------------------------------------------------------------------------------
+def make_workload(name: str, num_prompts: int, vocab_size: int, seed: int = 0,
+                  length_scale: float = 1.0) -> list[WorkItem]:
+    if name not in WORKLOADS:
+        raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {name!r}")
+    if length_scale <= 0:
+        raise ValueError(f"length_scale must be > 0, got {length_scale}")
+    rng = random.Random(seed)
+
+    def length(low: int, high: int) -> int:  # uniform in [low, high), scaled, at least 1
+        return max(1, round(rng.randrange(low, high) * length_scale))
+
+    def tokens(count: int) -> list[int]:
+        return [rng.randrange(0, vocab_size - RESERVED_TOP_IDS) for _ in range(count)]
+
+    shared_prefix = tokens(max(1, round(256 * length_scale))) if name == "shared-prefix" else []
+    items = []
+    for _ in range(num_prompts):
+        if name == "offline":
+            prompt, max_tokens = tokens(length(16, 400)), length(16, 200)
+        elif name == "shared-prefix":
+            prompt, max_tokens = shared_prefix + tokens(length(32, 129)), length(16, 64)
+        elif rng.random() < 0.2:  # mixed, long
+            prompt, max_tokens = tokens(length(256, 512)), length(128, 256)
+        else:  # mixed, short
+            prompt, max_tokens = tokens(length(16, 64)), length(8, 32)
+        items.append(WorkItem(prompt, max_tokens, rng.randrange(NUM_PRIORITIES)))
+    return items
+
+
+# -- the grid ---------------------------------------------------------------------------------
+def grid_points(axes: dict[str, list[Any] | None]) -> list[dict[str, Any]]:
+    """Engine-argument dicts, one per combination; an axis left at None is not set."""
+    chosen = [(arg, values) for arg, values in axes.items() if values]
+    if not chosen:
+        return [{}]
+    names = [arg for arg, _ in chosen]
+    return [dict(zip(names, combo)) for combo in itertools.product(*(values for _, values in chosen))]
+
+
+def point_label(point: dict[str, Any], varying: set[str]) -> str:
+    short = {arg: label for _, arg, label in AXES}
+    parts = []
+    for arg, value in point.items():
+        if arg not in varying:
+            continue
+        if isinstance(value, bool):
+            value = "on" if value else "off"
+        parts.append(str(value) if arg == "scheduler" else f"{short.get(arg, arg)}={value}")
+    return " ".join(parts) or "default"
+
+
+def run_point(model_path: str, workload: list[WorkItem], point: dict[str, Any], engine_args: dict[str, Any],
+              multiprocess: bool | None, seed: int) -> dict[str, Any]:
+    from sparrow import LLM, SamplingParams
+
+    kwargs = {**engine_args, **point, "seed": seed}
+    if multiprocess is not None:
+        kwargs["multiprocess"] = multiprocess
+    llm = LLM(model=model_path, **kwargs)
+    try:
+        warm_up = [{"prompt_token_ids": item.prompt_token_ids[:8]} for item in workload[:2]]
+        llm.generate(warm_up, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+        llm.reset_prefix_cache()  # the measured run starts from an empty cache
+        return measure(llm.llm_engine, workload)
+    finally:
+        llm.shutdown()
+
+
+def measure(engine: Any, workload: list[WorkItem]) -> dict[str, Any]:
+    """Submit the whole workload at t0 and step the engine until every request finishes."""
+    import numpy as np
+
+    from sparrow import SamplingParams
+
+    last_stats = engine.last_stats
+    queries = hits = preemptions = 0
+    finished: dict[str, Any] = {}  # request id -> final RequestOutput
+    t0 = time.monotonic()
+    for index, item in enumerate(workload):
+        params = SamplingParams(max_tokens=item.max_tokens, ignore_eos=True, temperature=0.0)
+        engine.add_request(f"ablate-{index}", {"prompt_token_ids": item.prompt_token_ids}, params,
+                           priority=item.priority)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        # Scheduler stats are per-step deltas, one per engine-core message: add each once.
+        stats = engine.last_stats
+        if stats is not None and stats is not last_stats:
+            queries += stats.prefix_cache_queries
+            hits += stats.prefix_cache_hits
+            preemptions += stats.num_preemptions
+            last_stats = stats
+    elapsed = time.monotonic() - t0
+    if len(finished) != len(workload):
+        raise RuntimeError(f"only {len(finished)} of {len(workload)} requests finished")
+
+    latencies = np.array([out.metrics.finished_time - t0 for out in finished.values()])
+    prompt_tokens = sum(len(item.prompt_token_ids) for item in workload)
+    output_tokens = sum(len(out.outputs[0].token_ids) for out in finished.values())
+    return {
+        "elapsed_s": elapsed,
+        "request_throughput": len(workload) / elapsed,
+        "output_tok_s": output_tokens / elapsed,
+        "total_tok_s": (prompt_tokens + output_tokens) / elapsed,
+        "mean_e2e_s": float(latencies.mean()),
+        "median_e2e_s": float(np.percentile(latencies, 50)),
+        "p99_e2e_s": float(np.percentile(latencies, 99)),
+        "prefix_cache_queries": queries,
+        "prefix_cache_hits": hits,
+        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+        "cached_prompt_tokens": sum(out.num_cached_tokens or 0 for out in finished.values()),
+        "num_preemptions": preemptions,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+    }
+
+
+def resolve_axes(args: argparse.Namespace) -> dict[str, list[Any] | None]:
+    schedulers = [name.strip() for name in args.schedulers.split(",") if name.strip()]
+    if schedulers == ["all"]:
+        from sparrow.plugins import get_registry
+
+        schedulers = sorted(get_registry().schedulers)
+    if not schedulers:
+        raise ValueError("--schedulers needs at least one scheduler name (or 'all')")
+    return {
+        "scheduler": schedulers,
+        "enable_prefix_caching": args.prefix_caching,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size,
+        "max_num_seqs": args.max_num_seqs,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    from sparrow.engine.setup import resolve_model_path
+    from sparrow.model_loader import get_hf_config
+
+    engine_args = json.loads(args.engine_args)
+    if not isinstance(engine_args, dict):
+        raise ValueError(f"--engine-args must be a JSON object, got {args.engine_args!r}")
+    axes = resolve_axes(args)
+    overlap = sorted(set(engine_args) & {arg for arg, values in axes.items() if values})
+    if overlap:
+        raise ValueError(f"--engine-args sets {', '.join(overlap)}, which the grid varies; use the grid flag")
+    model_path = resolve_model_path(args.model)
+    workload = make_workload(args.workload, args.num_prompts, get_hf_config(model_path).vocab_size,
+                             seed=args.seed, length_scale=args.length_scale)
+    points = grid_points(axes)
+    varying = {arg for arg, values in axes.items() if values and len(values) > 1}
+    results = []
+    for number, point in enumerate(points, 1):
+        label = point_label(point, varying)
+        print(f"[{number}/{len(points)}] {label}", flush=True)
+        measured = run_point(model_path, workload, point, engine_args, args.multiprocess, args.seed)
+        results.append({"label": label, "settings": point, **measured})
+
+    report = {
+        "benchmark": "ablate", "workload": args.workload, "model": model_path,
+        "num_prompts": len(workload), "length_scale": args.length_scale, "seed": args.seed,
+        "engine_args": engine_args,
+        "axes": {arg: values for arg, values in axes.items() if values},
+        "machine": f"{platform.node()} {platform.machine()} {torch.get_num_threads()} threads",
+        "torch": torch.__version__, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "points": results,
+    }
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(report)
+    (out_dir / "results.json").write_text(json.dumps(report, indent=2))
+    (out_dir / "results.md").write_text(table)
+    write_chart(report, out_dir / "results.png")
+    print(table)
+    print(f"wrote {out_dir / 'results.md'}, results.json, results.png")
+    return report
+
+
+# -- reports ----------------------------------------------------------------------------------
+COLUMNS = (
+    # (header, key, format)
+    ("req/s", "request_throughput", "{:.2f}"),
+    ("output tok/s", "output_tok_s", "{:.1f}"),
+    ("total tok/s", "total_tok_s", "{:.1f}"),
+    ("mean E2E (s)", "mean_e2e_s", "{:.3f}"),
+    ("p99 E2E (s)", "p99_e2e_s", "{:.3f}"),
+    ("prefix hit rate", "prefix_cache_hit_rate", "{:.1%}"),
+    ("preemptions", "num_preemptions", "{}"),
+    ("elapsed (s)", "elapsed_s", "{:.2f}"),
+)
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    first = report["points"][0]
+    lines = [
+        f"# sparrow bench ablate: {report['workload']} workload",
+        "",
+        f"- model: `{report['model']}`",
+        f"- requests: {report['num_prompts']} ({first['prompt_tokens']} prompt tokens), "
+        f"length scale {report['length_scale']}, seed {report['seed']}",
+        f"- engine args: `{json.dumps(report['engine_args'])}`",
+        f"- machine: {report['machine']}, torch {report['torch']}, {report['date']}",
+        "",
+        "| point | " + " | ".join(header for header, _, _ in COLUMNS) + " |",
+        "| --- | " + " | ".join("---:" for _ in COLUMNS) + " |",
+    ]
+    for point in report["points"]:
+        cells = [fmt.format(point[key]) for _, key, fmt in COLUMNS]
+        lines.append(f"| {point['label']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_chart(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on benchmark machines
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    points = report["points"]
+    labels = [point["label"] for point in points]
+    x = np.arange(len(points))
+    fig, (ax_tput, ax_lat, ax_hit) = plt.subplots(1, 3, figsize=(min(30, 8 + 1.2 * len(points)), 4.5))
+    ax_tput.bar(x, [p["output_tok_s"] for p in points], color="tab:blue")
+    ax_tput.set_title("output throughput (tok/s)")
+    width = 0.4
+    ax_lat.bar(x - width / 2, [p["mean_e2e_s"] for p in points], width, label="mean", color="tab:green")
+    ax_lat.bar(x + width / 2, [p["p99_e2e_s"] for p in points], width, label="p99", color="tab:red")
+    ax_lat.set_title("end-to-end latency (s)")
+    ax_lat.legend()
+    ax_hit.bar(x, [100 * p["prefix_cache_hit_rate"] for p in points], color="tab:purple")
+    ax_hit.set_title("prefix-cache hit rate (%)")
+    ax_hit.set_ylim(0, 100)
+    for ax in (ax_tput, ax_lat, ax_hit):
+        ax.set_xticks(x)
+        ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+    fig.suptitle(f"sparrow bench ablate: {report['workload']} ({report['num_prompts']} requests)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+

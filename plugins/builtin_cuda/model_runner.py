@@ -1,0 +1,137 @@
+"""CUDA model runner: the shared runner plus a profiling run and CUDA graphs for decode batches.
+
+Decode steps are small and many, so host launch overhead dominates them. At start-up the runner
+captures the model's forward once per batch size of a ladder (1, 2, 4, 8, 16, 24, 32, ... up to
+max_num_seqs) on static input buffers; a pure-decode step is padded to the nearest captured size
+and replayed. Prefill and mixed steps run eagerly. ``enforce_eager=True`` turns graphs off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from sparrow.attention import AttentionMetadata
+from sparrow.worker.model_runner import ModelRunner, StepInputs
+
+logger = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 513, 16))
+    return [s for s in sizes if s <= max_num_seqs] or [1]
+
+
+class CudaModelRunner(ModelRunner):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # batch size -> captured decode forward
+        self.graph_outputs: dict[int, torch.Tensor] = {}  # batch size -> [bs, hidden] static output
+        self.graph_metadata: dict[int, AttentionMetadata] = {}
+        self.static: dict[str, torch.Tensor] = {}
+
+    # -- host-to-device ---------------------------------------------------------------------
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        # Pinned staging makes the copy asynchronous with respect to the host.
+        host = torch.from_numpy(np.ascontiguousarray(array))
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    # -- memory profiling -------------------------------------------------------------------
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A forward with the largest step the scheduler can produce, plus the logits and a
+        sampler-sized softmax, so the caller can read the activation peak."""
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
+        num_blocks = -(-num_tokens // self.block_size) + 1
+        caches = [torch.zeros(2, num_blocks, self.block_size, num_kv_heads, head_dim, dtype=self.dtype,
+                              device=self.device) for _ in range(num_layers)]
+        positions = torch.arange(num_tokens, device=self.device)
+        metadata = AttentionMetadata(
+            num_actual_tokens=num_tokens, num_reqs=1, max_query_len=num_tokens, max_seq_len=num_tokens,
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            block_table=torch.arange(num_blocks - 1, dtype=torch.int32, device=self.device).unsqueeze(0),
+            slot_mapping=positions.clone(),
+            query_start_loc_cpu=torch.tensor([0, num_tokens], dtype=torch.int32),
+            seq_lens_cpu=torch.tensor([num_tokens], dtype=torch.int32),
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        self.model.attn_backend.prepare(metadata)
+        hidden = self.model.forward(input_ids, positions, caches, metadata)
+        num_rows = min(self.max_num_reqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:num_rows])
+        # The sampler holds a few [rows, vocab] float32 temporaries (softmax, sort for top-p).
+        probs = logits.softmax(dim=-1)
+        torch.sort(probs, dim=-1)
+        del caches, hidden, logits, probs
+
+    # -- CUDA graphs ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        sizes = graph_batch_sizes(self.max_num_reqs)
+        max_bs = sizes[-1]
+        dev = self.device
+        self.static = {
+            "input_ids": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
+            "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
+            "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+            "block_table": torch.zeros(max_bs, self.max_num_blocks_per_req, dtype=torch.int32, device=dev),
+        }
+        started = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            for bs in reversed(sizes):  # largest first, so smaller graphs reuse its memory pool
+                metadata = self._static_metadata(bs)
+                for _ in range(2):  # warm-up (Triton autotuning, lazy inits) outside the capture
+                    self._forward_static(bs, metadata)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    output = self._forward_static(bs, metadata)
+                self.graphs[bs] = graph
+                self.graph_outputs[bs] = output
+                self.graph_metadata[bs] = metadata
+        except Exception as exc:  # noqa: BLE001 - graphs are an optimisation; eager always works
+            logger.warning("CUDA graph capture failed, running eagerly: %r", exc)
+            self.graphs.clear()
+            self.graph_outputs.clear()
+            self.graph_metadata.clear()
+            return
+        logger.info("captured %d CUDA graphs (batch sizes up to %d) in %.1fs", len(sizes), max_bs,
+                    time.perf_counter() - started)
+
+    def _static_metadata(self, bs: int) -> AttentionMetadata:
+        s = self.static
+        return AttentionMetadata(
+            num_actual_tokens=bs, num_reqs=bs, max_query_len=1, max_seq_len=self.max_model_len,
+            query_start_loc=s["query_start_loc"][: bs + 1], seq_lens=s["seq_lens"][:bs],
+            block_table=s["block_table"][:bs], slot_mapping=s["slot_mapping"][:bs], is_decode_only=True,
+        )
+
+    def _forward_static(self, bs: int, metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model.forward(self.static["input_ids"][:bs], self.static["positions"][:bs],
+                                  self.kv_caches, metadata)
+
+    def run_model(self, inputs: StepInputs) -> torch.Tensor:
+        metadata = inputs.metadata
+        num_reqs = metadata.num_reqs
+        if not self.graphs or not metadata.is_decode_only or num_reqs > max(self.graphs):
+            return super().run_model(inputs)
+        bs = min(size for size in self.graphs if size >= num_reqs)
+        s = self.static
+        s["input_ids"][:num_reqs].copy_(inputs.input_ids)
+        s["positions"][:num_reqs].copy_(inputs.positions)
+        s["slot_mapping"][:num_reqs].copy_(metadata.slot_mapping)
+        s["slot_mapping"][num_reqs:bs].fill_(-1)  # padding rows write nothing
+        s["seq_lens"][:num_reqs].copy_(metadata.seq_lens)
+        s["seq_lens"][num_reqs:bs].fill_(1)
+        width = metadata.block_table.shape[1]
+        s["block_table"][:num_reqs, :width].copy_(metadata.block_table)
+        self.graphs[bs].replay()
+        return self.graph_outputs[bs][:num_reqs]

@@ -65,9 +65,9 @@ def test_interpreted_kernels_in_subprocess():
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", __file__],
         env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
-    if " passed" not in result.stdout:
+    if result.returncode in (0, 5) and " passed" not in result.stdout:  # 5: all skipped
         pytest.skip("interpreter run skipped: " + result.stdout.strip()[-300:])
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
 
 
 # Small tiles keep the interpreter quick (every program is executed in numpy).

@@ -9,11 +9,15 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import pluggy
-from importlib_metadata import entry_points
+if sys.version_info >= (3, 10):
+    from importlib.metadata import entry_points
+else:  # pragma: no cover - the backport for older interpreters
+    from importlib_metadata import entry_points
 
 from sparrow import hookspecs
 from sparrow.hookspecs import PROJECT_NAME

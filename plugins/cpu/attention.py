@@ -44,8 +44,10 @@ class DecodeGroup:
 
     # [B] int64 rows of the decode tokens in the flat batch, or None when they are rows 0..B-1
     rows: torch.Tensor | None
+    num_reqs: int
     block_table: torch.Tensor  # [B, max_blocks] int32
-    mask: torch.Tensor  # [B, 1, 1, max_seq_len] bool (True: attend)
+    # [B, 1, 1, max_seq_len] bool (True: attend), or None when every request has max_seq_len tokens
+    mask: torch.Tensor | None
     max_seq_len: int
 
 
@@ -130,10 +132,13 @@ class TorchPagedAttention(AttentionBackend):
             rows = torch.tensor([query_start_loc[i] for i in indices], dtype=torch.int64, device=self.device)
             block_table = metadata.block_table.index_select(0, index_tensor)
             lens = metadata.seq_lens.index_select(0, index_tensor)
-        max_seq_len = max(seq_lens[i] for i in indices)
-        positions = torch.arange(max_seq_len, device=self.device)
-        mask = (positions[None, :] < lens.to(self.device)[:, None])[:, None, None, :]
-        return DecodeGroup(rows, block_table, mask, max_seq_len)
+        decode_lens = [seq_lens[i] for i in indices]
+        max_seq_len = max(decode_lens)
+        mask = None
+        if min(decode_lens) < max_seq_len:
+            positions = torch.arange(max_seq_len, device=self.device)
+            mask = (positions[None, :] < lens.to(self.device)[:, None])[:, None, None, :]
+        return DecodeGroup(rows, len(indices), block_table, mask, max_seq_len)
 
     # ------------------------------------------------------------------------------------------
 
@@ -176,9 +181,9 @@ class TorchPagedAttention(AttentionBackend):
         keys = self._gather_blocks(key_cache, group.block_table[:, :num_blocks], group.max_seq_len)
         values = self._gather_blocks(value_cache, group.block_table[:, :num_blocks], group.max_seq_len)
         q = query if group.rows is None else query.index_select(0, group.rows)
-        q = q[: group.mask.shape[0]]  # [B, Hq, D]
+        q = q[: group.num_reqs]  # [B, Hq, D]
         # keys/values [B, S, Hkv, D] -> [B, Hkv, S, D] views
-        out = self._attend(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), group.mask)
+        out = self._attend(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), group.mask, causal=False)
         out = out.squeeze(2)  # [B, Hq, D]
         if group.rows is None:
             output[: out.shape[0]] = out
@@ -206,38 +211,18 @@ class TorchPagedAttention(AttentionBackend):
             num_blocks = -(-chunk.seq_len // key_cache.shape[1])
             k = self._gather_blocks(key_cache, block_table[:, :num_blocks], chunk.seq_len)[0]  # [S, Hkv, D]
             v = self._gather_blocks(value_cache, block_table[:, :num_blocks], chunk.seq_len)[0]
-        out = self._attend(q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), chunk.mask)
+        out = self._attend(q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), chunk.mask,
+                           causal=chunk.mask is None)
         output[chunk.start: chunk.end] = out[0].transpose(0, 1)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        """q [B, Hq, L, D], k/v [B, Hkv, S, D], mask [B or 1, 1, L, S] bool or None (causal, S == L)."""
-        if q.dtype == torch.float32 or q.shape[2] > 1:
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
-                enable_gqa=self.num_heads != self.num_kv_heads,
-            )
-        return self._attend_grouped(q, k, v, mask)
-
-    def _attend_grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        mask: torch.Tensor | None) -> torch.Tensor:
-        """Half-precision decode: GQA by grouping query heads, softmax in float32.
-
-        (torch's CPU SDPA is slower than this in bf16 when each request has one query token.)
-        """
-        batch, num_heads, query_len, head_dim = q.shape
-        group = num_heads // self.num_kv_heads
-        seq_len = k.shape[2]
-        # [B, Hkv, G * L, D] @ [B, Hkv, D, S] -> [B, Hkv, G * L, S]
-        grouped_q = q.reshape(batch, self.num_kv_heads, group * query_len, head_dim)
-        scores = torch.matmul(grouped_q, k.transpose(-1, -2)) * self.scale
-        scores = scores.view(batch, self.num_kv_heads, group, query_len, seq_len)
-        if mask is None:
-            mask = torch.ones(1, 1, query_len, seq_len, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask.view(mask.shape[0], 1, 1, query_len, seq_len), float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs.view(batch, self.num_kv_heads, group * query_len, seq_len), v)
-        return out.view(batch, num_heads, query_len, head_dim)
+                mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """q [B, Hq, L, D], k/v [B, Hkv, S, D], mask [B or 1, 1, L, S] bool or None; ``causal``
+        only for S == L (torch aligns its causal mask top-left)."""
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
 
 
 def _host(host_copy: torch.Tensor | None, tensor: torch.Tensor) -> torch.Tensor:

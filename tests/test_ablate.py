@@ -1,0 +1,95 @@
+"""`sparrow bench ablate`: workloads, the grid, and a tiny real run that writes every report."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from sparrow.bench.ablate import grid_points, make_workload, point_label
+from sparrow.entrypoints.cli import main
+
+
+def test_shared_prefix_workload_shares_exactly_its_prefix():
+    items = make_workload("shared-prefix", 16, vocab_size=4096, seed=1)
+    prefix = items[0].prompt_token_ids[:256]
+    for item in items:
+        assert item.prompt_token_ids[:256] == prefix
+        assert 32 <= len(item.prompt_token_ids) - 256 <= 128
+        assert 16 <= item.max_tokens < 64
+        assert item.priority in (0, 1, 2)
+    # the unique suffixes really differ
+    assert len({tuple(item.prompt_token_ids[256:]) for item in items}) == len(items)
+
+
+def test_offline_and_mixed_workloads_have_their_shapes():
+    offline = make_workload("offline", 64, vocab_size=4096)
+    assert all(16 <= len(i.prompt_token_ids) < 400 and 16 <= i.max_tokens < 200 for i in offline)
+    mixed = make_workload("mixed", 200, vocab_size=4096)
+    long = [i for i in mixed if len(i.prompt_token_ids) >= 256]
+    short = [i for i in mixed if len(i.prompt_token_ids) < 64]
+    assert len(long) + len(short) == len(mixed)
+    assert 0.1 < len(long) / len(mixed) < 0.3
+    assert all(i.max_tokens >= 128 for i in long) and all(i.max_tokens < 32 for i in short)
+    assert make_workload("mixed", 8, 4096, seed=3) == make_workload("mixed", 8, 4096, seed=3)
+
+
+def test_workload_arguments_are_validated():
+    with pytest.raises(ValueError, match="workload must be one of"):
+        make_workload("bursty", 4, 4096)
+    with pytest.raises(ValueError, match="length_scale"):
+        make_workload("offline", 4, 4096, length_scale=0)
+
+
+def test_grid_is_the_product_of_the_axes_set():
+    axes = {"scheduler": ["fcfs", "sjf"], "enable_prefix_caching": [True, False], "block_size": None,
+            "max_num_batched_tokens": [512]}
+    points = grid_points(axes)
+    assert len(points) == 4
+    assert {"scheduler": "sjf", "enable_prefix_caching": False, "max_num_batched_tokens": 512} in points
+    assert all("block_size" not in p for p in points)
+    varying = {"scheduler", "enable_prefix_caching"}
+    assert point_label(points[-1], varying) == "sjf pc=off"
+    assert grid_points({"scheduler": None}) == [{}]
+
+
+def test_bad_grid_value_names_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "ablate", "--prefix-caching", "maybe"])
+    assert "--prefix-caching" in capsys.readouterr().err
+
+
+def test_tiny_grid_writes_table_json_and_chart(qwen3_dir, tmp_path):
+    out_dir = tmp_path / "ablate"
+    engine_args = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 64}
+    main(["bench", "ablate", qwen3_dir, "--workload", "shared-prefix", "--num-prompts", "4",
+          "--length-scale", "0.1", "--prefix-caching", "on,off", "--no-multiprocess",
+          "--engine-args", json.dumps(engine_args), "--output-dir", str(out_dir)])
+
+    report = json.loads((out_dir / "results.json").read_text())
+    assert report["workload"] == "shared-prefix" and report["num_prompts"] == 4
+    assert report["axes"] == {"scheduler": ["fcfs"], "enable_prefix_caching": [True, False]}
+    assert [p["label"] for p in report["points"]] == ["pc=on", "pc=off"]
+    for point in report["points"]:
+        for key in ("request_throughput", "output_tok_s", "total_tok_s", "mean_e2e_s", "p99_e2e_s", "elapsed_s"):
+            assert math.isfinite(point[key]) and point[key] > 0, key
+        assert point["mean_e2e_s"] <= point["p99_e2e_s"] <= point["elapsed_s"] + 1e-6
+        assert point["output_tokens"] > 0 and point["prompt_tokens"] > 0
+    caching_on, caching_off = report["points"]
+    # 4 requests share a 26-token prefix (one full 16-token block): the later ones hit it.
+    assert 0 < caching_on["prefix_cache_hit_rate"] <= 1
+    assert caching_on["prefix_cache_hits"] == caching_on["cached_prompt_tokens"] > 0
+    assert caching_off["prefix_cache_hit_rate"] == 0 and caching_off["cached_prompt_tokens"] == 0
+
+    table = (out_dir / "results.md").read_text().splitlines()
+    header = next(i for i, line in enumerate(table) if line.startswith("| point |"))
+    rows = table[header + 2:]
+    assert [row.split("|")[1].strip() for row in rows] == ["pc=on", "pc=off"]
+    assert all(row.count("|") == table[header].count("|") for row in rows)
+
+    png = (out_dir / "results.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    import matplotlib.image
+
+    assert matplotlib.image.imread(str(out_dir / "results.png")).ndim == 3

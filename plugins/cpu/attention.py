@@ -49,6 +49,9 @@ class DecodeGroup:
     # [B, 1, 1, max_seq_len] bool (True: attend), or None when every request has max_seq_len tokens
     mask: torch.Tensor | None
     max_seq_len: int
+    # For the C++ kernel: [B] int64 flat rows of the decode tokens and their request indices.
+    native_rows: torch.Tensor | None = None
+    native_reqs: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -65,6 +68,13 @@ class TorchAttentionPlan:
 
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # The C++ decode kernel (sparrow_cpu.native), or None to stay in plain torch.
+        from sparrow_cpu.native import get_paged_attention
+
+        self.native_paged_attention = get_paged_attention() if self.dtype in (torch.float32, torch.bfloat16) else None
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         metadata.backend_state = self.plan(metadata)
@@ -132,13 +142,17 @@ class TorchPagedAttention(AttentionBackend):
             rows = torch.tensor([query_start_loc[i] for i in indices], dtype=torch.int64, device=self.device)
             block_table = metadata.block_table.index_select(0, index_tensor)
             lens = metadata.seq_lens.index_select(0, index_tensor)
+        native_rows = native_reqs = None
+        if self.native_paged_attention is not None:
+            native_reqs = torch.tensor(indices, dtype=torch.int64)
+            native_rows = torch.tensor([query_start_loc[i] for i in indices], dtype=torch.int64)
         decode_lens = [seq_lens[i] for i in indices]
         max_seq_len = max(decode_lens)
         mask = None
         if min(decode_lens) < max_seq_len:
             positions = torch.arange(max_seq_len, device=self.device)
             mask = (positions[None, :] < lens.to(self.device)[:, None])[:, None, None, :]
-        return DecodeGroup(rows, len(indices), block_table, mask, max_seq_len)
+        return DecodeGroup(rows, len(indices), block_table, mask, max_seq_len, native_rows, native_reqs)
 
     # ------------------------------------------------------------------------------------------
 
@@ -159,7 +173,13 @@ class TorchPagedAttention(AttentionBackend):
         if plan.num_actual_tokens < query.shape[0]:
             output[plan.num_actual_tokens:] = 0
         if plan.decode is not None:
-            self._decode(query, key_cache, value_cache, plan.decode, output)
+            if plan.decode.native_rows is not None:
+                # Reads each cached key/value once, straight through the block table.
+                self.native_paged_attention(
+                    query.contiguous(), kv_cache, output, plan.decode.native_rows, plan.decode.native_reqs,
+                    metadata.query_start_loc, metadata.seq_lens, metadata.block_table.contiguous(), self.scale)
+            else:
+                self._decode(query, key_cache, value_cache, plan.decode, output)
         for chunk in plan.prefills:
             self._prefill(query, key, value, key_cache, value_cache, chunk, metadata, output)
         return output

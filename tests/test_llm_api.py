@@ -1,0 +1,142 @@
+"""The offline API end to end: seeds, n, stop strings, chat, validation, the CLI."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from sparrow import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    engine = LLM(qwen3_dir, multiprocess=False, dtype="float32", max_model_len=512, num_kv_blocks=256)
+    yield engine
+    engine.shutdown()
+
+
+def random_prompts(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 4000) for _ in range(rng.randrange(5, 120))]} for _ in range(n)]
+
+
+def test_seeded_request_is_the_same_alone_in_a_batch_and_under_preemption(qwen3_dir, llm):
+    target = random_prompts(1, seed=5)[0]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(target, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = random_prompts(12, seed=6)
+    noisy = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    batch = llm.generate(others[:6] + [target] + others[6:], [noisy] * 6 + [seeded] + [noisy] * 6, use_tqdm=False)
+    assert batch[6].outputs[0].token_ids == alone
+    # 12 blocks of 16 tokens: the batch cannot fit at once, so requests are preempted and recomputed.
+    # Prompts of 60 tokens take 4 blocks each; three are admitted into 12 blocks and the first to
+    # grow a fifth block forces a preemption.
+    rng = random.Random(12)
+    target, *others = [{"prompt_token_ids": [rng.randrange(3, 4000) for _ in range(60)]} for _ in range(6)]
+    alone = llm.generate(target, seeded, use_tqdm=False)[0].outputs[0].token_ids
+    small = LLM(qwen3_dir, multiprocess=False, dtype="float32", max_model_len=256, num_kv_blocks=12)
+    engine = small.llm_engine
+    outputs, num_preemptions = {}, 0
+    try:
+        for index, (prompt, params) in enumerate(zip([target] + others[:5], [seeded] + [noisy] * 5)):
+            engine.add_request(str(index), prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs[out.request_id] = out.outputs[0].token_ids
+            num_preemptions += engine.last_stats.num_preemptions
+    finally:
+        small.shutdown()
+    assert num_preemptions > 0
+    assert outputs["0"] == alone
+
+
+def test_different_seeds_differ_and_n_gives_distinct_samples(llm):
+    prompt = random_prompts(1, seed=8)[0]
+    a = llm.generate(prompt, SamplingParams(temperature=1.0, seed=1, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    b = llm.generate(prompt, SamplingParams(temperature=1.0, seed=2, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert a[0].outputs[0].token_ids != b[0].outputs[0].token_ids
+    out = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+
+
+def test_stop_string_split_across_tokens_ends_the_request(llm):
+    prompt = random_prompts(1, seed=9)[0]
+    free = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+    text = free.outputs[0].text
+    assert len(text) > 6
+    stop = text[3:6]  # characters that straddle token boundaries more often than not
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    kept = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop=[stop],
+                                               include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_and_length(llm):
+    prompt = random_prompts(1, seed=10)[0]
+    free = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    assert free.outputs[0].finish_reason == "length"
+    stop_id = free.outputs[0].token_ids[4]
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                              stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    first = free.outputs[0].token_ids.index(stop_id)
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    assert out.token_ids == free.outputs[0].token_ids[: first + 1]
+
+
+def test_chat_uses_the_chat_template(llm):
+    messages = [{"role": "user", "content": "Hello sparrow"}]
+    out = llm.chat(messages, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
+    expected = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert out.prompt == expected
+    assert out.prompt_token_ids == llm.get_tokenizer()(expected, add_special_tokens=False)["input_ids"]
+
+
+def test_bad_prompts_are_rejected_before_any_work_starts(llm):
+    good = random_prompts(2, seed=11)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([good[0], ""], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="outside"):
+        llm.generate([good[0], {"prompt_token_ids": [1, 999999]}], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len|max_tokens"):
+        llm.generate({"prompt_token_ids": [5] * 600}, params, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert len(llm.generate(good, params, use_tqdm=False)) == 2
+
+
+def test_sampling_params_errors_name_the_field():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+
+
+def test_unknown_engine_argument_lists_valid_ones():
+    from sparrow.config import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown engine argument 'max_seqs'.*max_num_seqs"):
+        LLM(max_seqs=3)
+    with pytest.raises(ConfigError, match="block_size"):
+        LLM(block_size=-4)
+
+
+def test_cli_generate_prints_the_continuation(qwen3_dir):
+    env = dict(os.environ, SPARROW_ENABLE_MULTIPROCESSING="0")
+    result = subprocess.run(
+        [sys.executable, "-m", "sparrow.entrypoints.cli", "generate", qwen3_dir, "--prompt", "Hello",
+         "--max-tokens", "5", "--max-model-len", "128", "--num-kv-blocks", "64"],
+        capture_output=True, text=True, timeout=180, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Hello")
+    assert len(result.stdout.strip()) > len("Hello")

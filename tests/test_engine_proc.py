@@ -361,3 +361,109 @@ def test_make_client_honours_the_multiprocessing_switch(monkeypatch):
         assert isinstance(client, SyncMPClient)
     finally:
         client.shutdown()
+
+
+# -- AsyncLLM over the engine process (real tokenizer, fake model) ---------------------------------
+@pytest.fixture(scope="module")
+def tokenizer_model_dir(tmp_path_factory) -> str:
+    from sparrow.tiny.model import build_model_dir
+
+    return str(build_model_dir(tmp_path_factory.mktemp("async-llm-model"), "qwen3", "test", seed=1))
+
+
+def run_async_llm(model_dir: str, body, executor_factory: str = FAKE, **engine_args):
+    from sparrow.engine.async_llm import AsyncLLM
+
+    async def main():
+        engine = AsyncLLM.from_engine_args(model=model_dir, executor_factory=executor_factory, **engine_args)
+        try:
+            return await body(engine)
+        finally:
+            engine.shutdown()
+
+    return asyncio.run(main())
+
+
+def test_async_llm_output_kinds_agree_and_many_requests_run_concurrently(tokenizer_model_dir):
+    from sparrow.sampling_params import RequestOutputKind
+
+    def params(kind):
+        return SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0, output_kind=kind)
+
+    async def body(engine):
+        async def collect(request_id, kind):
+            return [out async for out in engine.generate("a sparrow sings", params(kind), request_id)]
+
+        kinds = [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY] * 12
+        results = await asyncio.gather(*(collect(f"r{i}", kind) for i, kind in enumerate(kinds)))
+        return list(zip(kinds, results)), engine.metrics
+
+    results, metrics = run_async_llm(tokenizer_model_dir, body)
+    expected = None
+    for kind, outputs in results:
+        assert outputs[-1].finished and all(not o.finished for o in outputs[:-1])
+        if kind == RequestOutputKind.DELTA:
+            token_ids = [t for o in outputs for t in o.outputs[0].token_ids]
+        else:
+            token_ids = outputs[-1].outputs[0].token_ids
+        if kind == RequestOutputKind.FINAL_ONLY:
+            assert len(outputs) == 1
+        expected = expected or token_ids
+        assert token_ids == expected and len(token_ids) == 12
+    assert metrics.generation_tokens._value.get() == 36 * 12
+
+
+def test_async_llm_cancelled_consumer_aborts_and_frees_blocks(tokenizer_model_dir):
+    async def body(engine):
+        async def consume():
+            async for _ in engine.generate("x", SamplingParams(max_tokens=900, ignore_eos=True), "long"):
+                pass
+
+        task = asyncio.create_task(consume())
+        while (await engine.get_kv_cache_info())["num_free_blocks"] == 256:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if (await engine.get_kv_cache_info())["num_free_blocks"] == 256:
+                break
+            await asyncio.sleep(0.01)
+        return await engine.get_kv_cache_info()
+
+    assert run_async_llm(tokenizer_model_dir, body, executor_factory=SLOW)["num_free_blocks"] == 256
+
+
+def test_async_llm_raises_a_core_rejection_to_its_caller_only(tokenizer_model_dir):
+    async def body(engine):
+        engine._check_kv_capacity = lambda request: None  # let the core be the one to refuse
+        params = SamplingParams(max_tokens=1500, ignore_eos=True)
+        with pytest.raises(ValueError, match="1024 tokens"):
+            async for _ in engine.generate("too long for the cache", params, "huge"):
+                pass
+        fine = [o async for o in engine.generate("ok", SamplingParams(max_tokens=3, ignore_eos=True), "fine")]
+        return fine[-1]
+
+    final = run_async_llm(tokenizer_model_dir, body)
+    assert final.finished and len(final.outputs[0].token_ids) == 3
+
+
+def test_async_llm_fails_fast_when_the_engine_dies(tokenizer_model_dir):
+    async def body(engine):
+        stream = engine.generate("x", SamplingParams(max_tokens=900, ignore_eos=True), "doomed")
+        await stream.__anext__()
+        os.kill(engine.engine_core.proc.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        assert time.monotonic() - started < 5
+        assert engine.errored
+        with pytest.raises(EngineDeadError):
+            await engine.check_health()
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate("y", SamplingParams(max_tokens=2), "late"):
+                pass
+        return True
+
+    assert run_async_llm(tokenizer_model_dir, body, executor_factory=SLOW)

@@ -146,6 +146,27 @@ def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition"):
         time.sleep(0.05)
 
 
+# -- the command line ---------------------------------------------------------------------------
+def test_serve_has_a_flag_for_every_engine_argument():
+    import argparse
+
+    from sparrow.config import EngineConfig
+    from sparrow.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    serve = subparsers.choices["serve"]
+    flags = set(serve._option_string_actions)
+    missing = [name for name in EngineConfig.field_names() if "--" + name.replace("_", "-") not in flags]
+    assert not missing
+    assert {"--host", "--port", "--api-key", "--served-model-name"} <= flags
+    args = parser.parse_args(["serve", "/m", "--max-num-seqs", "8", "--no-enable-prefix-caching"])
+    assert (args.model_pos, args.max_num_seqs, args.enable_prefix_caching) == ("/m", 8, False)
+    assert (args.host, args.port) == ("127.0.0.1", 8000)
+    bench = next(a for a in subparsers.choices["bench"]._actions if isinstance(a, argparse._SubParsersAction))
+    assert "serve" in bench.choices
+
+
 # -- endpoints --------------------------------------------------------------------------------
 def test_health_models_and_version(server):
     assert httpx.get(server.url + "/health").status_code == 200
@@ -257,6 +278,40 @@ def test_stop_string_ends_the_text_before_it(server):
         assert finish == ["stop"]
 
 
+def test_seed_reproduces_a_sample_and_sampling_fields_are_accepted(server):
+    client = server.client()
+    extra = {"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1, "min_tokens": 4, "priority": 3,
+             "ignore_eos": True}
+
+    def sample(seed):
+        return client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=1.0,
+                                         top_p=0.95, presence_penalty=0.5, frequency_penalty=0.5, seed=seed,
+                                         extra_body=extra).choices[0].text
+
+    first, again, other = sample(11), sample(11), sample(12)
+    assert first == again
+    assert first != other
+
+
+def test_bench_serve_reports_vllm_metrics(server, tmp_path):
+    from sparrow.bench.serve import add_bench_serve_parser
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_bench_serve_parser(parser.add_subparsers())
+    result_file = tmp_path / "serve.json"
+    args = parser.parse_args([
+        "serve", "--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "6", "--request-rate", "20",
+        "--input-len-min", "4", "--input-len-max", "40", "--output-len-min", "2", "--output-len-max", "10",
+        "--max-seconds", "30", "--result-file", str(result_file)])
+    assert args.func(args) == 0
+    result = json.loads(result_file.read_text())
+    assert result["completed"] == 6 and result["failed"] == 0
+    for key in ("request_throughput", "output_throughput", "mean_ttft_ms", "median_tpot_ms", "p99_itl_ms",
+                "mean_e2el_ms"):
+        assert result[key] > 0, key
+
+
 # -- errors ------------------------------------------------------------------------------------
 def test_invalid_parameters_are_400_naming_the_field(server):
     client = server.client()
@@ -366,6 +421,12 @@ def _bounded(body):
         for key in ("max_tokens", "max_completion_tokens"):
             if is_int(body.get(key)) and body[key] > 4:
                 body[key] = 4
+        # No limit means "all the room max_model_len leaves": hundreds of tokens.
+        if "messages" in body:
+            if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+                body["max_completion_tokens"] = 4
+        elif body.get("max_tokens", 0) is None:
+            body["max_tokens"] = 4
         if is_int(body.get("n")) and body["n"] > 2:
             body["n"] = 2
         if isinstance(body.get("prompt"), list) and body["prompt"] and isinstance(body["prompt"][0], list):
@@ -439,4 +500,4 @@ def test_killing_the_engine_fails_in_flight_requests_and_health(model_dir, tmp_p
     finally:
         server.stop()
     assert server.proc.returncode == 0, server.log()
-    assert not _proc_children(server.proc.pid)
+    assert not is_running(server.engine_pid)

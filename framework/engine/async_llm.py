@@ -99,7 +99,13 @@ class AsyncLLM:
         self._prompt_lens: dict[str, int] = {}
         self._dead_error: EngineDeadError | None = None
         self._output_handler: asyncio.Task | None = None
-        self.engine_core = AsyncMPClient(self.config, executor_factory=executor_factory)
+        self.engine_core: Any
+        if self.config.parallel.data_parallel_size > 1:
+            from sparrow.engine.dp_client import AsyncDPClient
+
+            self.engine_core = AsyncDPClient(self.config, executor_factory=executor_factory)
+        else:
+            self.engine_core = AsyncMPClient(self.config, executor_factory=executor_factory)
         kv_info = self.engine_core.kv_cache_info
         self.kv_cache_capacity_tokens = kv_info["num_blocks"] * kv_info["block_size"]
 

@@ -117,7 +117,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     for error in exc.errors():
         location = [str(part) for part in error.get("loc", ()) if part != "body"]
         field = ".".join(location) or "body"
-        param = param or (location[0] if location else None)
+        # A body that is not JSON at all is located by character offset: no field to name.
+        if location and not location[0].isdigit():
+            param = param or location[0]
         parts.append(f"{field}: {error.get('msg')}")
     return "; ".join(parts) or "invalid request", param
 

@@ -9,13 +9,17 @@ Integers are bounded to what the engine can carry (64-bit), floats must be finit
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
 MAX_N = 128  # samples per prompt; each is a sequence in the engine
+MAX_LOGPROBS = 20  # vLLM's default cap on logprobs per position
+
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class OpenAIBaseModel(BaseModel):
@@ -81,7 +85,7 @@ class SamplingFields(OpenAIBaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -90,14 +94,14 @@ class SamplingFields(OpenAIBaseModel):
 
 # -- completions ------------------------------------------------------------------------------
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
         ..., description="Text, several texts, token ids, or several lists of token ids.")
     max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
-    logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
-    prompt_logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -145,7 +149,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="Deprecated by OpenAI; see max_completion_tokens.")
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -162,9 +162,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield f"data: {chunk.model_dump_json()}\n\n"
         except EngineDeadError as exc:
             yield f"data: {json.dumps(engine_dead(exc).body())}\n\n"
-        except APIError as exc:
-            yield f"data: {json.dumps(exc.body())}\n\n"
         except ValueError as exc:
             # The engine core rejected a request after the stream started.
-            yield f"data: {json.dumps(APIError(400, str(exc), 'BadRequestError').body())}\n\n"
+            yield f"data: {json.dumps(bad_request(exc).body())}\n\n"
         yield "data: [DONE]\n\n"

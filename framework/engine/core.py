@@ -70,7 +70,9 @@ class EngineCore:
         if scheduler_output is None:
             raise RuntimeError("no plugin answered sparrow_schedule")
         if scheduler_output.total_num_scheduled_tokens == 0:
-            # Nothing fits this step (e.g. waiting on remote KV); nothing to run.
+            # Nothing fits this step (e.g. waiting on remote KV, or a plugin vetoed every
+            # allocation): yield the CPU briefly instead of spinning the busy loop.
+            time.sleep(0.001)
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.monotonic())
         model_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)

@@ -44,6 +44,10 @@ def use_multiprocessing(requested: bool | None) -> bool:
 
 
 def make_engine_client(config: EngineConfig, multiprocess: bool | None = None) -> Any:
+    if config.parallel.data_parallel_size > 1:
+        from sparrow.engine.dp_client import DPClient
+
+        return DPClient(config, multiprocess=use_multiprocessing(multiprocess))
     if use_multiprocessing(multiprocess):
         from sparrow.engine.mp_client import SyncMPClient
 
@@ -106,9 +110,13 @@ class LLMEngine:
         outputs = self.engine_core.get_output()
         if outputs.scheduler_stats is not None:
             self.last_stats = outputs.scheduler_stats
+        errors = [(o.request_id, o.error_message) for o in outputs.outputs if o.error_message]
         processed = self.output_processor.process_outputs(outputs.outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
+        if errors:
+            # The engine core refused a request (it can never run); the others carry on.
+            raise ValueError("; ".join(f"request {rid!r}: {message}" for rid, message in errors))
         return processed.request_outputs
 
     # -- utilities --------------------------------------------------------------------------

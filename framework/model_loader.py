@@ -10,15 +10,12 @@ it keeps.
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import torch
 
 from sparrow.layers.parallel import ParallelContext, resolve_tp
-
-logger = logging.getLogger(__name__)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 

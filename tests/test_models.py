@@ -150,6 +150,15 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, atol: 
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """The models are tiny: one thread is faster than two contending OpenMP threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def variant(request, tmp_path_factory):
     """(name, model dir, sparrow model fp32, HF model fp32)."""

@@ -125,6 +125,9 @@ def _optional_parsers(sub: Any, bench_sub: Any) -> None:
         pass
     else:
         add_bench_serve_parser(bench_sub)
+    from sparrow.executor.remote_worker import add_worker_parser
+
+    add_worker_parser(sub)
     try:
         from sparrow.bench.ablate import add_parser as add_ablate_parser
     except ImportError:

@@ -44,6 +44,15 @@ class ParallelContext:
         torch.distributed.all_gather(parts, tensor, group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def broadcast_from_first(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with the group's first rank's copy, in place;
+        a no-op for world size 1."""
+        if self.world_size == 1:
+            return tensor
+        first = 0 if self.group is None else torch.distributed.get_global_rank(self.group, 0)
+        torch.distributed.broadcast(tensor, src=first, group=self.group)
+        return tensor
+
 
 SINGLE_DEVICE = ParallelContext()
 

@@ -24,7 +24,7 @@ from sparrow.layers.attention import Attention
 from sparrow.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from sparrow.layers.layernorm import RMSNorm
 from sparrow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from sparrow.layers.parallel import ParallelContext, default_weight_loader, resolve_tp
+from sparrow.layers.parallel import ParallelContext, default_weight_loader, divide, resolve_tp
 from sparrow.layers.rotary import RotaryEmbedding, get_rope
 
 # fused parameter -> (checkpoint projection, shard id) in the fused order
@@ -187,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
         device = torch.device(device)
         head_dim = model_head_dim(hf_config)
         self.attn_backend = attn_backend_cls(
-            hf_config.num_attention_heads // self.tp.world_size,
+            divide(hf_config.num_attention_heads, self.tp.world_size, "num_attention_heads"),
             num_kv_heads_per_rank(hf_config.num_key_value_heads, self.tp),
             head_dim, head_dim ** -0.5, dtype, device,
         )

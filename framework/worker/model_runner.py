@@ -182,7 +182,7 @@ class ModelRunner:
             self._sampling_version = batch.version
         sampling_metadata = self.sampling_tensors.metadata([s.output_token_ids for s in batch.states])
         sampler_output = self.sampler(logits, sampling_metadata)
-        sampled = sampler_output.sampled_token_ids.tolist()
+        sampled = self.agree_on_sampled(sampler_output.sampled_token_ids).tolist()
         logprobs_rows = sampler_output.logprobs_lists()
 
         sampled_token_ids: list[list[int]] = []
@@ -202,6 +202,21 @@ class ModelRunner:
             req_ids=list(batch.req_ids), sampled_token_ids=sampled_token_ids, logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs(hidden_states, inputs),
         )
+
+    def agree_on_sampled(self, sampled_token_ids: torch.Tensor) -> torch.Tensor:
+        """Tensor parallel: make rank 0's sampled tokens every rank's tokens.
+
+        Every rank computes the same logits (the LM head all-gathers them) and seeds its sampler
+        the same way, so ranks normally agree already; but each rank appends its own draw to its
+        persistent batch, and one diverging draw (a different random stream, a non-deterministic
+        kernel) would silently feed different tokens into the next step's collectives. Only rank
+        0's output reaches the scheduler, so its choice is made authoritative. One tiny broadcast
+        per step; nothing for a single device.
+        """
+        tp = getattr(self.model, "tp", None)
+        if tp is None or tp.world_size == 1:
+            return sampled_token_ids
+        return tp.broadcast_from_first(sampled_token_ids.contiguous())
 
     def prompt_logprobs(self, hidden_states: torch.Tensor, inputs: StepInputs) -> dict[str, list[TokenLogprobs]]:
         """Logprobs of the prompt tokens whose preceding position was computed this step."""

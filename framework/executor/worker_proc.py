@@ -1,0 +1,259 @@
+"""One tensor-parallel rank in its own process, and the wire protocol it speaks with the executor.
+
+The executor binds one ZMQ ROUTER socket (``ipc://`` on its machine, plus ``tcp://`` for other
+machines); every rank connects a DEALER whose identity is ``rank-<n>``. Frames::
+
+    executor -> rank   [kind, seq, payload]      EXECUTE  payload = SchedulerOutput (msgpack)
+                                                 RPC      payload = [method, [args], {kwargs}]
+                                                 SHUTDOWN payload = b""
+    rank -> executor   [kind, seq, payload]      HELLO    payload = {rank, pid, host} (once)
+                                                 OUTPUT   payload = ModelRunnerOutput (rank 0 only)
+                                                 RESULT   payload = the RPC's return value
+                                                 FAILURE  payload = [request kind, traceback]
+
+``seq`` (8 bytes, big-endian) numbers the executor's messages, so a late reply to an abandoned
+call is never mistaken for the answer to the current one. A node launcher (``remote_worker``)
+connects as ``node-<n>`` and sends JOIN; the executor answers CONFIG with what its ranks need.
+Only rank 0 answers EXECUTE: every rank runs the same step and rank 0 holds the result; the
+others speak only when they fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import zmq
+
+from sparrow.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+EXECUTE, RPC, SHUTDOWN, CONFIG = b"E", b"R", b"S", b"C"
+HELLO, OUTPUT, RESULT, FAILURE, JOIN = b"H", b"O", b"r", b"F", b"J"
+
+# ZMTP heartbeats run in ZMQ's I/O thread, so a machine that vanishes without closing its
+# connections (power loss, partition) is noticed even while the application threads compute.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 10_000
+# After its parent dies, how long a rank may take to exit by SIGTERM before it exits hard.
+_PARENT_DEATH_GRACE_S = 3.0
+ENV_CPU_THREADS = "SPARROW_CPU_THREADS"
+
+
+def rank_identity(rank: int) -> bytes:
+    return f"rank-{rank}".encode()
+
+
+def node_identity(node_rank: int) -> bytes:
+    return f"node-{node_rank}".encode()
+
+
+def parse_identity(identity: bytes) -> tuple[str, int] | None:
+    """``(role, index)`` of a peer identity (``("rank", 3)``), or None for a foreign one."""
+    role, _, index = identity.decode(errors="replace").partition("-")
+    if role not in ("rank", "node") or not index.isdigit():
+        return None
+    return role, int(index)
+
+
+def encode_seq(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def decode_seq(frame: bytes) -> int:
+    return int.from_bytes(frame, "big")
+
+
+def set_heartbeats(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerSpec:
+    """Everything a rank process needs; pickled into the spawned child."""
+
+    config: EngineConfig
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    distributed_init_method: str | None
+    endpoint: str  # the executor's ROUTER socket
+
+
+def spawn_worker(mp_ctx: Any, spec: WorkerSpec) -> tuple[multiprocessing.process.BaseProcess, Connection]:
+    """Start ``spec``'s rank; returns the process and the write end of its death pipe.
+
+    The rank watches the pipe's read end: the OS closes the write end when the caller's process
+    dies, however it dies (SIGKILL included), and the rank exits instead of lingering.
+    """
+    death_reader, death_writer = mp_ctx.Pipe(duplex=False)
+    # daemon: multiprocessing also terminates the rank when the caller exits normally.
+    proc = mp_ctx.Process(target=run_worker, args=(spec, death_reader), name=f"SparrowWorker-{spec.rank}",
+                          daemon=True)
+    proc.start()
+    death_reader.close()
+    return proc, death_writer
+
+
+def run_worker(spec: WorkerSpec, death_pipe: Connection | None = None) -> None:
+    """Process entry point of one rank; exits 0 after SHUTDOWN, 1 when it could not start."""
+    # Ctrl-C reaches every process of the terminal's group; the executor owns the shutdown, and
+    # a rank dying of SIGINT first would be reported as a crash.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _setup_logging(spec.rank)
+    _watch_parent(death_pipe)
+    _limit_cpu_threads(spec.local_world_size)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, rank_identity(spec.rank))
+    sock.setsockopt(zmq.LINGER, 2000)
+    set_heartbeats(sock)
+    sock.connect(spec.endpoint)
+    exit_code = 0
+    try:
+        proc = WorkerProc(spec, sock)
+    except Exception:  # noqa: BLE001 - start-up failures go back to the executor with their traceback
+        logger.exception("worker rank %d failed to start", spec.rank)
+        sock.send_multipart([FAILURE, encode_seq(0), msgspec.msgpack.encode(["H", traceback.format_exc()])])
+        exit_code = 1
+    else:
+        try:
+            proc.run()
+        finally:
+            proc.close()
+    sock.close()
+    ctx.term()
+    # Skip the interpreter's teardown: unloading torch and friends takes seconds (more on a busy
+    # machine) and a rank that has shut down cleanly has nothing left to release.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+class WorkerProc:
+    """The rank's loop: one message at a time, in order, from the executor."""
+
+    # Methods answered by the process itself rather than the platform's worker.
+    PROC_METHODS = ("process_info",)
+
+    def __init__(self, spec: WorkerSpec, sock: zmq.Socket) -> None:
+        from sparrow.platforms import resolve_platform
+        from sparrow.plugins import get_plugin_manager, import_object
+
+        self.spec = spec
+        self.sock = sock
+        platform = resolve_platform(spec.config.device.device)
+        worker_cls = import_object(platform.worker_cls)
+        self.worker = worker_cls(config=spec.config, platform=platform, rank=spec.rank, local_rank=spec.local_rank,
+                                 world_size=spec.world_size, distributed_init_method=spec.distributed_init_method)
+        self._execute_hook = get_plugin_manager().hook.sparrow_execute_model
+        self.sock.send_multipart([HELLO, encode_seq(0), msgspec.msgpack.encode(self.process_info())])
+
+    def process_info(self) -> dict[str, Any]:
+        return {"rank": self.spec.rank, "local_rank": self.spec.local_rank, "pid": os.getpid(),
+                "host": socket.gethostname()}
+
+    def run(self) -> None:
+        from sparrow.core.sched.output import SchedulerOutput
+        from sparrow.engine import serial
+
+        so_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+        generic = msgspec.msgpack.Decoder()
+        encoder = msgspec.msgpack.Encoder()
+        while True:
+            kind, seq, payload = self.sock.recv_multipart()
+            if kind == SHUTDOWN:
+                logger.debug("rank %d: shutdown", self.spec.rank)
+                return
+            try:
+                if kind == EXECUTE:
+                    output = self.execute_model(so_decoder.decode(payload))
+                    if self.spec.rank == 0:
+                        self.sock.send_multipart([OUTPUT, seq, encoder.encode(output)], copy=False)
+                elif kind == RPC:
+                    method, args, kwargs = generic.decode(payload)
+                    result = serial.encode_result(self.call(method, args, kwargs))
+                    self.sock.send_multipart([RESULT, seq, encoder.encode(result)], copy=False)
+                else:
+                    raise ValueError(f"unknown message kind {kind!r}")
+            except Exception:  # noqa: BLE001 - every failure is reported; the executor decides
+                logger.exception("rank %d: %s failed", self.spec.rank, "execute_model" if kind == EXECUTE else "rpc")
+                self.sock.send_multipart([FAILURE, seq, encoder.encode([kind.decode(), traceback.format_exc()])])
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        output = self._execute_hook(worker=self.worker, scheduler_output=scheduler_output)
+        if output is None:
+            raise RuntimeError(f"no plugin executed the model for platform {self.worker.platform.name!r}")
+        return output
+
+    def call(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        """``worker.method(*args, **kwargs)``; a non-callable attribute is returned as is."""
+        if method.startswith("_"):
+            raise AttributeError(f"collective_rpc cannot call the private attribute {method!r}")
+        target = self if method in self.PROC_METHODS else self.worker
+        value = getattr(target, method, None)
+        if value is None and not hasattr(target, method):
+            raise AttributeError(f"the worker ({type(self.worker).__name__}) has no method {method!r}")
+        return value(*args, **kwargs) if callable(value) else value
+
+    def close(self) -> None:
+        try:
+            self.worker.shutdown()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            logger.exception("rank %d: worker shutdown failed", self.spec.rank)
+
+
+def _setup_logging(rank: int) -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=os.environ.get("SPARROW_LOGGING_LEVEL", "INFO").upper(),
+            format=f"%(levelname)s %(asctime)s [Worker rank={rank} pid={os.getpid()}] %(name)s: %(message)s",
+        )
+
+
+def _limit_cpu_threads(local_world_size: int) -> None:
+    """Share the machine's cores between its ranks unless ``SPARROW_CPU_THREADS`` says otherwise:
+    ranks each using every core would oversubscribe the CPU and slow every collective down."""
+    if os.environ.get(ENV_CPU_THREADS):
+        return
+    import torch
+
+    try:
+        num_cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        num_cpus = os.cpu_count() or 1
+    torch.set_num_threads(max(1, num_cpus // max(1, local_world_size)))
+
+
+def _watch_parent(death_pipe: Connection | None) -> None:
+    if death_pipe is None:
+        return
+
+    def watch() -> None:
+        # Readable (EOF) exactly when the parent's process is gone; the parent never writes.
+        while not death_pipe.poll(1.0):
+            pass
+        logger.warning("parent process is gone; worker exiting")
+        # SIGTERM's default action ends the process at once, even inside a collective; _exit
+        # covers a handler someone installed that does not exit.
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(_PARENT_DEATH_GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="WorkerParentWatch", daemon=True).start()

@@ -1,0 +1,115 @@
+"""Data parallel: N engine cores behind one frontend, balanced by unfinished requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparrow import LLM, SamplingParams
+from sparrow.config import EngineConfig
+from sparrow.engine.dp_client import DPClient
+from sparrow.engine.messages import EngineCoreRequest
+
+FAKE = "tests.fake_executor:FakeExecutor"
+
+
+def make_request(request_id: str, max_tokens: int = 4) -> EngineCoreRequest:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    return EngineCoreRequest(request_id=request_id, prompt_token_ids=list(range(1, 9)), sampling_params=params,
+                             max_tokens=max_tokens)
+
+
+def test_dp2_serves_a_concurrent_batch_on_both_engines(qwen3_dir):
+    engine_args = dict(max_model_len=256, dtype="float32", num_kv_blocks=64)
+    prompts = [{"prompt_token_ids": [(3 * i + n) % 3000 for i in range(n)]} for n in (1, 4, 9, 16, 25, 36, 49, 64)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    reference_llm = LLM(qwen3_dir, multiprocess=False, **engine_args)
+    reference = [o.outputs[0].token_ids for o in reference_llm.generate(prompts, params, use_tqdm=False)]
+    reference_llm.shutdown()
+
+    llm = LLM(qwen3_dir, data_parallel_size=2, **engine_args)  # two engine-core processes
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        client = llm.llm_engine.engine_core
+        assert isinstance(client, DPClient)
+        assert [o.outputs[0].token_ids for o in outputs] == reference
+        assert all(o.finished for o in outputs)
+        # All eight arrived before any finished: the fewest-unfinished rule alternates engines.
+        assert client.num_requests_routed == [4, 4]
+        assert client.num_requests_finished == [4, 4]
+        stats = llm.llm_engine.last_stats
+        assert stats.num_total_blocks == 128 and stats.num_running_reqs == 0
+        assert llm.llm_engine.collective_rpc("ping") == ["pong", "pong"]  # one worker per engine
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture
+def fake_dp_client():
+    config = EngineConfig.from_kwargs(max_model_len=4096, data_parallel_size=3)
+    client = DPClient(config, multiprocess=False, executor_factory=FAKE)
+    yield client
+    client.shutdown()
+
+
+def drain(client: DPClient) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for _ in range(100):
+        outputs = client.get_output()
+        for output in outputs.outputs:
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+        if outputs.scheduler_stats.num_running_reqs + outputs.scheduler_stats.num_waiting_reqs == 0:
+            return tokens
+    raise AssertionError("the engines did not finish")
+
+
+def test_requests_go_to_the_engine_with_the_fewest_unfinished(fake_dp_client):
+    client = fake_dp_client
+    for index in range(3):
+        client.add_request(make_request(f"a{index}", max_tokens=50))
+    assert client.num_requests_routed == [1, 1, 1]
+    client.abort_requests(["a1"])  # engine 1 now has the fewest unfinished requests
+    client.add_request(make_request("b0"))  # -> engine 1 (0 unfinished)
+    client.add_request(make_request("b1"))  # -> engine 0 (all tie at 1: the lowest index)
+    assert client.num_requests_routed == [2, 2, 1]
+    tokens = drain(client)
+    assert set(tokens) >= {"a0", "a2", "b0", "b1"}
+    assert len(tokens["b0"]) == len(tokens["b1"]) == 4
+    assert client.num_requests_finished == [2, 1, 1]  # a1 was aborted: it counts as no engine's finish
+
+
+def test_utilities_reach_every_engine_and_combine(fake_dp_client):
+    info = fake_dp_client.call_utility("get_kv_cache_info")
+    assert info["num_blocks"] == 64 and info["num_free_blocks"] == 3 * 64
+    assert fake_dp_client.call_utility("reset_prefix_cache") is True
+    stats = fake_dp_client.call_utility("get_scheduler_stats")
+    assert stats.num_total_blocks == 3 * 64
+
+
+def test_async_client_spreads_concurrent_requests_over_engine_processes():
+    import asyncio
+
+    from sparrow.engine.dp_client import AsyncDPClient
+
+    async def run(client: AsyncDPClient) -> dict[str, list[int]]:
+        for index in range(4):
+            await client.add_request_async(make_request(f"r{index}", max_tokens=5))
+        tokens: dict[str, list[int]] = {}
+        finished: set[str] = set()
+        while len(finished) < 4:
+            outputs = await asyncio.wait_for(client.get_output_async(), timeout=30)
+            for output in outputs.outputs:
+                tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+                if output.finished:
+                    finished.add(output.request_id)
+        assert (await client.call_utility_async("get_kv_cache_info"))["num_free_blocks"] == 2 * 64
+        return tokens
+
+    client = AsyncDPClient(EngineConfig.from_kwargs(max_model_len=4096, data_parallel_size=2), executor_factory=FAKE)
+    try:
+        assert client.kv_cache_info["num_blocks"] == 64
+        tokens = asyncio.run(run(client))
+        assert all(len(ids) == 5 for ids in tokens.values())
+        assert client.num_requests_routed == [2, 2] and client.num_requests_finished == [2, 2]
+    finally:
+        client.shutdown()
+    assert client.is_dead

@@ -1,0 +1,88 @@
+"""Multi-node tensor parallel, two "nodes" on 127.0.0.1: node 0 runs the engine (in this process),
+node 1 is a separate launch of ``python -m sparrow.executor.remote_worker``; they meet through
+torch.distributed's env:// rendezvous and the executor's tcp socket, as two machines would.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sparrow import LLM, SamplingParams
+from sparrow.executor.multiproc import WorkerDiedError
+from sparrow.worker.distributed import get_open_port
+
+ENGINE_ARGS = dict(max_model_len=256, dtype="float32", num_kv_blocks=64)
+PROMPTS = [{"prompt_token_ids": [(5 * i + n) % 3000 for i in range(n)]} for n in (2, 19, 70)]
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+@pytest.fixture
+def rendezvous(monkeypatch) -> dict[str, str]:
+    """Node 0's environment for a two-node run on this machine."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(get_open_port()),
+           "SPARROW_EXECUTOR_PORT": str(get_open_port()), "SPARROW_NNODES": "2"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SPARROW_NODE_RANK", raising=False)
+    monkeypatch.delenv("NODE_RANK", raising=False)
+    return env
+
+
+def test_two_nodes_give_the_tokens_of_one_device(qwen3_dir, rendezvous):
+    reference_llm = LLM(qwen3_dir, multiprocess=False, **ENGINE_ARGS)
+    reference = greedy(reference_llm)
+    reference_llm.shutdown()
+
+    # Node 1 first: its launcher waits for node 0's engine, as a cluster scheduler would start them.
+    node1_env = {k: v for k, v in os.environ.items() if k != "SPARROW_NNODES"}
+    node1_env["SPARROW_NODE_RANK"] = "1"
+    node1 = subprocess.Popen([sys.executable, "-m", "sparrow.executor.remote_worker", "--join-timeout", "120"],
+                             env=node1_env)
+    try:
+        llm = LLM(qwen3_dir, multiprocess=False, tensor_parallel_size=2, **ENGINE_ARGS)
+        try:
+            hosts = llm.llm_engine.collective_rpc("process_info")
+            assert [info["rank"] for info in hosts] == [0, 1]
+            assert hosts[1]["pid"] != hosts[0]["pid"]
+            assert greedy(llm) == reference
+        finally:
+            llm.shutdown()
+        # Node 0's shutdown reaches node 1's ranks; its launcher then exits cleanly.
+        assert node1.wait(timeout=30) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+
+
+def test_node0_names_the_missing_nodes_when_none_joins(qwen3_dir, rendezvous, monkeypatch):
+    monkeypatch.setenv("SPARROW_WORKER_START_TIMEOUT_S", "3")
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"ranks \[(0, )?1\] did not start.*remote_worker"):
+        LLM(qwen3_dir, multiprocess=False, tensor_parallel_size=2, **ENGINE_ARGS)
+    assert time.monotonic() - started < 60
+
+
+def test_topology_settings_are_validated():
+    from sparrow.executor.topology import NodeTopology
+
+    topology = NodeTopology.from_env({"SPARROW_NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1",
+                                      "MASTER_PORT": "29500"})
+    assert topology.resolved_executor_port == 29501
+    assert list(topology.node_ranks(4)) == [2, 3]
+    with pytest.raises(ValueError, match="MASTER_ADDR"):
+        NodeTopology.from_env({"SPARROW_NNODES": "2", "MASTER_PORT": "29500"})
+    with pytest.raises(ValueError, match="SPARROW_NODE_RANK"):
+        NodeTopology.from_env({"SPARROW_NNODES": "2", "SPARROW_NODE_RANK": "2", "MASTER_ADDR": "a",
+                               "MASTER_PORT": "1"})
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        NodeTopology(nnodes=2).ranks_per_node(3)

@@ -12,4 +12,4 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]
+        return F.silu(x[..., :d]).mul_(x[..., d:])  # in place on silu's fresh output: one pass less

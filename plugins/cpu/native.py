@@ -56,61 +56,79 @@ static void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_c
   const int32_t* table = block_table.data_ptr<int32_t>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_dim), acc(group * head_dim), m(group), l(group);
-    std::vector<float> scores(group * block_size);
+  // Few rows: split each row's KV heads across items so every thread has work. Many rows: one
+  // item per row, so a block's [block_size, Hkv, D] keys and values stream through contiguously.
+  const int64_t chunks = num_rows >= 8 ? 1 : num_kv_heads;
+  const int64_t heads_per_item = num_kv_heads / chunks;
+  const int64_t lanes = heads_per_item * group;  // query heads one item computes
+  at::parallel_for(0, num_rows * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(lanes * head_dim), acc(lanes * head_dim), m(lanes), l(lanes);
+    std::vector<float> scores(lanes * block_size);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t n = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t n = item / chunks, h0 = (item % chunks) * heads_per_item;
       const int64_t t = rows_ptr[n], r = req_ptr[n];
       const int64_t query_len = qsl[r + 1] - qsl[r];
       const int64_t position = lens[r] - query_len + (t - qsl[r]);  // causal: attend to [0, position]
       const int64_t context = position + 1;
-      for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* src = q_ptr + (t * num_heads + h * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] = to_float(src[d]) * fscale;
-        m[g] = -std::numeric_limits<float>::infinity();
-        l[g] = 0.f;
+      for (int64_t lane = 0; lane < lanes; ++lane) {
+        const scalar_t* src = q_ptr + (t * num_heads + h0 * group + lane) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) q[lane * head_dim + d] = to_float(src[d]) * fscale;
+        m[lane] = -std::numeric_limits<float>::infinity();
+        l[lane] = 0.f;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       const int64_t num_blocks = (context + block_size - 1) / block_size;
       for (int64_t j = 0; j < num_blocks && j < max_blocks; ++j) {
         const int64_t block = table[r * max_blocks + j];
         const int64_t valid = std::min(block_size, context - j * block_size);
-        const scalar_t* kb = k_ptr + block * block_stride + h * head_stride;
-        const scalar_t* vb = v_ptr + block * block_stride + h * head_stride;
+        const scalar_t* kb = k_ptr + block * block_stride + h0 * head_stride;
+        const scalar_t* vb = v_ptr + block * block_stride + h0 * head_stride;
         for (int64_t s = 0; s < valid; ++s) {
-          const scalar_t* krow = kb + s * row_stride;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = q.data() + g * head_dim;
-            float dot = 0.f;
+          for (int64_t hh = 0; hh < heads_per_item; ++hh) {
+            const scalar_t* krow = kb + s * row_stride + hh * head_stride;
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t lane = hh * group + g;
+              const float* ql = q.data() + lane * head_dim;
+              float dot = 0.f;
 #pragma omp simd reduction(+:dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * to_float(krow[d]);
-            scores[g * block_size + s] = dot;
+              for (int64_t d = 0; d < head_dim; ++d) dot += ql[d] * to_float(krow[d]);
+              scores[lane * block_size + s] = dot;
+            }
           }
         }
-        for (int64_t g = 0; g < group; ++g) {
-          float block_max = m[g];
-          for (int64_t s = 0; s < valid; ++s) block_max = std::max(block_max, scores[g * block_size + s]);
-          const float correction = std::exp(m[g] - block_max);
-          float* ag = acc.data() + g * head_dim;
+        for (int64_t lane = 0; lane < lanes; ++lane) {
+          float block_max = m[lane];
+          float* sc = scores.data() + lane * block_size;
+          for (int64_t s = 0; s < valid; ++s) block_max = std::max(block_max, sc[s]);
+          const float correction = std::exp(m[lane] - block_max);
           if (correction != 1.f) {
-            l[g] *= correction;
-            for (int64_t d = 0; d < head_dim; ++d) ag[d] *= correction;
+            l[lane] *= correction;
+            float* al = acc.data() + lane * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) al[d] *= correction;
           }
-          m[g] = block_max;
+          m[lane] = block_max;
           for (int64_t s = 0; s < valid; ++s) {
-            const float p = std::exp(scores[g * block_size + s] - block_max);
-            l[g] += p;
-            const scalar_t* vrow = vb + s * row_stride;
+            sc[s] = std::exp(sc[s] - block_max);
+            l[lane] += sc[s];
+          }
+        }
+        for (int64_t s = 0; s < valid; ++s) {
+          for (int64_t hh = 0; hh < heads_per_item; ++hh) {
+            const scalar_t* vrow = vb + s * row_stride + hh * head_stride;
+            for (int64_t g = 0; g < group; ++g) {
+              const int64_t lane = hh * group + g;
+              const float p = scores[lane * block_size + s];
+              float* al = acc.data() + lane * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * to_float(vrow[d]);
+              for (int64_t d = 0; d < head_dim; ++d) al[d] += p * to_float(vrow[d]);
+            }
           }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        scalar_t* dst = o_ptr + (t * num_heads + h * group + g) * head_dim;
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_dim + d] * inv);
+      for (int64_t lane = 0; lane < lanes; ++lane) {
+        scalar_t* dst = o_ptr + (t * num_heads + h0 * group + lane) * head_dim;
+        const float inv = l[lane] > 0.f ? 1.f / l[lane] : 0.f;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[lane * head_dim + d] * inv);
       }
     }
   });

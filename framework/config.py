@@ -58,6 +58,8 @@ class SchedulerConfig(_Section):
 class ParallelConfig(_Section):
     tensor_parallel_size: int = Field(1, gt=0)
     data_parallel_size: int = Field(1, gt=0)
+    data_parallel_rank: int = Field(0, ge=0, description="This engine core's index under data parallelism "
+                                    "(set by the frontend; picks its devices after the lower ranks').")
     distributed_executor_backend: Literal["uni", "mp"] | None = None
 
 

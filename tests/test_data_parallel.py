@@ -113,3 +113,24 @@ def test_async_client_spreads_concurrent_requests_over_engine_processes():
     finally:
         client.shutdown()
     assert client.is_dead
+
+
+def test_data_parallel_engines_take_consecutive_device_groups():
+    from sparrow.config import EngineConfig
+    from sparrow.engine.dp_client import per_engine_config
+    from sparrow.platforms.interface import Platform
+    from sparrow.worker.worker_base import WorkerBase
+
+    class RecordingPlatform(Platform):
+        name = "recording"
+
+        def device_for_rank(self, local_rank):
+            return f"dev{local_rank}"
+
+    config = EngineConfig.from_kwargs(data_parallel_size=2, tensor_parallel_size=2, max_model_len=64)
+    devices = [
+        WorkerBase(per_engine_config(config, index), RecordingPlatform(), rank=rank, local_rank=rank,
+                   world_size=2).device
+        for index in range(2) for rank in range(2)
+    ]
+    assert devices == ["dev0", "dev1", "dev2", "dev3"]

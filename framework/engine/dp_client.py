@@ -62,8 +62,11 @@ def start_clients(count: int, make: Any, parallel: bool) -> list[Any]:
     return clients
 
 
-def per_engine_config(config: EngineConfig) -> EngineConfig:
-    return config.model_copy(update={"parallel": config.parallel.model_copy(update={"data_parallel_size": 1})})
+def per_engine_config(config: EngineConfig, index: int = 0) -> EngineConfig:
+    """Engine ``index``'s configuration: a single engine that knows its data-parallel rank, so its
+    workers take the devices after those of the lower ranks (cuda:index*tp ...)."""
+    parallel = config.parallel.model_copy(update={"data_parallel_size": 1, "data_parallel_rank": index})
+    return config.model_copy(update={"parallel": parallel})
 
 
 class DPRouter:
@@ -152,10 +155,10 @@ class DPClient(DPRouter):
         from sparrow.engine.mp_client import make_client, multiprocessing_enabled
 
         self.multiprocess = multiprocessing_enabled() if multiprocess is None else multiprocess
-        engine_config = per_engine_config(config)
         super().__init__(start_clients(
             config.parallel.data_parallel_size,
-            lambda index: make_client(engine_config, self.multiprocess, executor_factory=executor_factory),
+            lambda index: make_client(per_engine_config(config, index), self.multiprocess,
+                                      executor_factory=executor_factory),
             parallel=self.multiprocess))
         self._merged: queue.Queue[tuple[int, EngineCoreOutputs | EngineDeadError]] = queue.Queue()
         self._forwarders: list[threading.Thread] = []
@@ -226,10 +229,10 @@ class AsyncDPClient(DPRouter):
     def __init__(self, config: EngineConfig, executor_factory: str | None = None) -> None:
         from sparrow.engine.mp_client import AsyncMPClient
 
-        engine_config = per_engine_config(config)
         super().__init__(start_clients(
             config.parallel.data_parallel_size,
-            lambda index: AsyncMPClient(engine_config, executor_factory=executor_factory), parallel=True))
+            lambda index: AsyncMPClient(per_engine_config(config, index), executor_factory=executor_factory),
+            parallel=True))
         self.kv_cache_info = _combine("get_kv_cache_info", [client.kv_cache_info for client in self.clients])
         self._merged: asyncio.Queue | None = None
         self._forwarders: list[asyncio.Task] = []

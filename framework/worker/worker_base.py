@@ -32,7 +32,10 @@ class WorkerBase:
         self.distributed_init_method = distributed_init_method
         self.dtype = DTYPES[platform.resolve_dtype(config.model.dtype)]
         self.block_size = config.cache.block_size or platform.default_block_size
-        self.device: torch.device = platform.device_for_rank(local_rank)
+        # Data-parallel engines on one machine take consecutive groups of tensor-parallel devices.
+        parallel = config.parallel
+        self.device: torch.device = platform.device_for_rank(
+            parallel.data_parallel_rank * parallel.tensor_parallel_size + local_rank)
         self.tp: Any = None
         self.model_runner: ModelRunner | None = None
 

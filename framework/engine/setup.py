@@ -47,4 +47,11 @@ def finalize_config(config: EngineConfig) -> EngineConfig:
         "max_model_len": max_model_len,
         "served_model_name": config.model.served_model_name or (config.model.model or "sparrow-tiny"),
     })
-    return config.model_copy(update={"model": model})
+    update: dict = {"model": model}
+    if config.scheduler.max_num_batched_tokens is None:
+        from sparrow.platforms import resolve_platform
+
+        platform = resolve_platform(config.device.device)
+        update["scheduler"] = config.scheduler.model_copy(
+            update={"max_num_batched_tokens": platform.default_max_num_batched_tokens})
+    return config.model_copy(update=update)

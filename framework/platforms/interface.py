@@ -12,6 +12,8 @@ class Platform:
     device_type: str = "cpu"  # torch device type
     dist_backend: str = "gloo"  # torch.distributed backend for tensor parallel
     default_block_size: int = 16
+    # Token budget per step when the user sets none (max_num_batched_tokens).
+    default_max_num_batched_tokens: int = 8192
     default_dtype: str = "float32"
     supported_dtypes: tuple[str, ...] = ("float32", "bfloat16")
     # "package.module:WorkerClass"

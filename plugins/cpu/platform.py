@@ -10,6 +10,8 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     dist_backend = "gloo"
     default_block_size = 16
+    # Smaller steps keep a step's activations in cache; measured faster than 8192 on 2 cores.
+    default_max_num_batched_tokens = 4096
     default_dtype = "float32"
     supported_dtypes = ("float32", "bfloat16")
     worker_cls = "sparrow_cpu.worker:CpuWorker"

@@ -50,7 +50,7 @@ class CacheConfig(_Section):
 class SchedulerConfig(_Section):
     scheduler: str = Field("fcfs", description="Registered scheduler name: fcfs, priority, sjf, lpm, or a plugin's.")
     max_num_seqs: int = Field(256, gt=0)
-    max_num_batched_tokens: int | None = Field(None, gt=0, description="Token budget per step; default: the platform's (CPU 4096, CUDA 8192).")
+    max_num_batched_tokens: int | None = Field(None, gt=0, description="Token budget per step; default: the platform's (CPU 2048, CUDA 8192).")
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int | None = Field(None, gt=0, description="Cap on a prompt's tokens per step.")
 

@@ -144,6 +144,11 @@ class ModelRunner:
         positions = num_computed[rows] + offsets  # [T]
         input_ids = batch.token_ids[rows, positions]  # [T]
         slot_mapping = batch.block_table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        padded = self.padded_num_tokens(total)
+        if padded > total:  # padding rows: token 0 at position 0, written nowhere (slot -1)
+            input_ids = np.concatenate([input_ids, np.zeros(padded - total, dtype=input_ids.dtype)])
+            positions = np.concatenate([positions, np.zeros(padded - total, dtype=positions.dtype)])
+            slot_mapping = np.concatenate([slot_mapping, np.full(padded - total, -1, dtype=np.int64)])
         seq_lens = (num_computed + num_scheduled).astype(np.int32)  # [num_reqs]
         max_blocks = int(batch.num_blocks[:num_reqs].max())
         complete_rows = seq_lens >= batch.num_tokens[:num_reqs]
@@ -162,6 +167,10 @@ class ModelRunner:
             num_scheduled=num_scheduled, logits_indices=self.to_device(cu_num_tokens - 1),
             complete_rows=complete_rows,
         )
+
+    def padded_num_tokens(self, num_tokens: int) -> int:
+        """The step's token count after padding (subclasses bucket it); no padding here."""
+        return num_tokens
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(np.ascontiguousarray(array))

@@ -20,12 +20,11 @@ from typing import Any
 
 from sparrow.config import EngineConfig
 from sparrow.engine.exceptions import EngineDeadError
-from sparrow.engine.input_processor import InputProcessor, PromptType
+from sparrow.engine.input_processor import PromptType
 from sparrow.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from sparrow.engine.metrics import EngineMetrics
 from sparrow.engine.mp_client import AsyncMPClient
-from sparrow.engine.output_processor import OutputProcessor
-from sparrow.engine.setup import finalize_config
+from sparrow.engine.setup import build_frontend, finalize_config
 from sparrow.outputs import RequestOutput
 from sparrow.sampling_params import RequestOutputKind, SamplingParams
 
@@ -75,20 +74,14 @@ class AsyncLLM:
     configured executor in the engine process (tests)."""
 
     def __init__(self, config: EngineConfig, *, executor_factory: str | None = None) -> None:
-        from sparrow.engine.llm_engine import load_tokenizer, model_eos_token_ids
-        from sparrow.model_loader import get_hf_config
-
         self.config = finalize_config(config)
         model_dir = self.config.model.model
-        assert model_dir is not None and self.config.model.max_model_len is not None
         self.model_config = self.config.model
         self.served_model_name = self.config.model.served_model_name or model_dir
-        self.tokenizer = load_tokenizer(self.config.model.tokenizer)
-        self.hf_config = get_hf_config(model_dir)
-        self.input_processor = InputProcessor(
-            self.tokenizer, max_model_len=self.config.model.max_model_len,
-            vocab_size=self.hf_config.vocab_size, eos_token_ids=model_eos_token_ids(model_dir))
-        self.output_processor = OutputProcessor(self.tokenizer)
+        frontend = build_frontend(self.config)
+        self.tokenizer, self.hf_config = frontend.tokenizer, frontend.hf_config
+        self.input_processor = frontend.input_processor
+        self.output_processor = frontend.output_processor
         self.metrics = EngineMetrics(self.served_model_name)
         self.last_stats: SchedulerStats | None = None
         # request_id -> the mailbox of its generate() consumer

@@ -2,74 +2,38 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-from pathlib import Path
 from typing import Any
 
 from sparrow.config import EngineConfig
-from sparrow.engine.input_processor import InputProcessor, PromptType
+from sparrow.engine.input_processor import PromptType
 from sparrow.engine.messages import SchedulerStats
-from sparrow.engine.output_processor import OutputProcessor
-from sparrow.engine.setup import finalize_config
+from sparrow.engine.setup import build_frontend, finalize_config
 from sparrow.outputs import RequestOutput
 from sparrow.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
-
-
-def model_eos_token_ids(model_dir: str) -> list[int]:
-    """eos ids from generation_config.json (falling back to config.json)."""
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_dir) / name
-        if path.is_file():
-            value = json.loads(path.read_text()).get("eos_token_id")
-            if value is not None:
-                return [value] if isinstance(value, int) else list(value)
-    return []
-
-
-def use_multiprocessing(requested: bool | None) -> bool:
-    """``SPARROW_ENABLE_MULTIPROCESSING=0`` keeps the engine core in this process (debugging)."""
-    if requested is not None:
-        return requested
-    return os.environ.get("SPARROW_ENABLE_MULTIPROCESSING", "1") != "0"
-
-
 def make_engine_client(config: EngineConfig, multiprocess: bool | None = None) -> Any:
+    """The engine-core client: data-parallel router, multiprocess (default) or in-process
+    (``SPARROW_ENABLE_MULTIPROCESSING=0``), decided in one place (``mp_client.make_client``)."""
     if config.parallel.data_parallel_size > 1:
         from sparrow.engine.dp_client import DPClient
 
-        return DPClient(config, multiprocess=use_multiprocessing(multiprocess))
-    if use_multiprocessing(multiprocess):
-        from sparrow.engine.mp_client import SyncMPClient
+        return DPClient(config, multiprocess=multiprocess)
+    from sparrow.engine.mp_client import make_client
 
-        return SyncMPClient(config)
-    from sparrow.engine.core_client import InprocClient
-
-    return InprocClient(config)
+    return make_client(config, multiprocess)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, multiprocess: bool | None = None) -> None:
-        from sparrow.model_loader import get_hf_config
-
         self.config = finalize_config(config)
-        model_dir = self.config.model.model
-        self.tokenizer = load_tokenizer(self.config.model.tokenizer)
-        self.hf_config = get_hf_config(model_dir)
-        self.input_processor = InputProcessor(
-            self.tokenizer, max_model_len=self.config.model.max_model_len,
-            vocab_size=self.hf_config.vocab_size, eos_token_ids=model_eos_token_ids(model_dir),
-        )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        frontend = build_frontend(self.config)
+        self.tokenizer, self.hf_config = frontend.tokenizer, frontend.hf_config
+        self.input_processor = frontend.input_processor
+        self.output_processor = frontend.output_processor
         self.engine_core = make_engine_client(self.config, multiprocess)
         kv_info = self.engine_core.call_utility("get_kv_cache_info")
         self.kv_cache_capacity_tokens = kv_info["num_blocks"] * kv_info["block_size"]

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sparrow.config import ConfigError, EngineConfig
 
@@ -55,3 +58,43 @@ def finalize_config(config: EngineConfig) -> EngineConfig:
         update["scheduler"] = config.scheduler.model_copy(
             update={"max_num_batched_tokens": platform.default_max_num_batched_tokens})
     return config.model_copy(update=update)
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def model_eos_token_ids(model_dir: str) -> list[int]:
+    """eos ids from generation_config.json (falling back to config.json)."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            if value is not None:
+                return [value] if isinstance(value, int) else list(value)
+    return []
+
+
+@dataclass(slots=True)
+class Frontend:
+    """What LLMEngine and AsyncLLM build the same way from a finalized configuration."""
+
+    tokenizer: Any
+    hf_config: Any
+    input_processor: Any
+    output_processor: Any
+
+
+def build_frontend(config: EngineConfig) -> Frontend:
+    from sparrow.engine.input_processor import InputProcessor
+    from sparrow.engine.output_processor import OutputProcessor
+    from sparrow.model_loader import get_hf_config
+
+    model_dir = config.model.model
+    tokenizer = load_tokenizer(config.model.tokenizer)
+    hf_config = get_hf_config(model_dir)
+    input_processor = InputProcessor(tokenizer, max_model_len=config.model.max_model_len,
+                                     vocab_size=hf_config.vocab_size, eos_token_ids=model_eos_token_ids(model_dir))
+    return Frontend(tokenizer, hf_config, input_processor, OutputProcessor(tokenizer))

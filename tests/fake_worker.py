@@ -1,9 +1,8 @@
 """A worker for a throwaway test platform: the engine's far side, answering through the
-``sparrow_execute_model`` hook of the plugin that registers it."""
+``sparrow_execute_model`` hook of the test plugin that registers the platform."""
 
 from __future__ import annotations
 
-from sparrow.hookspecs import hookimpl
 from tests.fake_executor import FakeExecutor
 
 
@@ -28,9 +27,3 @@ class FakeWorker:
     def execute_model(self, scheduler_output):
         return self.fake.execute_model(scheduler_output)
 
-
-@hookimpl
-def sparrow_execute_model(worker, scheduler_output):
-    if isinstance(worker, FakeWorker):
-        return worker.execute_model(scheduler_output)
-    return None

@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 
 # Without kv_cache_memory_bytes: this share of the available RAM, at most DEFAULT_MAX_BYTES.
 DEFAULT_RAM_FRACTION = 0.25
-DEFAULT_MAX_BYTES = 4 << 30
+DEFAULT_MAX_BYTES = 1 << 30
 
 
 def available_ram_bytes() -> int:

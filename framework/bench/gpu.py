@@ -77,29 +77,3 @@ def memory_roofline_bytes(hf_config: Any, workload: list[tuple[list[int], int]],
         "decode_steps": decode_steps,
         "total_bytes": weight_bytes * decode_steps + kv_reads * kv_bytes_per_token,
     }
-
-
-def run_hf_gpu(model_path: str, workload: list[tuple[list[int], int]], temperature: float) -> dict[str, Any]:
-    """HF transformers generate on the GPU, one left-padded batch."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16, local_files_only=True).cuda()
-    max_len = max(len(p) for p, _ in workload)
-    max_new = max(m for _, m in workload)
-    input_ids = torch.zeros((len(workload), max_len), dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, (prompt, _) in enumerate(workload):
-        input_ids[row, max_len - len(prompt):] = torch.tensor(prompt)
-        attention_mask[row, max_len - len(prompt):] = 1
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(input_ids=input_ids.cuda(), attention_mask=attention_mask.cuda(), max_new_tokens=max_new,
-                       min_new_tokens=max_new, do_sample=temperature > 0, temperature=temperature or None,
-                       pad_token_id=0)
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - started
-    del model
-    torch.cuda.empty_cache()
-    return {"elapsed_s": elapsed, "output_tokens": sum(m for _, m in workload), "num_prompts": len(workload)}

@@ -108,11 +108,14 @@ def run_engine(model_path: str, workload, args, engine_args: dict) -> dict[str, 
     return {"elapsed_s": elapsed, "all_elapsed_s": times, "output_tokens": num_output, "num_params": num_params}
 
 
-def run_hf(model_path: str, workload) -> dict[str, Any]:
+def run_hf(model_path: str, workload, device: str = "cpu", dtype_name: str = "float32",
+           temperature: float = 0.0) -> dict[str, Any]:
+    """HF transformers ``generate`` on one left-padded batch, in this process."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype_name),
+                                                 local_files_only=True).to(device)
     model.eval()
     max_len = max(len(p) for p, _ in workload)
     max_new = max(m for _, m in workload)
@@ -122,10 +125,14 @@ def run_hf(model_path: str, workload) -> dict[str, Any]:
     for row, (prompt, _) in enumerate(workload):  # left padding
         input_ids[row, max_len - len(prompt):] = torch.tensor(prompt)
         attention_mask[row, max_len - len(prompt):] = 1
+    synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    synchronize()
     started = time.perf_counter()
     with torch.inference_mode():
-        model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new,
-                       min_new_tokens=max_new, do_sample=False, pad_token_id=pad_id)
+        model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                       max_new_tokens=max_new, min_new_tokens=max_new, do_sample=temperature > 0,
+                       temperature=temperature or None, pad_token_id=pad_id)
+    synchronize()
     elapsed = time.perf_counter() - started
     return {"elapsed_s": elapsed, "output_tokens": sum(m for _, m in workload)}
 
@@ -180,9 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.compare_hf:
         hf_workload = workload[: args.hf_num_prompts] if args.hf_num_prompts else workload
         if args.preset == "gpu":
-            from sparrow.bench.gpu import run_hf_gpu
-
-            hf = run_hf_gpu(model_path, hf_workload, args.temperature)
+            hf = run_hf(model_path, hf_workload, "cuda", "bfloat16", args.temperature)
         else:
             hf = run_hf(model_path, hf_workload)
         hf_total = sum(len(p) for p, _ in hf_workload) + hf["output_tokens"]

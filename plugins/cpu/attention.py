@@ -132,6 +132,14 @@ class TorchPagedAttention(AttentionBackend):
                       query_start_loc: list[int], seq_lens: list[int]) -> DecodeGroup | None:
         if not indices:
             return None
+        if self.native_paged_attention is not None:
+            # The C++ kernel walks the block table itself: no gathered table, no mask.
+            return DecodeGroup(
+                rows=None, num_reqs=len(indices), block_table=metadata.block_table, mask=None,
+                max_seq_len=max(seq_lens[i] for i in indices),
+                native_rows=torch.tensor([query_start_loc[i] for i in indices], dtype=torch.int64),
+                native_reqs=torch.tensor(indices, dtype=torch.int64),
+            )
         num_reqs = metadata.num_reqs
         if len(indices) == num_reqs and query_start_loc[num_reqs] == num_reqs:
             rows = None  # a pure decode batch: request i is row i
@@ -142,17 +150,13 @@ class TorchPagedAttention(AttentionBackend):
             rows = torch.tensor([query_start_loc[i] for i in indices], dtype=torch.int64, device=self.device)
             block_table = metadata.block_table.index_select(0, index_tensor)
             lens = metadata.seq_lens.index_select(0, index_tensor)
-        native_rows = native_reqs = None
-        if self.native_paged_attention is not None:
-            native_reqs = torch.tensor(indices, dtype=torch.int64)
-            native_rows = torch.tensor([query_start_loc[i] for i in indices], dtype=torch.int64)
         decode_lens = [seq_lens[i] for i in indices]
         max_seq_len = max(decode_lens)
         mask = None
         if min(decode_lens) < max_seq_len:
             positions = torch.arange(max_seq_len, device=self.device)
             mask = (positions[None, :] < lens.to(self.device)[:, None])[:, None, None, :]
-        return DecodeGroup(rows, len(indices), block_table, mask, max_seq_len, native_rows, native_reqs)
+        return DecodeGroup(rows, len(indices), block_table, mask, max_seq_len)
 
     # ------------------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparrow.layers.linear import PlatformGemm
 from sparrow.layers.parallel import ParallelContext, copy_checked, loaded_shape, narrow_loaded, resolve_tp
 
 
@@ -68,7 +69,7 @@ class VocabParallelEmbedding(nn.Module):
         )
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(PlatformGemm, VocabParallelEmbedding):
     """The output projection hidden -> vocabulary logits; may share its weight with the embedding."""
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
@@ -79,7 +80,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # [num_tokens, hidden] -> [num_tokens, vocab] float32
-        logits = F.linear(hidden_states, self.weight)
+        logits = self.gemm(hidden_states, None)
         if self.tp.world_size > 1:
             logits = self.tp.all_gather(logits, dim=-1)[:, : self.num_embeddings]
         return logits.float()

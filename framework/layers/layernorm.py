@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +16,10 @@ class RMSNorm(nn.Module):
     before the weight is applied, as Hugging Face's Llama/Qwen norms do, so bf16 results match.
     The weight is replicated on every tensor-parallel rank.
     """
+
+    # A platform may install a faster kernel with the same signature and semantics as forward
+    # (sparrow_cpu.fused installs C++ ones); it may compute in place on its inputs.
+    platform_forward: Callable[..., Any] | None = None
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, params_dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -29,6 +35,14 @@ class RMSNorm(nn.Module):
 
         x, residual: [..., hidden_size]
         """
+        if self.platform_forward is not None:
+            return self.platform_forward(x, residual)
+        return self.forward_native(x, residual)
+
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The torch implementation (never in place)."""
         if residual is None:
             return self._normalize(x)
         x = x + residual

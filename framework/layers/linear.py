@@ -12,7 +12,7 @@ checkpoint tensor (or a lazy safetensors slice) and copies this rank's part into
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,26 @@ from sparrow.layers.parallel import (
     narrow_loaded,
     resolve_tp,
 )
+
+
+# (x, bias or None) -> x @ W^T + bias, with W held however the platform packed it.
+GemmFn = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+class PlatformGemm:
+    """The matrix product of a linear layer, which a platform may replace after weights load.
+
+    By default ``F.linear`` on the dense ``weight``. A platform whose fastest GEMM wants the weight
+    in its own layout (the CPU plugin packs it for oneDNN) sets ``gemm_override`` once loading is
+    done; see ``sparrow_cpu.gemm``. Layers call ``self.gemm(x, bias)`` and never touch the weight.
+    """
+
+    gemm_override: GemmFn | None = None
+
+    def gemm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.gemm_override is not None:
+            return self.gemm_override(x, bias)
+        return F.linear(x, self.weight, bias)
 
 
 def _new_parameter(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
@@ -45,7 +65,7 @@ class OutputShard:
     full_size: int  # rows of the shard's whole checkpoint tensor (all ranks)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(PlatformGemm, nn.Module):
     """``y = x W^T + b`` with W's output rows split across ranks.
 
     With ``gather_output`` every rank returns the full output; otherwise its own slice.
@@ -81,7 +101,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [num_tokens, input_size] -> [num_tokens, output_size_per_rank]
-        out = F.linear(x, self.weight, self.bias)
+        out = self.gemm(x, self.bias)
         if self.gather_output:
             out = self.tp.all_gather(out, dim=-1)
         return out
@@ -206,7 +226,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.num_kv_heads * self.head_dim
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PlatformGemm, nn.Module):
     """``y = x W^T + b`` with W's input columns split across ranks; partial sums are all-reduced.
 
     The input is expected already split (the output of a column-parallel layer).
@@ -239,7 +259,7 @@ class RowParallelLinear(nn.Module):
         # [num_tokens, input_size_per_rank] -> [num_tokens, output_size]
         # The bias is added once, by rank 0, so that the all-reduce sums it exactly once.
         bias = self.bias if self.tp.rank == 0 or not self.reduce_results else None
-        out = F.linear(x, self.weight, bias)
+        out = self.gemm(x, bias)
         if self.reduce_results:
             out = self.tp.all_reduce(out)
         return out

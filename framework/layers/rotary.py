@@ -10,7 +10,7 @@ cannot follow.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -67,6 +67,10 @@ def _require(params: dict[str, Any], key: str) -> float:
 class RotaryEmbedding(nn.Module):
     """Rotates the first ``rotary_dim`` dims of each query/key head by its token's position."""
 
+    # A platform may install a faster kernel with the same signature and semantics as forward
+    # (sparrow_cpu.fused installs C++ ones); it may compute in place on its inputs.
+    platform_forward: Callable[..., Any] | None = None
+
     def __init__(self, head_dim: int, rotary_dim: int, inv_freq: torch.Tensor, max_position: int) -> None:
         super().__init__()
         if rotary_dim > head_dim or rotary_dim % 2:
@@ -85,12 +89,20 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64; query [T, Hq, head_dim]; key [T, Hkv, head_dim] -> rotated copies."""
+        if self.platform_forward is not None:
+            return self.platform_forward(positions, query, key)
+        return self.forward_native(positions, query, key)
+
+    def forward_native(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch implementation (never in place)."""
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(query.dtype)
         cos, sin = cos_sin[:, None, :].chunk(2, dim=-1)  # each [T, 1, rotary_dim // 2]
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.rotary_dim < self.head_dim:
+        if x.shape[-1] > self.rotary_dim:  # partial rotary: the tail dims pass through
             rotated = self._rotate(x[..., : self.rotary_dim], cos, sin)
             return torch.cat([rotated, x[..., self.rotary_dim :]], dim=-1)
         x1, x2 = x.chunk(2, dim=-1)

@@ -1,14 +1,17 @@
-"""A C++ paged-attention kernel for the CPU platform, compiled on first use.
+"""The CPU platform's C++ kernels, compiled on first use.
 
-Why: decode attention is memory-bound. The torch path gathers every request's blocks into a padded
-copy and then reads the copy again, moving each cached key and value three times per layer and
-step. This kernel walks the block table directly and reads each cached row once, with the query
-heads of one KV head (GQA) sharing every load and an online softmax in fp32.
+* ``paged_attention`` (``native_attention.py``): decode attention straight through the block table.
+* element-wise layers (``native_elementwise.py``): RMSNorm, residual add + RMSNorm, rotary
+  embedding and SiLU-and-mul, each one pass over memory instead of several torch ops.
 
-It is built with ``torch.utils.cpp_extension.load_inline`` (gcc, ninja) into torch's extension
-cache, keyed by the source, so a machine compiles it once. ``paged_attention`` is None when the
-build is impossible (no compiler) or disabled with ``SPARROW_CPU_NATIVE_ATTENTION=0``; the backend
-then uses plain torch.
+They are built with ``torch.utils.cpp_extension.load_inline`` (gcc, ninja) as one extension in
+torch's extension cache, keyed by the source, so a machine compiles them once (about 40 s). Each
+accessor returns None when the build is impossible (no compiler) or when its switch is off, and
+the callers then use plain torch:
+
+* ``SPARROW_CPU_NATIVE=0``: no C++ at all;
+* ``SPARROW_CPU_NATIVE_ATTENTION=0``: torch decode attention;
+* ``SPARROW_CPU_NATIVE_OPS=0``: torch element-wise layers.
 """
 
 from __future__ import annotations
@@ -20,157 +23,43 @@ from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <cmath>
-#include <limits>
-#include <vector>
+FUNCTIONS = ["paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_neox", "silu_and_mul"]
 
-template <typename scalar_t>
-static inline float to_float(scalar_t v) { return static_cast<float>(v); }
 
-// query [T, Hq, D], kv_cache [2, NB, BS, Hkv, D], out [T, Hq, D] (same dtype as query)
-// rows [N] int64: which query rows to compute; row_req [N] int64: their request index
-// query_start_loc [R+1] int32, seq_lens [R] int32, block_table [R, MB] int32
-template <typename scalar_t>
-static void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out,
-                                 const at::Tensor& rows, const at::Tensor& row_req,
-                                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                                 const at::Tensor& block_table, double scale) {
-  const int64_t num_rows = rows.size(0);
-  const int64_t num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_table.size(1);
-  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = kv_cache.data_ptr<scalar_t>();
-  const int64_t kv_stride = kv_cache.stride(0);  // keys -> values
-  const scalar_t* v_ptr = k_ptr + kv_stride;
-  const int64_t block_stride = kv_cache.stride(1), row_stride = kv_cache.stride(2), head_stride = kv_cache.stride(3);
-  scalar_t* o_ptr = out.data_ptr<scalar_t>();
-  const int64_t* rows_ptr = rows.data_ptr<int64_t>();
-  const int64_t* req_ptr = row_req.data_ptr<int64_t>();
-  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const float fscale = static_cast<float>(scale);
-
-  // Few rows: split each row's KV heads across items so every thread has work. Many rows: one
-  // item per row, so a block's [block_size, Hkv, D] keys and values stream through contiguously.
-  const int64_t chunks = num_rows >= 8 ? 1 : num_kv_heads;
-  const int64_t heads_per_item = num_kv_heads / chunks;
-  const int64_t lanes = heads_per_item * group;  // query heads one item computes
-  at::parallel_for(0, num_rows * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(lanes * head_dim), acc(lanes * head_dim), m(lanes), l(lanes);
-    std::vector<float> scores(lanes * block_size);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t n = item / chunks, h0 = (item % chunks) * heads_per_item;
-      const int64_t t = rows_ptr[n], r = req_ptr[n];
-      const int64_t query_len = qsl[r + 1] - qsl[r];
-      const int64_t position = lens[r] - query_len + (t - qsl[r]);  // causal: attend to [0, position]
-      const int64_t context = position + 1;
-      for (int64_t lane = 0; lane < lanes; ++lane) {
-        const scalar_t* src = q_ptr + (t * num_heads + h0 * group + lane) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) q[lane * head_dim + d] = to_float(src[d]) * fscale;
-        m[lane] = -std::numeric_limits<float>::infinity();
-        l[lane] = 0.f;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      const int64_t num_blocks = (context + block_size - 1) / block_size;
-      for (int64_t j = 0; j < num_blocks && j < max_blocks; ++j) {
-        const int64_t block = table[r * max_blocks + j];
-        const int64_t valid = std::min(block_size, context - j * block_size);
-        const scalar_t* kb = k_ptr + block * block_stride + h0 * head_stride;
-        const scalar_t* vb = v_ptr + block * block_stride + h0 * head_stride;
-        for (int64_t s = 0; s < valid; ++s) {
-          for (int64_t hh = 0; hh < heads_per_item; ++hh) {
-            const scalar_t* krow = kb + s * row_stride + hh * head_stride;
-            for (int64_t g = 0; g < group; ++g) {
-              const int64_t lane = hh * group + g;
-              const float* ql = q.data() + lane * head_dim;
-              float dot = 0.f;
-#pragma omp simd reduction(+:dot)
-              for (int64_t d = 0; d < head_dim; ++d) dot += ql[d] * to_float(krow[d]);
-              scores[lane * block_size + s] = dot;
-            }
-          }
-        }
-        for (int64_t lane = 0; lane < lanes; ++lane) {
-          float block_max = m[lane];
-          float* sc = scores.data() + lane * block_size;
-          for (int64_t s = 0; s < valid; ++s) block_max = std::max(block_max, sc[s]);
-          const float correction = std::exp(m[lane] - block_max);
-          if (correction != 1.f) {
-            l[lane] *= correction;
-            float* al = acc.data() + lane * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) al[d] *= correction;
-          }
-          m[lane] = block_max;
-          for (int64_t s = 0; s < valid; ++s) {
-            sc[s] = std::exp(sc[s] - block_max);
-            l[lane] += sc[s];
-          }
-        }
-        for (int64_t s = 0; s < valid; ++s) {
-          for (int64_t hh = 0; hh < heads_per_item; ++hh) {
-            const scalar_t* vrow = vb + s * row_stride + hh * head_stride;
-            for (int64_t g = 0; g < group; ++g) {
-              const int64_t lane = hh * group + g;
-              const float p = scores[lane * block_size + s];
-              float* al = acc.data() + lane * head_dim;
-#pragma omp simd
-              for (int64_t d = 0; d < head_dim; ++d) al[d] += p * to_float(vrow[d]);
-            }
-          }
-        }
-      }
-      for (int64_t lane = 0; lane < lanes; ++lane) {
-        scalar_t* dst = o_ptr + (t * num_heads + h0 * group + lane) * head_dim;
-        const float inv = l[lane] > 0.f ? 1.f / l[lane] : 0.f;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[lane * head_dim + d] * inv);
-      }
-    }
-  });
-}
-
-void paged_attention(at::Tensor query, at::Tensor kv_cache, at::Tensor out, at::Tensor rows, at::Tensor row_req,
-                     at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor block_table, double scale) {
-  TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && out.is_contiguous(), "contiguous tensors expected");
-  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "query and kv_cache dtypes differ");
-  if (query.scalar_type() == at::kFloat) {
-    paged_attention_impl<float>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens, block_table, scale);
-  } else if (query.scalar_type() == at::kBFloat16) {
-    paged_attention_impl<at::BFloat16>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens, block_table, scale);
-  } else {
-    TORCH_CHECK(false, "paged_attention supports float32 and bfloat16");
-  }
-}
-"""
+def _enabled(variable: str) -> bool:
+    return os.environ.get("SPARROW_CPU_NATIVE", "1") != "0" and os.environ.get(variable, "1") != "0"
 
 
 @functools.lru_cache(maxsize=1)
 def _load() -> Any:
-    if os.environ.get("SPARROW_CPU_NATIVE_ATTENTION", "1") == "0":
+    if os.environ.get("SPARROW_CPU_NATIVE", "1") == "0":
         return None
     try:
         from torch.utils.cpp_extension import load_inline
 
+        from sparrow_cpu import native_attention, native_elementwise
+
         return load_inline(
-            name="sparrow_cpu_paged_attention",
-            cpp_sources=[_SOURCE],
-            functions=["paged_attention"],
+            name="sparrow_cpu_kernels",
+            cpp_sources=[native_attention.SOURCE, native_elementwise.SOURCE],
+            functions=FUNCTIONS,
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - any build failure falls back to plain torch
-        logger.warning("CPU paged-attention kernel unavailable, using plain torch: %s", exc)
+        logger.warning("CPU C++ kernels unavailable, using plain torch: %s", exc)
         return None
 
 
 def get_paged_attention() -> Callable[..., None] | None:
     """``paged_attention(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens,
     block_table, scale)`` writing ``out[rows]``, or None when the kernel cannot be built."""
-    module = _load()
+    module = _load() if _enabled("SPARROW_CPU_NATIVE_ATTENTION") else None
     return None if module is None else module.paged_attention
+
+
+def get_elementwise_ops() -> Any | None:
+    """The module with ``rms_norm``, ``fused_add_rms_norm``, ``rotary_neox`` and ``silu_and_mul``,
+    or None (see the module docstring)."""
+    return _load() if _enabled("SPARROW_CPU_NATIVE_OPS") else None

@@ -10,6 +10,9 @@ import torch
 from sparrow.worker.model_runner import ModelRunner
 from sparrow.worker.worker_base import WorkerBase
 
+from sparrow_cpu.fused import install_fused_ops
+from sparrow_cpu.gemm import pack_linear_weights
+
 logger = logging.getLogger(__name__)
 
 # Without kv_cache_memory_bytes: this share of the available RAM, at most DEFAULT_MAX_BYTES.
@@ -42,6 +45,13 @@ class CpuModelRunner(ModelRunner):
 
 class CpuWorker(WorkerBase):
     model_runner_cls = CpuModelRunner
+
+    def load_model(self) -> None:
+        super().load_model()
+        model = self.model_runner.model
+        packed = pack_linear_weights(model)
+        fused = install_fused_ops(model, self.dtype)
+        logger.info("CPU kernels: %d linear layers packed for oneDNN, %d element-wise layers in C++", packed, fused)
 
     def init_device(self) -> None:
         threads = os.environ.get("SPARROW_CPU_THREADS")

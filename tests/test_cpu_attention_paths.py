@@ -23,11 +23,12 @@ def reference(query, keys, values, scale):
 
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_decode_and_prefill_batch(native, dtype):
+@pytest.mark.parametrize("head_dim", [32, 64, 128])  # 64 and 128 have their own compiled kernels
+def test_mixed_decode_and_prefill_batch(native, dtype, head_dim):
     if native and get_paged_attention() is None:
         pytest.skip("no compiler for the C++ kernel")
     torch.manual_seed(0)
-    heads, kv_heads, head_dim, block_size, num_blocks = 8, 2, 32, 4, 64
+    heads, kv_heads, block_size, num_blocks = 8, 2, 4, 64
     scale = 1 / math.sqrt(head_dim)
     backend = TorchPagedAttention(heads, kv_heads, head_dim, scale, dtype, torch.device("cpu"))
     if not native:

@@ -9,23 +9,45 @@ heads of one KV head (GQA) sharing every load and an online softmax in fp32.
 SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 template <typename scalar_t>
 static inline float to_float(scalar_t v) { return static_cast<float>(v); }
 
+// exp(x) for the softmax's x <= 0, in a form the compiler vectorizes: 2^(x log2 e) with a
+// degree-6 polynomial for the fraction (relative error about 2e-7).
+static inline float softmax_exp(float x) {
+  const float t = std::max(x, -87.f) * 1.4426950408889634f;
+  const float whole = std::floor(t), f = t - whole;
+  float p = 1.5403530393381606e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
 // query [T, Hq, D], kv_cache [2, NB, BS, Hkv, D], out [T, Hq, D] (same dtype as query)
 // rows [N] int64: which query rows to compute; row_req [N] int64: their request index
 // query_start_loc [R+1] int32, seq_lens [R] int32, block_table [R, MB] int32
-template <typename scalar_t>
+// HEAD_DIM > 0 fixes the head size at compile time (unrolled loops); 0 reads it from the query.
+template <typename scalar_t, int64_t HEAD_DIM>
 static void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out,
                                  const at::Tensor& rows, const at::Tensor& row_req,
                                  const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                                  const at::Tensor& block_table, double scale) {
   const int64_t num_rows = rows.size(0);
-  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_heads = query.size(1);
+  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : query.size(2);
   const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_table.size(1);
@@ -44,13 +66,17 @@ static void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_c
 
   // Few rows: split each row's KV heads across items so every thread has work. Many rows: one
   // item per row, so a block's [block_size, Hkv, D] keys and values stream through contiguously.
+  // Items are handed out one at a time (rows have different lengths), not in static ranges.
   const int64_t chunks = num_rows >= 8 ? 1 : num_kv_heads;
   const int64_t heads_per_item = num_kv_heads / chunks;
   const int64_t lanes = heads_per_item * group;  // query heads one item computes
-  at::parallel_for(0, num_rows * chunks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_items = num_rows * chunks;
+  std::atomic<int64_t> next_item{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> q(lanes * head_dim), acc(lanes * head_dim), m(lanes), l(lanes);
     std::vector<float> scores(lanes * block_size);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = next_item.fetch_add(1); item < num_items; item = next_item.fetch_add(1)) {
       const int64_t n = item / chunks, h0 = (item % chunks) * heads_per_item;
       const int64_t t = rows_ptr[n], r = req_ptr[n];
       const int64_t query_len = qsl[r + 1] - qsl[r];
@@ -63,9 +89,19 @@ static void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_c
         l[lane] = 0.f;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      const int64_t num_blocks = (context + block_size - 1) / block_size;
-      for (int64_t j = 0; j < num_blocks && j < max_blocks; ++j) {
+      const int64_t num_blocks = std::min((context + block_size - 1) / block_size, max_blocks);
+      for (int64_t j = 0; j < num_blocks; ++j) {
         const int64_t block = table[r * max_blocks + j];
+        if (chunks == 1 && j + 1 < num_blocks) {
+          // Blocks are scattered: ask for the next one while this one is computed.
+          const int64_t next = table[r * max_blocks + j + 1];
+          const char* nk = reinterpret_cast<const char*>(k_ptr + next * block_stride);
+          const char* nv = reinterpret_cast<const char*>(v_ptr + next * block_stride);
+          for (int64_t offset = 0; offset < block_stride * (int64_t)sizeof(scalar_t); offset += 64) {
+            __builtin_prefetch(nk + offset);
+            __builtin_prefetch(nv + offset);
+          }
+        }
         const int64_t valid = std::min(block_size, context - j * block_size);
         const scalar_t* kb = k_ptr + block * block_stride + h0 * head_stride;
         const scalar_t* vb = v_ptr + block * block_stride + h0 * head_stride;
@@ -86,17 +122,19 @@ static void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_c
           float block_max = m[lane];
           float* sc = scores.data() + lane * block_size;
           for (int64_t s = 0; s < valid; ++s) block_max = std::max(block_max, sc[s]);
-          const float correction = std::exp(m[lane] - block_max);
-          if (correction != 1.f) {
-            l[lane] *= correction;
-            float* al = acc.data() + lane * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) al[d] *= correction;
-          }
+          const float correction = softmax_exp(m[lane] - block_max);
+          l[lane] *= correction;
+          float* al = acc.data() + lane * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) al[d] *= correction;
           m[lane] = block_max;
+          float sum = 0.f;
+#pragma omp simd reduction(+:sum)
           for (int64_t s = 0; s < valid; ++s) {
-            sc[s] = std::exp(sc[s] - block_max);
-            l[lane] += sc[s];
+            sc[s] = softmax_exp(sc[s] - block_max);
+            sum += sc[s];
           }
+          l[lane] += sum;
         }
         for (int64_t s = 0; s < valid; ++s) {
           for (int64_t hh = 0; hh < heads_per_item; ++hh) {
@@ -124,10 +162,16 @@ void paged_attention(at::Tensor query, at::Tensor kv_cache, at::Tensor out, at::
                      at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor block_table, double scale) {
   TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && out.is_contiguous(), "contiguous tensors expected");
   TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "query and kv_cache dtypes differ");
+#define SPARROW_PAGED_ATTENTION(T)                                                                          \
+  switch (query.size(2)) {                                                                                  \
+    case 64: paged_attention_impl<T, 64>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens, block_table, scale); break;   \
+    case 128: paged_attention_impl<T, 128>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens, block_table, scale); break; \
+    default: paged_attention_impl<T, 0>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens, block_table, scale);         \
+  }
   if (query.scalar_type() == at::kFloat) {
-    paged_attention_impl<float>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens, block_table, scale);
+    SPARROW_PAGED_ATTENTION(float)
   } else if (query.scalar_type() == at::kBFloat16) {
-    paged_attention_impl<at::BFloat16>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens, block_table, scale);
+    SPARROW_PAGED_ATTENTION(at::BFloat16)
   } else {
     TORCH_CHECK(false, "paged_attention supports float32 and bfloat16");
   }

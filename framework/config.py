@@ -61,6 +61,22 @@ class ParallelConfig(_Section):
     data_parallel_rank: int = Field(0, ge=0, description="This engine core's index under data parallelism "
                                     "(set by the frontend; picks its devices after the lower ranks').")
     distributed_executor_backend: Literal["uni", "mp"] | None = None
+    # Several machines (docs/distributed.md); each falls back to its environment variable.
+    nnodes: int | None = Field(None, gt=0, description="Machines this engine's tensor-parallel ranks span "
+                               "(default: SPARROW_NNODES, else 1).")
+    master_addr: str | None = Field(None, min_length=1, description="Node 0's address, reachable from the "
+                                    "other nodes (default: MASTER_ADDR).")
+    master_port: int | None = Field(None, gt=0, lt=65536, description="A free port on node 0 for "
+                                    "torch.distributed's store (default: MASTER_PORT).")
+
+    @field_validator("nnodes")
+    @classmethod
+    def _nodes_share_the_ranks(cls, value: int | None, info: Any) -> int | None:
+        tp = info.data.get("tensor_parallel_size", 1)
+        if value is not None and value > 1 and tp % value != 0:
+            raise ValueError(f"tensor_parallel_size ({tp}) must be a multiple of nnodes ({value}): "
+                             "every node runs the same number of ranks")
+        return value
 
 
 class DeviceConfig(_Section):

@@ -125,3 +125,28 @@ def iter_safetensors(model_dir: str | Path, tp: ParallelContext | None = None) -
                 )
             for name in names:
                 yield name, handle.get_slice(name) if lazy else handle.get_tensor(name)
+
+
+def checkpoint_num_parameters(model_dir: str | Path) -> int:
+    """The parameter count of the whole checkpoint, read from the safetensors headers.
+
+    Rotary caches some exporters save are not parameters, and a tied LM head is counted once (as
+    Hugging Face's ``num_parameters`` counts it). Used under tensor parallelism, where every rank
+    holds only its shard.
+    """
+    from safetensors import safe_open
+
+    from sparrow.models.llama import IGNORED_SUFFIXES
+
+    tied = bool(getattr(get_hf_config(model_dir), "tie_word_embeddings", False))
+    total = 0
+    for path, names in safetensors_files(model_dir).items():
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for name in names if names is not None else handle.keys():
+                if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                count = 1
+                for size in handle.get_slice(name).get_shape():
+                    count *= size
+                total += count
+    return total

@@ -37,31 +37,52 @@ def rendezvous(monkeypatch) -> dict[str, str]:
     return env
 
 
-def test_two_nodes_give_the_tokens_of_one_device(qwen3_dir, rendezvous):
-    reference_llm = LLM(qwen3_dir, multiprocess=False, **ENGINE_ARGS)
-    reference = greedy(reference_llm)
-    reference_llm.shutdown()
-
+def _two_node_run(model_dir: str, node1_cmd: list[str], node1_env: dict[str, str], **engine_args) -> list[list[int]]:
+    """Start node 1's launcher, then the engine on node 0; returns node 0's greedy tokens."""
     # Node 1 first: its launcher waits for node 0's engine, as a cluster scheduler would start them.
-    node1_env = {k: v for k, v in os.environ.items() if k != "SPARROW_NNODES"}
-    node1_env["SPARROW_NODE_RANK"] = "1"
-    node1 = subprocess.Popen([sys.executable, "-m", "sparrow.executor.remote_worker", "--join-timeout", "120"],
-                             env=node1_env)
+    node1 = subprocess.Popen([sys.executable, "-m", "sparrow.executor.remote_worker", "--join-timeout", "120",
+                              *node1_cmd], env=node1_env)
     try:
-        llm = LLM(qwen3_dir, multiprocess=False, tensor_parallel_size=2, **ENGINE_ARGS)
+        llm = LLM(model_dir, multiprocess=False, tensor_parallel_size=2, **ENGINE_ARGS, **engine_args)
         try:
             hosts = llm.llm_engine.collective_rpc("process_info")
             assert [info["rank"] for info in hosts] == [0, 1]
             assert hosts[1]["pid"] != hosts[0]["pid"]
-            assert greedy(llm) == reference
+            tokens = greedy(llm)
         finally:
             llm.shutdown()
         # Node 0's shutdown reaches node 1's ranks; its launcher then exits cleanly.
         assert node1.wait(timeout=30) == 0
+        return tokens
     finally:
         if node1.poll() is None:
             node1.kill()
             node1.wait()
+
+
+def test_two_nodes_give_the_tokens_of_one_device(qwen3_dir, rendezvous):
+    reference_llm = LLM(qwen3_dir, multiprocess=False, **ENGINE_ARGS)
+    reference = greedy(reference_llm)
+    reference_llm.shutdown()
+    # Configured by environment variables, as torchrun and job schedulers do.
+    node1_env = {k: v for k, v in os.environ.items() if k != "SPARROW_NNODES"}
+    node1_env["SPARROW_NODE_RANK"] = "1"
+    assert _two_node_run(qwen3_dir, [], node1_env) == reference
+
+
+def test_two_nodes_configured_by_arguments(qwen3_dir, monkeypatch):
+    """The same run with no environment: engine arguments on node 0, launcher options on node 1."""
+    for name in ("MASTER_ADDR", "MASTER_PORT", "SPARROW_EXECUTOR_PORT", "SPARROW_NNODES", "NNODES",
+                 "SPARROW_NODE_RANK", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    reference_llm = LLM(qwen3_dir, multiprocess=False, **ENGINE_ARGS)
+    reference = greedy(reference_llm)
+    reference_llm.shutdown()
+    port = get_open_port()
+    node1_cmd = ["--master-addr", "127.0.0.1", "--master-port", str(port), "--node-rank", "1"]
+    tokens = _two_node_run(qwen3_dir, node1_cmd, dict(os.environ), nnodes=2, master_addr="127.0.0.1",
+                           master_port=port)
+    assert tokens == reference
 
 
 def test_node0_names_the_missing_nodes_when_none_joins(qwen3_dir, rendezvous, monkeypatch):
@@ -79,6 +100,7 @@ def test_topology_settings_are_validated():
                                       "MASTER_PORT": "29500"})
     assert topology.resolved_executor_port == 29501
     assert list(topology.node_ranks(4)) == [2, 3]
+    assert NodeTopology.from_env({"MASTER_PORT": "1"}, nnodes=2, master_addr="h").master_addr == "h"
     with pytest.raises(ValueError, match="MASTER_ADDR"):
         NodeTopology.from_env({"SPARROW_NNODES": "2", "MASTER_PORT": "29500"})
     with pytest.raises(ValueError, match="SPARROW_NODE_RANK"):

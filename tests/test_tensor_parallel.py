@@ -62,6 +62,10 @@ def check_matches_tp1(llm: LLM, model_dir: str) -> None:
     for index, ((ref_tokens, ref_logprobs), (tokens, logprobs)) in enumerate(zip(reference, got)):
         assert tokens == ref_tokens, f"prompt {index} (len {PROMPT_LENGTHS[index]}) differs with tp=2"
         assert logprobs == pytest.approx(ref_logprobs, abs=ATOL), f"prompt {index} logprobs differ with tp=2"
+    # Every rank holds a shard, but the engine reports the whole model's size, as HF counts it.
+    from transformers import AutoModelForCausalLM
+
+    assert llm.num_parameters() == AutoModelForCausalLM.from_pretrained(model_dir).num_parameters()
 
 
 def _agree_worker(rank: int, init_file: str, result_dir: str) -> None:

@@ -69,7 +69,9 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.world_size = config.parallel.tensor_parallel_size
-        self.topology = NodeTopology.from_env()
+        parallel = config.parallel
+        self.topology = NodeTopology.from_env(nnodes=parallel.nnodes, master_addr=parallel.master_addr,
+                                              master_port=parallel.master_port)
         if self.topology.node_rank != 0:
             raise ValueError(
                 f"the engine runs on node 0 but SPARROW_NODE_RANK is {self.topology.node_rank}; "
@@ -137,7 +139,8 @@ class MultiprocExecutor(Executor):
 
     def _start_local_workers(self) -> None:
         if self.topology.is_multi_node:
-            init_method = "env://"  # MASTER_ADDR / MASTER_PORT, which every node shares
+            # node 0's store, which the other nodes reach through env:// (MASTER_ADDR / MASTER_PORT)
+            init_method = tcp_init_method(self.topology.master_addr, self.topology.master_port)
         else:
             init_method = tcp_init_method("127.0.0.1", get_open_port())
         mp_ctx = multiprocessing.get_context("spawn")

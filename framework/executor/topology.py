@@ -1,7 +1,8 @@
 """Where the ranks of one engine live: one machine, or several joined through env:// rendezvous.
 
 Multi-node runs are configured by environment variables, the same ones torchrun uses, so that a
-job scheduler (Slurm, Kubernetes) can start every node with one command line:
+job scheduler (Slurm, Kubernetes) can start every node with one command line; on node 0 the engine
+arguments ``nnodes``, ``master_addr`` and ``master_port`` override them:
 
     SPARROW_NNODES (or NNODES)        machines in the tensor-parallel group (default 1)
     SPARROW_NODE_RANK (or NODE_RANK)  this machine's index; the engine runs on node 0
@@ -43,13 +44,17 @@ class NodeTopology:
     executor_port: int | None = None
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> NodeTopology:
+    def from_env(cls, env: Mapping[str, str] | None = None, *, nnodes: int | None = None,
+                 master_addr: str | None = None, master_port: int | None = None) -> NodeTopology:
+        """The environment's topology; arguments that are not None (engine arguments) win."""
         env = os.environ if env is None else env
-        nnodes = _read_int(env, ENV_NNODES, 1)
+        if nnodes is None:
+            nnodes = _read_int(env, ENV_NNODES, 1)
         node_rank = _read_int(env, ENV_NODE_RANK, 0)
-        master_port = _read_int(env, ("MASTER_PORT",), None)
+        if master_port is None:
+            master_port = _read_int(env, ("MASTER_PORT",), None)
         executor_port = _read_int(env, (ENV_EXECUTOR_PORT,), None)
-        topology = cls(nnodes=nnodes, node_rank=node_rank, master_addr=env.get("MASTER_ADDR") or None,
+        topology = cls(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr or env.get("MASTER_ADDR") or None,
                        master_port=master_port, executor_port=executor_port)
         topology.validate()
         return topology
@@ -60,10 +65,10 @@ class NodeTopology:
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"SPARROW_NODE_RANK must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1:
-            missing = [name for name, value in (("MASTER_ADDR", self.master_addr), ("MASTER_PORT", self.master_port))
-                       if value is None]
+            missing = [name for name, value in (("master_addr (MASTER_ADDR)", self.master_addr),
+                                                ("master_port (MASTER_PORT)", self.master_port)) if value is None]
             if missing:
-                raise ValueError(f"a multi-node run (SPARROW_NNODES={self.nnodes}) needs {', '.join(missing)}: "
+                raise ValueError(f"a multi-node run (nnodes={self.nnodes}) needs {', '.join(missing)}: "
                                  "node 0's address and a free port on it")
 
     @property

@@ -99,8 +99,13 @@ class WorkerBase:
         return self.model_runner.execute_model(scheduler_output)
 
     def num_parameters(self) -> int:
+        """The whole model's parameter count, however it is split across tensor-parallel ranks."""
         assert self.model_runner is not None
-        return sum(p.numel() for p in self.model_runner.model.parameters())
+        if self.world_size == 1:
+            return sum(p.numel() for p in self.model_runner.model.parameters())
+        from sparrow.model_loader import checkpoint_num_parameters
+
+        return checkpoint_num_parameters(self.config.model.model)
 
     def ping(self) -> str:
         return "pong"

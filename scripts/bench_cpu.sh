@@ -6,9 +6,9 @@ out=${1:-bench-results}
 mkdir -p "$out"
 . .venv/bin/activate
 # 1. Offline: engine (multiprocess client, the default) against HF transformers.
-sparrow bench throughput --compare-hf --result-file "$out/throughput_mp.json"
+sparrow bench throughput --compare-hf --repeats 3 --result-file "$out/throughput_mp.json"
 # 2. The same with the engine core in-process (InprocClient).
-SPARROW_ENABLE_MULTIPROCESSING=0 sparrow bench throughput --result-file "$out/throughput_inproc.json"
+SPARROW_ENABLE_MULTIPROCESSING=0 sparrow bench throughput --repeats 3 --result-file "$out/throughput_inproc.json"
 # 3. Serving at saturation (all 64 requests at once), same workload shape.
 port=18777
 sparrow serve --port $port --disable-access-log > "$out/serve.log" 2>&1 &

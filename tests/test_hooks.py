@@ -252,3 +252,13 @@ def test_sparrow_attention_backend():
     with registered(Custom(), "custom-attn"):
         assert pm.hook.sparrow_attention_backend(platform=cpu, requested="mine", model_config=None) == "custom-backend"
         assert pm.hook.sparrow_attention_backend(platform=cpu, requested="auto", model_config=None) is backend
+
+
+def test_cuda_ranks_share_gpus_round_robin_when_there_are_fewer(monkeypatch):
+    import torch
+
+    from sparrow_cuda.platform import CudaPlatform
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    platform = CudaPlatform()
+    assert [platform.device_for_rank(r) for r in range(4)] == [torch.device("cuda", i) for i in (0, 1, 0, 1)]

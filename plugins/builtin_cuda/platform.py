@@ -17,6 +17,10 @@ class CudaPlatform(Platform):
     worker_cls = "sparrow_cuda.worker:CudaWorker"
 
     def device_for_rank(self, local_rank: int) -> Any:
+        """``cuda:<local_rank>``; with more ranks than visible GPUs (data-parallel engines of a
+        small model), the engines share them round-robin. Tensor-parallel ranks of one engine
+        cannot share a GPU (NCCL refuses), which the worker checks."""
         import torch
 
-        return torch.device("cuda", local_rank)
+        count = torch.cuda.device_count()
+        return torch.device("cuda", local_rank % count if count else local_rank)

@@ -278,6 +278,27 @@ def test_seeded_row_is_independent_of_batch_and_preemption(device):
     assert first.sampled_token_ids.item() != second.sampled_token_ids.item()
 
 
+def test_inverse_cdf_never_picks_a_zero_probability_token():
+    from sparrow.sample.sampler import inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0]])
+    for u in (0.0, 0.25, 0.4999, 0.5, 0.75, 1.0 - 2**-24):
+        ids = inverse_cdf(probs, torch.tensor([u, u])).tolist()
+        assert ids[0] == (1 if u < 0.5 else 3) and ids[1] == 2, (u, ids)
+    # u * total rounding up to the total still lands on the last token with probability > 0
+    assert inverse_cdf(probs, torch.tensor([1.0, 1.0])).tolist() == [3, 2]
+
+
+def test_a_batch_mixing_seeded_and_unseeded_rows_keeps_each_kind_exact():
+    num_rows = 4_000  # even rows seeded (each its own seed), odd rows from the shared generator
+    params = [SamplingParams(temperature=0.7, seed=row if row % 2 == 0 else None) for row in range(num_rows)]
+    logits = LOGITS_8.expand(num_rows, -1).contiguous()
+    sampled = Sampler(torch.Generator().manual_seed(0))(logits, metadata_for(params)).sampled_token_ids
+    for start in (0, 1):
+        counts = torch.bincount(sampled[start::2], minlength=8).to(torch.float64)
+        assert_fits(counts, reference_filtered(temperature=0.7))
+
+
 def test_step_seed_is_stable_and_spreads():
     assert step_seed(42, 0) == step_seed(42, 0)
     values = {step_seed(seed, position) for seed in range(30) for position in range(30)}
@@ -303,7 +324,8 @@ def test_cached_tensors_match_a_fresh_build():
         a, b = getattr(cached, name), getattr(fresh, name)
         assert (a is None and b is None) or torch.equal(a, b), name
     assert cached.stop_token_ids_to_mask == fresh.stop_token_ids_to_mask == {0: {2}}
-    assert set(cached.generators) == {2}
+    assert cached.seeded_rows.tolist() == fresh.seeded_rows.tolist() == [2]
+    assert torch.equal(cached.seeded_uniforms, fresh.seeded_uniforms)
     assert cached.num_logprobs == [None, 2, None] and cached.max_num_logprobs == 2
     logits = torch.randn(3, 50)
     first = Sampler(torch.Generator().manual_seed(0))(logits, cached).sampled_token_ids

@@ -7,13 +7,14 @@ the ``Sampler`` with the step's logits. Two ways to build it:
 * ``SamplingTensors``: for a persistent batch. ``update_batch`` is called when the set or order of
   requests changes and rebuilds the per-request tensors; ``metadata`` is called every step and only
   refreshes what moves with each generated token (output tokens, the min_tokens mask, the seeded
-  rows' generators).
+  rows' uniforms).
 
 Seeding: a seeded request must sample the same tokens whatever else is in the batch and however
-often it was preempted and recomputed. So no generator carries state from one step to the next:
-the metadata carries each seeded row's ``step_seed(seed, num_output_tokens)`` (the position of the
-token about to be sampled), and the sampler reseeds that row's generator with it right before
-drawing the row's noise from it alone.
+often it was preempted and recomputed. So nothing carries state from one step to the next: the
+metadata carries, for each seeded row, one uniform number derived from ``step_seed(seed,
+num_output_tokens)`` (the position of the token about to be sampled), and the sampler draws that
+row's token by inverting the row's distribution at it. All seeded rows are drawn in one batched
+operation: no per-row generator, no per-row kernel launch.
 """
 
 from __future__ import annotations
@@ -56,11 +57,10 @@ class SamplingMetadata:
     vocab_size: int
     # row -> token ids that get -inf this step (EOS and stop ids of rows still below min_tokens).
     stop_token_ids_to_mask: dict[int, set[int]] = field(default_factory=dict)
-    # row -> generator for that row's noise (seeded, non-greedy rows only), and row -> the seed
-    # it is set to right before the draw. Reseeding at draw time, not at build time, makes
-    # sampling twice with the same metadata give the same tokens.
-    generators: dict[int, torch.Generator] = field(default_factory=dict)
-    step_seeds: dict[int, int] = field(default_factory=dict)
+    # Seeded, non-greedy rows: [S] int64 row indices and [S] float32 uniforms in [0, 1), one per
+    # row from step_seed(seed, position) (see step_uniform); None when no row is seeded.
+    seeded_rows: torch.Tensor | None = None
+    seeded_uniforms: torch.Tensor | None = None
     # Per row, how many top logprobs it asked for (None = no logprobs); max over rows or None.
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None
@@ -80,6 +80,12 @@ def step_seed(seed: int, position: int) -> int:
     value = (value * 0x94D049BB133111EB) & _UINT64_MASK
     value ^= value >> 31
     return value
+
+
+def step_uniform(seed: int, position: int) -> float:
+    """A uniform number in [0, 1) for a seeded row's draw at ``position``: the top 24 bits of
+    ``step_seed``, exactly representable in float32."""
+    return (step_seed(seed, position) >> 40) / float(1 << 24)
 
 
 def pad_token_ids(
@@ -176,9 +182,7 @@ class SamplingTensors:
         self.device = torch.device(device)
         self._static: SamplingMetadata | None = None
         self._rows: list[_RowStepInfo] = []
-        # Generators are reseeded before every draw, so any of them may serve any row; the pool
-        # only saves creating one per seeded row per step.
-        self._generator_pool: list[torch.Generator] = []
+        self._seeded_rows: torch.Tensor | None = None  # [S] int64 on the device
 
     def update_batch(
         self, params: list[SamplingParams], prompt_token_ids: list[list[int]]
@@ -196,6 +200,8 @@ class SamplingTensors:
             stop_ids = _stop_ids(p, self.vocab_size) if p.min_tokens > 0 else frozenset()
             if seed is not None or stop_ids:
                 self._rows.append(_RowStepInfo(row, seed, p.min_tokens, stop_ids))
+        seeded = [info.row for info in self._rows if info.seed is not None]
+        self._seeded_rows = torch.tensor(seeded, dtype=torch.int64).to(self.device) if seeded else None
 
     def metadata(self, output_token_ids: list[list[int]]) -> SamplingMetadata:
         """This step's metadata; ``output_token_ids[row]`` is what that row generated so far."""
@@ -207,27 +213,23 @@ class SamplingTensors:
                 f"{self._static.temperature.shape[0]}"
             )
         stop_token_ids_to_mask: dict[int, set[int]] = {}
-        generators: dict[int, torch.Generator] = {}
-        step_seeds: dict[int, int] = {}
+        uniforms: list[float] = []
         for info in self._rows:
             num_output_tokens = len(output_token_ids[info.row])
             if info.stop_ids and num_output_tokens < info.min_tokens:
                 stop_token_ids_to_mask[info.row] = set(info.stop_ids)
             if info.seed is not None:
-                generators[info.row] = self._generator(len(generators))
-                step_seeds[info.row] = step_seed(info.seed, num_output_tokens)
+                uniforms.append(step_uniform(info.seed, num_output_tokens))
+        seeded_uniforms = None
+        if uniforms:
+            seeded_uniforms = torch.tensor(uniforms, dtype=torch.float32).to(self.device, non_blocking=True)
         return dataclasses.replace(
             self._static,
             output_token_ids=output_token_ids,
             stop_token_ids_to_mask=stop_token_ids_to_mask,
-            generators=generators,
-            step_seeds=step_seeds,
+            seeded_rows=self._seeded_rows if uniforms else None,
+            seeded_uniforms=seeded_uniforms,
         )
-
-    def _generator(self, index: int) -> torch.Generator:
-        while len(self._generator_pool) <= index:
-            self._generator_pool.append(torch.Generator(device=self.device))
-        return self._generator_pool[index]
 
 
 def build_sampling_metadata(

@@ -6,12 +6,12 @@ The order follows vLLM V1:
 2. min_tokens: EOS and stop ids of rows still short of min_tokens get -inf;
 3. penalties: repetition (prompt and output tokens), frequency and presence (output tokens only);
 4. greedy rows take the argmax of the penalised logits;
-5. random rows: temperature, min-p, top-k, top-p, then an exponential race
-   (argmax of probs / Exponential(1) noise), which is an exact draw from probs and lets every
-   seeded row take its noise from its own generator.
+5. random rows: temperature, min-p, top-k, top-p, then a draw from the resulting probs by
+   inverting each row's cumulative distribution at one uniform number per row: from the shared
+   generator for unseeded rows, derived from (seed, position) alone for seeded rows, so that a
+   seeded row's token depends on nothing else in the batch.
 
-Everything is batched torch and device-agnostic; the only per-row Python loop is over seeded rows,
-which must each read their own generator.
+Everything is batched torch and device-agnostic, with no per-row loop or kernel launch.
 """
 
 from __future__ import annotations
@@ -93,9 +93,7 @@ class Sampler:
         if metadata.top_k is not None or metadata.top_p is not None:
             logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
         probs = logits.softmax(dim=-1)  # [B, V]
-        random_ids = exponential_race(
-            probs, metadata.generators, metadata.step_seeds, self.generator
-        )
+        random_ids = draw(probs, self.generator, metadata.seeded_rows, metadata.seeded_uniforms)
         if greedy_ids is None:
             return random_ids
         return torch.where(greedy_rows, greedy_ids, random_ids)
@@ -198,26 +196,31 @@ def apply_top_k_top_p(
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def exponential_race(
+def draw(
     probs: torch.Tensor,
-    generators: dict[int, torch.Generator],
-    step_seeds: dict[int, int],
     generator: torch.Generator | None,
+    seeded_rows: torch.Tensor | None,
+    seeded_uniforms: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Sample one token per row: argmax(probs / E) with E ~ Exponential(1) i.i.d. per token.
+    """One token per row of ``probs`` [B, V], each by :func:`inverse_cdf` at its own uniform:
+    seeded rows at the uniform their (seed, position) gives, the others at one drawn from
+    ``generator``."""
+    uniforms = torch.rand(probs.shape[0], generator=generator, device=probs.device, dtype=torch.float64)
+    if seeded_rows is not None and seeded_rows.shape[0] > 0:
+        uniforms.index_copy_(0, seeded_rows, seeded_uniforms.to(torch.float64))
+    return inverse_cdf(probs, uniforms)
 
-    The argmax of p_i / E_i is token i with probability p_i (the smallest of independent
-    Exponential(p_i) times), so this is exact sampling without a cumulative sum. Rows in
-    ``generators`` draw their [V] noise from their own generator, reseeded with
-    ``step_seeds[row]`` first, which makes a seeded row's draw depend on nothing but its seed and
-    position: not on its neighbours, its row, or what was sampled before.
-    """
-    noise = torch.empty_like(probs)  # [B, V]
-    if len(generators) < probs.shape[0]:
-        noise.exponential_(generator=generator)
-    for row, row_generator in generators.items():
-        row_generator.manual_seed(step_seeds[row])
-        noise[row].exponential_(generator=row_generator)
-    # exponential_ may return exactly 0 with tiny probability; that would divide by zero.
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return probs.div(noise).argmax(dim=-1)
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Sample row r of ``probs`` [S, V] at ``uniforms[r]`` in [0, 1): the first token whose
+    cumulative probability exceeds ``u * total``. A pure function of the row and its uniform, and
+    a zero-probability token is never chosen. The running sum is float64, so that even a token of
+    probability 1e-9 keeps its share after 150k additions (float32 would round it away)."""
+    cdf = probs.to(torch.float64).cumsum(dim=-1)  # [S, V], non-decreasing
+    total = cdf[:, -1:]
+    target = uniforms.to(cdf.dtype).unsqueeze(1) * total  # [S, 1]
+    ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # Rounding may put u * total at the total itself; the last token with probability > 0 is the
+    # first whose cdf reaches the total.
+    last = (cdf < total).sum(dim=-1)
+    return torch.minimum(ids, last)

@@ -39,6 +39,7 @@ def _load() -> Any:
 
         from sparrow_cpu import native_attention, native_elementwise
 
+        logger.info("loading the CPU C++ kernels (the first use on a machine compiles them, about 40 s)")
         return load_inline(
             name="sparrow_cpu_kernels",
             cpp_sources=[native_attention.SOURCE, native_elementwise.SOURCE],

@@ -45,6 +45,8 @@ class SamplingParams(
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # token id -> value added to its logit before sampling (OpenAI's range: -100 to 100)
+    logit_bias: dict[int, float] | None = None
     # Filled in by the input processor from the model's generation config; appended last.
     all_stop_token_ids: list[int] | None = None
 
@@ -96,6 +98,14 @@ class SamplingParams(
             fail("stop", "must be non-empty strings", self.stop)
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             fail("stop_token_ids", "must be non-negative integers", self.stop_token_ids)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                fail("logit_bias", "must be a dict of token id -> bias", self.logit_bias)
+            for token_id, bias in self.logit_bias.items():
+                if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                    fail("logit_bias", "keys must be non-negative token ids", token_id)
+                if not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
+                    fail("logit_bias", f"values must be numbers in [-100, 100] (token {token_id})", bias)
 
     @property
     def greedy(self) -> bool:

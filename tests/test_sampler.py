@@ -400,3 +400,17 @@ def test_bad_inputs_raise_clear_errors():
         Sampler()(torch.zeros(2, 8), metadata)
     with pytest.raises(RuntimeError, match="update_batch"):
         SamplingTensors(8, "cpu").metadata([[]])
+
+
+def test_logit_bias_shifts_logits_after_the_logprobs_are_taken():
+    params = [SamplingParams(temperature=0.0, logit_bias={3: 50.0}, logprobs=1), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logit_bias={0: -100.0, 1: 2.5})]
+    logits = torch.tensor([[5.0, 1.0, 0.0, 0.0, 0.0]] * 3)
+    out = Sampler()(logits, metadata_for(params, vocab=5))
+    assert out.sampled_token_ids.tolist() == [3, 0, 1]
+    # logprobs are the model's own distribution, before the bias
+    assert out.logprobs_lists()[0].token_ids[0] == 3 and out.logprobs_lists()[0].ranks[0] > 1
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101.0})
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={-1: 1.0})

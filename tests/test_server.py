@@ -312,6 +312,26 @@ def test_bench_serve_reports_vllm_metrics(server, tmp_path):
         assert result[key] > 0, key
 
 
+def test_logit_bias_forces_and_bans_tokens(server, model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    client = server.client()
+
+    def greedy(bias, chat=False):
+        if chat:
+            return client.chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": PROMPT}], max_tokens=5, temperature=0.0,
+                logit_bias=bias).choices[0].message.content
+        return client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, temperature=0.0,
+                                         logit_bias=bias, extra_body={"ignore_eos": True}).choices[0].text
+
+    assert greedy({"42": 100.0}) == tokenizer.decode([42] * 5)
+    # +100 on two tokens, then -100 on one of them: the other must win every step
+    assert greedy({"42": -100.0, "43": 100.0}) == tokenizer.decode([43] * 5)
+    assert greedy({"43": 100.0}, chat=True) == tokenizer.decode([43] * 5)
+
+
 # -- errors ------------------------------------------------------------------------------------
 def test_invalid_parameters_are_400_naming_the_field(server):
     client = server.client()
@@ -322,6 +342,9 @@ def test_invalid_parameters_are_400_naming_the_field(server):
         (dict(logprobs=50), "logprobs"),
         (dict(extra_body={"top_k": -7}), "top_k"),
         (dict(stop=[""]), "stop"),
+        (dict(logit_bias={"5": 101.0}), "logit_bias"),
+        (dict(logit_bias={"10000000": 1.0}), "logit_bias"),
+        (dict(logit_bias={"x": 1.0}), "logit_bias"),
     ]
     for kwargs, field in cases:
         with pytest.raises(openai.BadRequestError) as info:

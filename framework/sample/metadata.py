@@ -61,6 +61,9 @@ class SamplingMetadata:
     # row from step_seed(seed, position) (see step_uniform); None when no row is seeded.
     seeded_rows: torch.Tensor | None = None
     seeded_uniforms: torch.Tensor | None = None
+    # logit_bias of every row as (rows [N] int64, token ids [N] int64, biases [N] float32); None
+    # when no row has one.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # Per row, how many top logprobs it asked for (None = no logprobs); max over rows or None.
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None
@@ -150,9 +153,23 @@ def _static_metadata(
             else None
         ),
         vocab_size=vocab_size,
+        logit_bias=_logit_bias(params, device),
         num_logprobs=num_logprobs,
         max_num_logprobs=max(asked) if asked else None,
     )
+
+
+def _logit_bias(params: list[SamplingParams], device: torch.device | str):
+    rows, token_ids, biases = [], [], []
+    for row, p in enumerate(params):
+        for token_id, bias in (p.logit_bias or {}).items():
+            rows.append(row)
+            token_ids.append(token_id)
+            biases.append(float(bias))
+    if not rows:
+        return None
+    return (torch.tensor(rows, dtype=torch.int64).to(device), torch.tensor(token_ids, dtype=torch.int64).to(device),
+            torch.tensor(biases, dtype=torch.float32).to(device))
 
 
 @dataclass(slots=True)

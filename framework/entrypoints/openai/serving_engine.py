@@ -26,7 +26,7 @@ T = TypeVar("T")
 _PARAM_NAMES = {
     "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
-    "prompt_logprobs", "prompt", "prompt_token_ids", "messages", "chat_template", "priority",
+    "prompt_logprobs", "logit_bias", "prompt", "prompt_token_ids", "messages", "chat_template", "priority",
 }
 _LEADING_NAME = re.compile(r"^(?:SamplingParams\.)?([a-z_]+)")
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM reports this instead
@@ -66,6 +66,17 @@ def clamp_logprob(value: float) -> float:
     return max(value, LOGPROB_FLOOR)
 
 
+def logit_bias(value: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as JSON string keys) as SamplingParams takes it."""
+    if not value:
+        return None
+    try:
+        return {int(token_id): bias for token_id, bias in value.items()}
+    except ValueError:
+        raise APIError(400, f"logit_bias keys must be token ids, got {sorted(value)[:5]}", "BadRequestError",
+                       param="logit_bias", code="invalid_value") from None
+
+
 class OpenAIServing:
     """Base of the endpoint handlers: one per endpoint, built once per app."""
 
@@ -89,9 +100,6 @@ class OpenAIServing:
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "BadRequestError",
                            param="stream_options", code="invalid_value")
-        if request.logit_bias:
-            raise APIError(400, "logit_bias is not supported", "BadRequestError", param="logit_bias",
-                           code="unsupported")
         if request.model_extra:
             logger.warning("ignoring unsupported request fields: %s", ", ".join(sorted(request.model_extra)))
 
@@ -119,6 +127,7 @@ class OpenAIServing:
                 skip_special_tokens=request.skip_special_tokens,
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
+                logit_bias=logit_bias(request.logit_bias),
                 # A stream sends what is new; a full response needs only the end.
                 output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
             )

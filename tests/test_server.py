@@ -332,6 +332,42 @@ def test_logit_bias_forces_and_bans_tokens(server, model_dir):
     assert greedy({"43": 100.0}, chat=True) == tokenizer.decode([43] * 5)
 
 
+def test_echo_scores_the_prompt_as_hf_does(server, model_dir):
+    """lm-eval-harness's loglikelihood request: echo, max_tokens=0, logprobs; against HF's
+    teacher-forced log-softmax on the same directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt_ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    client = server.client()
+    scored = client.completions.create(model=MODEL_NAME, prompt=prompt_ids, max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert choice.text == tokenizer.decode(prompt_ids)
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(prompt_ids)
+    logprobs = choice.logprobs.token_logprobs
+    assert len(logprobs) == len(prompt_ids) and logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        log_softmax = model(torch.tensor([prompt_ids])).logits[0].float().log_softmax(-1)
+    expected = log_softmax[:-1].gather(1, torch.tensor(prompt_ids[1:])[:, None]).squeeze(1).tolist()
+    assert logprobs[1:] == pytest.approx(expected, abs=1e-3)
+
+    # echo with generation: the prompt, then the greedy continuation; streamed the same
+    whole = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, echo=True, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+    plain = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == PROMPT + plain.choices[0].text
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=6, echo=True, temperature=0.0, stream=True,
+        extra_body={"ignore_eos": True}) if chunk.choices)
+    assert streamed == whole.choices[0].text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+
+
 # -- errors ------------------------------------------------------------------------------------
 def test_invalid_parameters_are_400_naming_the_field(server):
     client = server.client()

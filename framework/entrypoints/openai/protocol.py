@@ -96,7 +96,7 @@ class SamplingFields(OpenAIBaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
         ..., description="Text, several texts, token ids, or several lists of token ids.")
-    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
+    max_tokens: int | None = Field(16, ge=0, le=INT32_MAX, description="0 only with echo: score the prompt, generate nothing.")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None

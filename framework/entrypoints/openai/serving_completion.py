@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -57,9 +58,20 @@ class CompletionLogprobsBuilder:
     def token_text(self, token_id: int, decoded: str | None) -> str:
         return decoded if decoded is not None else self.tokenizer.decode([token_id])
 
-    def build(self, token_ids: list[int], logprobs: SampleLogprobs) -> CompletionLogProbs:
-        out = CompletionLogProbs()
+    def build(self, token_ids: list[int], logprobs: SampleLogprobs,
+              out: CompletionLogProbs | None = None) -> CompletionLogProbs:
+        """Append ``token_ids`` and their logprobs to ``out`` (a new one by default). A None
+        position (the first prompt token, which has no context) gets None entries."""
+        out = out if out is not None else CompletionLogProbs()
         for token_id, position in zip(token_ids, logprobs):
+            if position is None:
+                text = self.tokenizer.decode([token_id])
+                out.tokens.append(text)
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                out.text_offset.append(self.offset)
+                self.offset += len(text)
+                continue
             chosen = position.get(token_id)
             text = self.token_text(token_id, chosen.decoded_token if chosen else None)
             out.tokens.append(text)
@@ -73,6 +85,32 @@ class CompletionLogprobsBuilder:
         return out
 
 
+class Echo:
+    """How a request's choices are shaped by ``echo``: the prompt in front of each choice's text
+    (and its logprobs in front of the generated tokens' when logprobs were asked), and with
+    ``max_tokens=0`` the one generated token dropped."""
+
+    def __init__(self, echo: bool, echo_only: bool, with_logprobs: bool) -> None:
+        self.echo, self.echo_only, self.with_logprobs = echo, echo_only, with_logprobs
+
+    def generated(self, completion: CompletionOutput) -> CompletionOutput:
+        if not self.echo_only:
+            return completion
+        return dataclasses.replace(completion, text="", token_ids=[], cumulative_logprob=None,
+                                   logprobs=[] if completion.logprobs is not None else None)
+
+    def prefix(self, output: RequestOutput, builder: CompletionLogprobsBuilder,
+               tokenizer: Any) -> tuple[str, CompletionLogProbs | None]:
+        if not self.echo:
+            return "", None
+        token_ids = list(output.prompt_token_ids or [])
+        text = output.prompt if output.prompt is not None else tokenizer.decode(token_ids)
+        logprobs = None
+        if self.with_logprobs and output.prompt_logprobs is not None:
+            logprobs = builder.build(token_ids, output.prompt_logprobs)
+        return text, logprobs
+
+
 class OpenAIServingCompletion(OpenAIServing):
     request_id_prefix = "cmpl"
 
@@ -81,25 +119,34 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_common(request)
         if request.suffix:
             raise APIError(400, "suffix is not supported", "BadRequestError", param="suffix", code="unsupported")
-        if request.echo:
-            raise APIError(400, "echo is not supported", "BadRequestError", param="echo", code="unsupported")
+        echo = bool(request.echo)
+        if request.max_tokens == 0 and not echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 is allowed only with echo)", "BadRequestError",
+                           param="max_tokens", code="invalid_value")
         if request.best_of is not None and request.best_of != request.n:
             raise APIError(400, "best_of must equal n (beam-style best_of is not supported)", "BadRequestError",
                            param="best_of", code="unsupported")
         prompts = completion_prompts(request.prompt)
-        params = self.sampling_params(request, max_tokens=request.max_tokens, logprobs=request.logprobs,
-                                      stream=bool(request.stream), prompt_logprobs=request.prompt_logprobs)
+        # echo with max_tokens=0 scores the prompt: one token is generated and dropped, as vLLM does.
+        echo_only = echo and request.max_tokens == 0
+        prompt_logprobs = request.prompt_logprobs
+        if echo and request.logprobs is not None and prompt_logprobs is None:
+            prompt_logprobs = request.logprobs  # echoed prompt tokens carry their logprobs too
+        params = self.sampling_params(request, max_tokens=1 if echo_only else request.max_tokens,
+                                      logprobs=request.logprobs, stream=bool(request.stream),
+                                      prompt_logprobs=prompt_logprobs)
         request_id = self.new_request_id()
         streams = await self.submit(request_id, prompts, params, request.priority)
         n = request.n
+        shape = Echo(echo, echo_only, request.logprobs is not None)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return StreamingResponse(self._stream(request_id, model, n, streams, include_usage),
+            return StreamingResponse(self._stream(request_id, model, n, streams, include_usage, shape),
                                      media_type="text/event-stream")
         finals = await cancel_on_disconnect(raw_request, self._collect(streams))
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        return JSONResponse(self._response(request_id, model, n, finals).model_dump(mode="json"))
+        return JSONResponse(self._response(request_id, model, n, finals, shape).model_dump(mode="json"))
 
     @staticmethod
     async def _collect(streams: list) -> list[RequestOutput]:
@@ -113,28 +160,34 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request(exc) from None  # the engine core rejected a request
         return [finals[index] for index in range(len(streams))]
 
-    def _response(self, request_id: str, model: str, n: int, finals: list[RequestOutput]) -> CompletionResponse:
+    def _response(self, request_id: str, model: str, n: int, finals: list[RequestOutput],
+                  shape: Echo) -> CompletionResponse:
         choices, usage = [], UsageInfo()
         for prompt_index, final in enumerate(finals):
             usage.prompt_tokens += len(final.prompt_token_ids or [])
             for completion in final.outputs:
+                completion = shape.generated(completion)
                 usage.completion_tokens += len(completion.token_ids)
-                choices.append(self._choice(prompt_index * n + completion.index, completion,
-                                            CompletionLogprobsBuilder(self.engine.tokenizer)))
+                builder = CompletionLogprobsBuilder(self.engine.tokenizer)
+                choice = self._choice(prompt_index * n + completion.index, completion, builder,
+                                      shape.prefix(final, builder, self.engine.tokenizer))
+                choices.append(choice)
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         choices.sort(key=lambda choice: choice.index)
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
     @staticmethod
-    def _choice(index: int, completion: CompletionOutput, builder: CompletionLogprobsBuilder) -> CompletionResponseChoice:
-        logprobs = None
+    def _choice(index: int, completion: CompletionOutput, builder: CompletionLogprobsBuilder,
+                prefix: tuple[str, CompletionLogProbs | None] = ("", None)) -> CompletionResponseChoice:
+        """One choice; ``prefix`` is the echoed prompt's text and logprobs, when echoing."""
+        text, logprobs = prefix
         if completion.logprobs is not None:
-            logprobs = builder.build(completion.token_ids, completion.logprobs)
-        return CompletionResponseChoice(index=index, text=completion.text, logprobs=logprobs,
+            logprobs = builder.build(completion.token_ids, completion.logprobs, logprobs)
+        return CompletionResponseChoice(index=index, text=text + completion.text, logprobs=logprobs,
                                         finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
 
     async def _stream(self, request_id: str, model: str, n: int, streams: list,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, shape: Echo) -> AsyncIterator[str]:
         builders: dict[int, CompletionLogprobsBuilder] = {}
         prompt_tokens: dict[int, int] = {}
         completion_tokens = 0
@@ -144,13 +197,17 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices = []
                 for completion in output.outputs:
                     index = prompt_index * n + completion.index
+                    completion = shape.generated(completion)
                     completion_tokens += len(completion.token_ids)
+                    first = index not in builders
                     # Tokens that end mid-character carry no text yet; send them with the next
-                    # chunk unless their logprobs must go out now.
-                    if not completion.text and completion.finish_reason is None and not completion.logprobs:
+                    # chunk unless their logprobs must go out now (or the prompt is to be echoed).
+                    if (not completion.text and completion.finish_reason is None and not completion.logprobs
+                            and not (first and shape.echo)):
                         continue
                     builder = builders.setdefault(index, CompletionLogprobsBuilder(self.engine.tokenizer))
-                    choices.append(self._choice(index, completion, builder))
+                    prefix = shape.prefix(output, builder, self.engine.tokenizer) if first else ("", None)
+                    choices.append(self._choice(index, completion, builder, prefix))
                 if choices:
                     chunk = CompletionStreamResponse(id=request_id, model=model, choices=choices)
                     yield f"data: {chunk.model_dump_json()}\n\n"

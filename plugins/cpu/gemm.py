@@ -1,10 +1,9 @@
 """fp32 linear layers through oneDNN with weights packed once, after loading.
 
-``F.linear`` on the CPU calls MKL's sgemm, which repacks the weight matrix on every call. At
-decode batch sizes (8-64 rows) that repacking and the cold weight read dominate: on the 2-vCPU
-benchmark VM a stack of the benchmark model's linears runs at 35-100 GFLOP/s through sgemm and at
-90-195 GFLOP/s through oneDNN with the weight reordered once into its blocked layout (about 1.15x
-at prefill sizes too). The packed weight is an opaque oneDNN tensor; the dense copy is released
+``F.linear`` on the CPU calls MKL's sgemm, which packs its operands inside every call. At decode
+batch sizes (8-64 rows) it is slow: on the 2-vCPU benchmark VM (AMD EPYC) a stack of the
+benchmark model's linears runs at 35-100 GFLOP/s through sgemm and at 90-195 GFLOP/s through
+oneDNN with the weight reordered once into its blocked layout (about 1.2x at prefill sizes too). The packed weight is an opaque oneDNN tensor; the dense copy is released
 unless another module shares it (a tied LM head keeps the embedding table it shares).
 
 ``SPARROW_CPU_PACKED_LINEAR=0`` turns this off.

@@ -133,3 +133,29 @@ def test_packing_keeps_a_shared_weight_dense():
     assert head.gemm_override is not None and embedding.weight.device.type == "cpu"
     torch.testing.assert_close(head.compute_logits(hidden), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(embedding(torch.tensor([1, 2])), embedding.weight[[1, 2]])
+
+
+@pytest.mark.parametrize("head_dim", [64, 48])
+@pytest.mark.parametrize("num_rows", [3, 12])  # under 8 rows: split by KV head; 8 and more: one item per row
+def test_paged_decode_attention_many_rows_against_torch(head_dim, num_rows):
+    from sparrow_cpu.native import get_paged_attention
+
+    kernel = get_paged_attention()
+    if kernel is None:
+        pytest.skip("no compiler for the C++ kernels")
+    torch.manual_seed(num_rows)
+    heads, kv_heads, block_size, num_blocks, max_blocks = 8, 2, 4, 96, 7
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim)
+    lens = torch.randint(1, max_blocks * block_size + 1, (num_rows,), dtype=torch.int32)
+    table = torch.randperm(num_blocks)[: num_rows * max_blocks].view(num_rows, max_blocks).to(torch.int32)
+    query = torch.randn(num_rows, heads, head_dim)
+    out = torch.empty_like(query)
+    rows = torch.arange(num_rows)
+    kernel(query, cache, out, rows, rows, torch.arange(num_rows + 1, dtype=torch.int32), lens, table, 0.3)
+    for r in range(num_rows):
+        n = int(lens[r])
+        blocks = table[r, : -(-n // block_size)].long()
+        keys = cache[0, blocks].reshape(-1, kv_heads, head_dim)[:n].repeat_interleave(heads // kv_heads, 1)
+        values = cache[1, blocks].reshape(-1, kv_heads, head_dim)[:n].repeat_interleave(heads // kv_heads, 1)
+        weights = (torch.einsum("hd,shd->hs", query[r], keys) * 0.3).softmax(-1)
+        torch.testing.assert_close(out[r], torch.einsum("hs,shd->hd", weights, values), rtol=1e-5, atol=1e-5)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import platform
 import random
 import time
@@ -179,6 +180,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         roofline_s = total_tokens * 2 * engine["num_params"] / flops
     result: dict[str, Any] = {
         "benchmark": "throughput", "model": model_path, "num_prompts": len(workload),
+        "engine_args": engine_args,
+        # The switches that change which kernels run (SPARROW_CPU_PACKED_LINEAR=0, ...).
+        "sparrow_env": {name: value for name, value in sorted(os.environ.items()) if name.startswith("SPARROW_")},
         "prompt_tokens": num_prompt_tokens, "output_tokens": engine["output_tokens"],
         "engine_elapsed_s": engine["elapsed_s"], "engine_all_elapsed_s": engine["all_elapsed_s"],
         "engine_output_tok_s": engine["output_tokens"] / engine["elapsed_s"],

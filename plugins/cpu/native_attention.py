@@ -122,12 +122,14 @@ static void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_c
           float block_max = m[lane];
           float* sc = scores.data() + lane * block_size;
           for (int64_t s = 0; s < valid; ++s) block_max = std::max(block_max, sc[s]);
-          const float correction = softmax_exp(m[lane] - block_max);
-          l[lane] *= correction;
-          float* al = acc.data() + lane * head_dim;
+          if (block_max > m[lane]) {  // rescale only when the running max grows (rare after a few blocks)
+            const float correction = softmax_exp(m[lane] - block_max);
+            l[lane] *= correction;
+            float* al = acc.data() + lane * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) al[d] *= correction;
-          m[lane] = block_max;
+            for (int64_t d = 0; d < head_dim; ++d) al[d] *= correction;
+            m[lane] = block_max;
+          }
           float sum = 0.f;
 #pragma omp simd reduction(+:sum)
           for (int64_t s = 0; s < valid; ++s) {

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Everything docs/benchmarks.md needs from a GPU machine, in one run: the CUDA tests, the GPU
+# throughput benchmark against HF, and a profile of the decode steps. Results go to OUTDIR.
+#
+# Usage (repository root, on a machine with torch + CUDA):
+#   scripts/gpu_checks.sh [OUTDIR] [WHEELHOUSE]
+# WHEELHOUSE (optional): wheels from scripts/build_wheelhouse.py --flat-target, installed into a
+# private target directory first (for air-gapped machines whose image lacks Sparrow's other deps).
+set -uo pipefail
+out=${1:-gpu-results}
+wheels=${2:-}
+mkdir -p "$out"
+if [ -n "$wheels" ]; then
+  site=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheels"/*.whl || exit 1
+  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target "$site" . || exit 1
+  export PYTHONPATH="$site"
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>/dev/null || echo "flashinfer: not installed"
+  date -u
+} | tee "$out/machine.txt"
+# 1. The CUDA tests (graph vs eager, KV fill, bf16 parity, Triton/FlashInfer kernels).
+python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_engine.py tests/test_cuda_attention.py \
+  2>&1 | tee "$out/cuda_tests.log" | tail -25
+# 2. The GPU benchmark of BENCHMARKS.md with HF on the same card.
+python3 -m sparrow.entrypoints.cli --log-level INFO bench throughput --preset gpu --compare-hf \
+  --result-file "$out/gpu_bench.json" > "$out/gpu_bench.log" 2>&1
+echo "bench exit code $?"; grep -v "Loading weights" "$out/gpu_bench.log" | tail -20
+# 3. Where a decode step's time goes.
+python3 scripts/profile_gpu.py --trace "$out/gpu_trace.json" 2>&1 | tee "$out/profile.txt" | grep -v "^USDT" | head -40

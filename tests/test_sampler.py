@@ -414,3 +414,23 @@ def test_logit_bias_shifts_logits_after_the_logprobs_are_taken():
         SamplingParams(logit_bias={1: 101.0})
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={-1: 1.0})
+
+
+@pytest.mark.parametrize("vocab", [4096, 1000, 151936, 999])  # chunks of 1024, 8 (whole-row scan), 128, none
+def test_two_level_inverse_cdf_equals_a_full_scan(vocab):
+    from sparrow.sample.sampler import inverse_cdf
+
+    generator = torch.Generator().manual_seed(vocab)
+    probs = torch.rand(16, vocab, generator=generator) ** 8  # skewed, with many near-zero entries
+    probs[:, ::3] = 0.0  # zero-probability tokens must never come out
+    probs[0, :] = 0.0
+    probs[0, vocab // 2] = 1.0  # all the mass on one token
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    uniforms = torch.rand(16, generator=generator, dtype=torch.float64)
+    uniforms[1], uniforms[2] = 0.0, 1.0 - 2**-53
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    reference = torch.searchsorted(cdf, (uniforms.unsqueeze(1) * cdf[:, -1:]), right=True).squeeze(1)
+    reference = torch.minimum(reference, (cdf < cdf[:, -1:]).sum(dim=-1))
+    got = inverse_cdf(probs, uniforms)
+    assert got.tolist() == reference.tolist()
+    assert bool((probs.gather(1, got[:, None]) > 0).all())

@@ -216,13 +216,41 @@ def draw(
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Sample row r of ``probs`` [S, V] at ``uniforms[r]`` in [0, 1): the first token whose
     cumulative probability exceeds ``u * total``. A pure function of the row and its uniform, and
-    a zero-probability token is never chosen. The running sum is float64, so that even a token of
-    probability 1e-9 keeps its share after 150k additions (float32 would round it away)."""
-    cdf = probs.to(torch.float64).cumsum(dim=-1)  # [S, V], non-decreasing
-    total = cdf[:, -1:]
-    target = uniforms.to(cdf.dtype).unsqueeze(1) * total  # [S, 1]
+    a zero-probability token is never chosen. Sums are float64, so that even a token of
+    probability 1e-9 keeps its share after 150k additions (float32 would round it away).
+
+    Two levels, so the work over the whole vocabulary is one reading pass: the vocabulary is cut
+    into chunks, the chunk sums locate the chunk holding the target, and only that chunk is
+    scanned token by token.
+    """
+    num_rows, vocab = probs.shape
+    chunk = _chunk_size(vocab)
+    if chunk == 0:
+        return _search(probs.to(torch.float64).cumsum(dim=-1), uniforms.to(torch.float64).unsqueeze(1))
+    chunked = probs.view(num_rows, vocab // chunk, chunk)
+    chunk_cdf = chunked.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [S, N]
+    target = uniforms.to(torch.float64).unsqueeze(1) * chunk_cdf[:, -1:]  # [S, 1]
+    index = _search(chunk_cdf, target).unsqueeze(1)  # [S, 1] chunk holding the target
+    before = torch.where(index > 0, chunk_cdf.gather(1, (index - 1).clamp(min=0)), 0.0)  # mass before it
+    inner = chunked.gather(1, index.unsqueeze(2).expand(num_rows, 1, chunk)).squeeze(1)  # [S, chunk]
+    offset = _search(before + inner.to(torch.float64).cumsum(dim=-1), target)
+    return index.squeeze(1) * chunk + offset
+
+
+def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The first column of each row of ``cdf`` (non-decreasing) above ``target`` [S, 1]; when
+    rounding put the target at or past the row's end, the row's last column with mass."""
     ids = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    # Rounding may put u * total at the total itself; the last token with probability > 0 is the
-    # first whose cdf reaches the total.
-    last = (cdf < total).sum(dim=-1)
+    last = (cdf < cdf[:, -1:]).sum(dim=-1)  # the first column reaching the end: the last with mass
     return torch.minimum(ids, last)
+
+
+def _chunk_size(vocab: int) -> int:
+    """The largest power of two up to 1024 that divides ``vocab``, or 0 when that is under 32
+    (the scan then runs over the whole row)."""
+    size = 1024
+    while size >= 32:
+        if vocab % size == 0:
+            return size
+        size //= 2
+    return 0

@@ -57,7 +57,7 @@ class SamplingMetadata:
     vocab_size: int
     # row -> token ids that get -inf this step (EOS and stop ids of rows still below min_tokens).
     stop_token_ids_to_mask: dict[int, set[int]] = field(default_factory=dict)
-    # Seeded, non-greedy rows: [S] int64 row indices and [S] float32 uniforms in [0, 1), one per
+    # Seeded, non-greedy rows: [S] int64 row indices and [S] uniforms in [0, 1) (float64, see sum_dtype), one per
     # row from step_seed(seed, position) (see step_uniform); None when no row is seeded.
     seeded_rows: torch.Tensor | None = None
     seeded_uniforms: torch.Tensor | None = None
@@ -85,10 +85,16 @@ def step_seed(seed: int, position: int) -> int:
     return value
 
 
+def sum_dtype(device: torch.device | str) -> torch.dtype:
+    """float64 for the sampler's sums and uniforms where the device has it (CPU, CUDA); float32
+    elsewhere (some accelerators lack float64), at the cost of tokens below ~1e-7 probability."""
+    return torch.float64 if torch.device(device).type in ("cpu", "cuda") else torch.float32
+
+
 def step_uniform(seed: int, position: int) -> float:
-    """A uniform number in [0, 1) for a seeded row's draw at ``position``: the top 24 bits of
-    ``step_seed``, exactly representable in float32."""
-    return (step_seed(seed, position) >> 40) / float(1 << 24)
+    """A uniform number in [0, 1) for a seeded row's draw at ``position``: the top 53 bits of
+    ``step_seed``, exactly representable in float64."""
+    return (step_seed(seed, position) >> 11) / float(1 << 53)
 
 
 def pad_token_ids(
@@ -239,7 +245,7 @@ class SamplingTensors:
                 uniforms.append(step_uniform(info.seed, num_output_tokens))
         seeded_uniforms = None
         if uniforms:
-            seeded_uniforms = torch.tensor(uniforms, dtype=torch.float32).to(self.device, non_blocking=True)
+            seeded_uniforms = torch.tensor(uniforms, dtype=sum_dtype(self.device)).to(self.device, non_blocking=True)
         return dataclasses.replace(
             self._static,
             output_token_ids=output_token_ids,

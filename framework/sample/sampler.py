@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from sparrow.sample.logprobs import LogprobsTensors, gather_logprobs
-from sparrow.sample.metadata import SamplingMetadata, pad_token_ids
+from sparrow.sample.metadata import SamplingMetadata, pad_token_ids, sum_dtype
 from sparrow.worker.outputs import TokenLogprobs
 
 _SAMPLING_EPS = 1e-5
@@ -207,33 +207,34 @@ def draw(
     """One token per row of ``probs`` [B, V], each by :func:`inverse_cdf` at its own uniform:
     seeded rows at the uniform their (seed, position) gives, the others at one drawn from
     ``generator``."""
-    uniforms = torch.rand(probs.shape[0], generator=generator, device=probs.device, dtype=torch.float64)
+    uniforms = torch.rand(probs.shape[0], generator=generator, device=probs.device, dtype=sum_dtype(probs.device))
     if seeded_rows is not None and seeded_rows.shape[0] > 0:
-        uniforms.index_copy_(0, seeded_rows, seeded_uniforms.to(torch.float64))
+        uniforms.index_copy_(0, seeded_rows, seeded_uniforms.to(uniforms.dtype))
     return inverse_cdf(probs, uniforms)
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Sample row r of ``probs`` [S, V] at ``uniforms[r]`` in [0, 1): the first token whose
     cumulative probability exceeds ``u * total``. A pure function of the row and its uniform, and
-    a zero-probability token is never chosen. Sums are float64, so that even a token of
-    probability 1e-9 keeps its share after 150k additions (float32 would round it away).
+    a zero-probability token is never chosen. Sums are float64 (see ``sum_dtype``), so that even a
+    token of probability 1e-9 keeps its share after 150k additions (float32 would round it away).
 
     Two levels, so the work over the whole vocabulary is one reading pass: the vocabulary is cut
     into chunks, the chunk sums locate the chunk holding the target, and only that chunk is
     scanned token by token.
     """
     num_rows, vocab = probs.shape
+    dtype = sum_dtype(probs.device)
     chunk = _chunk_size(vocab)
     if chunk == 0:
-        return _search(probs.to(torch.float64).cumsum(dim=-1), uniforms.to(torch.float64).unsqueeze(1))
+        return _search(probs.to(dtype).cumsum(dim=-1), uniforms.to(dtype).unsqueeze(1))
     chunked = probs.view(num_rows, vocab // chunk, chunk)
-    chunk_cdf = chunked.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [S, N]
-    target = uniforms.to(torch.float64).unsqueeze(1) * chunk_cdf[:, -1:]  # [S, 1]
+    chunk_cdf = chunked.sum(dim=-1, dtype=dtype).cumsum(dim=-1)  # [S, N]
+    target = uniforms.to(dtype).unsqueeze(1) * chunk_cdf[:, -1:]  # [S, 1]
     index = _search(chunk_cdf, target).unsqueeze(1)  # [S, 1] chunk holding the target
     before = torch.where(index > 0, chunk_cdf.gather(1, (index - 1).clamp(min=0)), 0.0)  # mass before it
     inner = chunked.gather(1, index.unsqueeze(2).expand(num_rows, 1, chunk)).squeeze(1)  # [S, chunk]
-    offset = _search(before + inner.to(torch.float64).cumsum(dim=-1), target)
+    offset = _search(before + inner.to(dtype).cumsum(dim=-1), target)
     return index.squeeze(1) * chunk + offset
 
 

@@ -434,3 +434,15 @@ def test_two_level_inverse_cdf_equals_a_full_scan(vocab):
     got = inverse_cdf(probs, uniforms)
     assert got.tolist() == reference.tolist()
     assert bool((probs.gather(1, got[:, None]) > 0).all())
+
+
+def test_float32_sums_for_devices_without_float64(monkeypatch):
+    import sparrow.sample.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "sum_dtype", lambda device: torch.float32)
+    counts = draw_counts(SamplingParams(temperature=0.7), 20_000, "cpu", seed=0)
+    assert_fits(counts, reference_filtered(temperature=0.7))
+    probs = torch.rand(8, 4096, generator=torch.Generator().manual_seed(1))
+    probs[:, 1::2] = 0.0
+    ids = sampler_module.inverse_cdf(probs / probs.sum(-1, keepdim=True), torch.rand(8, dtype=torch.float32))
+    assert bool((ids % 2 == 0).all())

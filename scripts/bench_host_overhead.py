@@ -1,7 +1,9 @@
-"""The engine core's own work per step (scheduler, block allocation, stop checks) at the GPU
-benchmark's concurrency, with the model replaced by an executor that answers instantly.
+"""The engine core's own work (adding requests, scheduling, block allocation and prefix-cache
+bookkeeping, stop checks) with the model replaced by an executor that answers instantly.
 
-    python scripts/bench_host_overhead.py [--num-prompts 256] [--len-min 100] [--len-max 1024]
+    python scripts/bench_host_overhead.py                   # the GPU benchmark's 256 requests
+    python scripts/bench_host_overhead.py --workload cpu    # the CPU benchmark's 64 requests
+    python scripts/bench_host_overhead.py --workload cpu --prefix-caching off
 """
 
 from __future__ import annotations
@@ -43,25 +45,33 @@ class InstantExecutor(Executor):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--len-min", type=int, default=100)
-    parser.add_argument("--len-max", type=int, default=1024)
+    parser.add_argument("--workload", choices=("gpu", "cpu"), default="gpu",
+                        help="gpu: 256 requests, prompts and outputs 100-1024, 16384-token steps; "
+                             "cpu: 64 requests, prompts 16-399, outputs 16-199, 2048-token steps")
+    parser.add_argument("--prefix-caching", choices=("on", "off"), default="on")
     args = parser.parse_args()
-    config = EngineConfig.from_kwargs(max_model_len=2 * args.len_max + 16, max_num_seqs=256,
-                                      max_num_batched_tokens=16384)
+    if args.workload == "gpu":
+        num_prompts, prompt_lens, output_lens, budget = 256, (100, 1024), (100, 1024), 16384
+    else:
+        num_prompts, prompt_lens, output_lens, budget = 64, (16, 399), (16, 199), 2048
+    config = EngineConfig.from_kwargs(max_model_len=prompt_lens[1] + output_lens[1] + 16, max_num_seqs=256,
+                                      max_num_batched_tokens=budget,
+                                      enable_prefix_caching=args.prefix_caching == "on")
     core = EngineCore(config, executor=InstantExecutor())
     rng = random.Random(0)
-    for i in range(args.num_prompts):
-        prompt = [rng.randrange(1000) for _ in range(rng.randint(args.len_min, args.len_max))]
-        max_tokens = rng.randint(args.len_min, args.len_max)
+    started = time.perf_counter()
+    for i in range(num_prompts):
+        prompt = [rng.randrange(1000) for _ in range(rng.randint(*prompt_lens))]
+        max_tokens = rng.randint(*output_lens)
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.6, detokenize=False)
         core.add_request(EngineCoreRequest(f"r{i}", prompt, params, max_tokens=max_tokens))
-    steps, started = 0, time.perf_counter()
+    steps = 0
     while core.has_unfinished_requests():
         core.step()
         steps += 1
     elapsed = time.perf_counter() - started
-    print(f"{steps} steps in {elapsed:.2f} s: {elapsed / steps * 1e3:.2f} ms per step")
+    print(f"{num_prompts} requests, {steps} steps in {elapsed:.3f} s: {elapsed / steps * 1e3:.2f} ms per step "
+          f"(prefix caching {args.prefix_caching})")
 
 
 if __name__ == "__main__":

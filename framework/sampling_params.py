@@ -47,6 +47,8 @@ class SamplingParams(
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # token id -> value added to its logit before sampling (OpenAI's range: -100 to 100)
     logit_bias: dict[int, float] | None = None
+    # only these token ids may be sampled (every other logit is -inf)
+    allowed_token_ids: list[int] | None = None
     # Filled in by the input processor from the model's generation config; appended last.
     all_stop_token_ids: list[int] | None = None
 
@@ -98,6 +100,10 @@ class SamplingParams(
             fail("stop", "must be non-empty strings", self.stop)
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             fail("stop_token_ids", "must be non-negative integers", self.stop_token_ids)
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids
+                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
+            fail("allowed_token_ids", "must be a non-empty list of non-negative token ids", self.allowed_token_ids)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 fail("logit_bias", "must be a dict of token id -> bias", self.logit_bias)

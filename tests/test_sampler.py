@@ -446,3 +446,18 @@ def test_float32_sums_for_devices_without_float64(monkeypatch):
     probs[:, 1::2] = 0.0
     ids = sampler_module.inverse_cdf(probs / probs.sum(-1, keepdim=True), torch.rand(8, dtype=torch.float32))
     assert bool((ids % 2 == 0).all())
+
+
+def test_allowed_token_ids_restrict_greedy_and_random_rows():
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=[2, 5], logprobs=1),
+              SamplingParams(temperature=1.0, allowed_token_ids=[6]), SamplingParams(temperature=0.0)]
+    logits = torch.tensor([[9.0, 0.0, 1.0, 0.0, 0.0, 3.0, 0.0, 0.0]] * 3)
+    out = Sampler(torch.Generator().manual_seed(0))(logits, metadata_for(params))
+    assert out.sampled_token_ids.tolist() == [5, 6, 0]
+    assert out.logprobs_lists()[0].ranks[0] == 2  # logprobs stay the model's own
+    many = [SamplingParams(temperature=1.0, allowed_token_ids=[1, 3, 4])] * 3000
+    sampled = Sampler(torch.Generator().manual_seed(1))(LOGITS_8.expand(3000, -1).contiguous(),
+                                                        metadata_for(many)).sampled_token_ids
+    assert set(sampled.tolist()) == {1, 3, 4}
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])

@@ -330,6 +330,9 @@ def test_logit_bias_forces_and_bans_tokens(server, model_dir):
     # +100 on two tokens, then -100 on one of them: the other must win every step
     assert greedy({"42": -100.0, "43": 100.0}) == tokenizer.decode([43] * 5)
     assert greedy({"43": 100.0}, chat=True) == tokenizer.decode([43] * 5)
+    only = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, temperature=1.0, seed=3,
+                                     extra_body={"allowed_token_ids": [44], "ignore_eos": True})
+    assert only.choices[0].text == tokenizer.decode([44] * 5)
 
 
 def test_echo_scores_the_prompt_as_hf_does(server, model_dir):
@@ -381,6 +384,7 @@ def test_invalid_parameters_are_400_naming_the_field(server):
         (dict(logit_bias={"5": 101.0}), "logit_bias"),
         (dict(logit_bias={"10000000": 1.0}), "logit_bias"),
         (dict(logit_bias={"x": 1.0}), "logit_bias"),
+        (dict(extra_body={"allowed_token_ids": [10**7]}), "allowed_token_ids"),
     ]
     for kwargs, field in cases:
         with pytest.raises(openai.BadRequestError) as info:

@@ -243,9 +243,12 @@ class InputProcessor:
         for token_id in stop_token_ids:
             if token_id >= self.vocab_size:
                 raise ValueError(f"stop_token_ids: {token_id} is outside the vocabulary [0, {self.vocab_size}) ({name})")
-        for token_id in params.logit_bias or {}:
-            if token_id >= self.vocab_size:
-                raise ValueError(f"logit_bias: token id {token_id} is outside the vocabulary [0, {self.vocab_size}) ({name})")
+        for field_name, token_ids in (("logit_bias", params.logit_bias or {}),
+                                      ("allowed_token_ids", params.allowed_token_ids or [])):
+            for token_id in token_ids:
+                if token_id >= self.vocab_size:
+                    raise ValueError(f"{field_name}: token id {token_id} is outside the vocabulary "
+                                     f"[0, {self.vocab_size}) ({name})")
         eos_ids = [] if params.ignore_eos else self.eos_token_ids
         stop_token_ids = _dedupe(stop_token_ids + eos_ids[1:])
         return params.clone(

@@ -64,6 +64,8 @@ class SamplingMetadata:
     # logit_bias of every row as (rows [N] int64, token ids [N] int64, biases [N] float32); None
     # when no row has one.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # [B, V] bool, True where a row with allowed_token_ids may not sample; None when no row has them.
+    disallowed: torch.Tensor | None = None
     # Per row, how many top logprobs it asked for (None = no logprobs); max over rows or None.
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None
@@ -160,9 +162,21 @@ def _static_metadata(
         ),
         vocab_size=vocab_size,
         logit_bias=_logit_bias(params, device),
+        disallowed=_disallowed(params, vocab_size, device),
         num_logprobs=num_logprobs,
         max_num_logprobs=max(asked) if asked else None,
     )
+
+
+def _disallowed(params: list[SamplingParams], vocab_size: int, device: torch.device | str) -> torch.Tensor | None:
+    if all(p.allowed_token_ids is None for p in params):
+        return None
+    mask = torch.zeros(len(params), vocab_size, dtype=torch.bool)
+    for row, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            mask[row] = True
+            mask[row, torch.tensor(p.allowed_token_ids, dtype=torch.int64)] = False
+    return mask.to(device)
 
 
 def _logit_bias(params: list[SamplingParams], device: torch.device | str):

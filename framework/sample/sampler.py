@@ -3,7 +3,7 @@
 The order follows vLLM V1:
 
 1. logprobs for the output come from the raw logits (the model's own distribution);
-2. logit_bias is added; min_tokens: EOS and stop ids of rows still short of min_tokens get -inf;
+2. logit_bias is added, tokens outside allowed_token_ids get -inf; min_tokens: EOS and stop ids of rows still short of min_tokens get -inf;
 3. penalties: repetition (prompt and output tokens), frequency and presence (output tokens only);
 4. greedy rows take the argmax of the penalised logits;
 5. random rows: temperature, min-p, top-k, top-p, then a draw from the resulting probs by
@@ -70,6 +70,8 @@ class Sampler:
 
         if metadata.logit_bias is not None:  # a copy: the raw logits above stay untouched
             logits = logits.index_put(metadata.logit_bias[:2], metadata.logit_bias[2], accumulate=True)
+        if metadata.disallowed is not None:
+            logits = logits.masked_fill(metadata.disallowed, float("-inf"))
         logits = apply_min_tokens(logits, metadata)
         logits = apply_penalties(logits, metadata)
         sampled = self._sample(logits, metadata)

@@ -86,6 +86,7 @@ class SamplingFields(OpenAIBaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False

@@ -26,7 +26,7 @@ T = TypeVar("T")
 _PARAM_NAMES = {
     "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
-    "prompt_logprobs", "logit_bias", "prompt", "prompt_token_ids", "messages", "chat_template", "priority",
+    "prompt_logprobs", "logit_bias", "allowed_token_ids", "prompt", "prompt_token_ids", "messages", "chat_template", "priority",
 }
 _LEADING_NAME = re.compile(r"^(?:SamplingParams\.)?([a-z_]+)")
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM reports this instead
@@ -128,6 +128,7 @@ class OpenAIServing:
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 logit_bias=logit_bias(request.logit_bias),
+                allowed_token_ids=request.allowed_token_ids,
                 # A stream sends what is new; a full response needs only the end.
                 output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
             )

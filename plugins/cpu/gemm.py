@@ -11,6 +11,7 @@ unless another module shares it (a tied LM head keeps the embedding table it sha
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -23,12 +24,25 @@ logger = logging.getLogger(__name__)
 
 
 def packed_linear_available() -> bool:
-    return (
-        os.environ.get("SPARROW_CPU_PACKED_LINEAR", "1") != "0"
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    return os.environ.get("SPARROW_CPU_PACKED_LINEAR", "1") != "0" and _onednn_works()
+
+
+@functools.lru_cache(maxsize=1)
+def _onednn_works() -> bool:
+    """Whether this torch build packs and runs an fp32 oneDNN linear correctly (probed once)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        weight, x = torch.randn(24, 16), torch.randn(3, 16)
+        got = OneDnnLinear(weight)(x, None)
+        ok = torch.allclose(got, torch.nn.functional.linear(x, weight), rtol=1e-4, atol=1e-4)
+    except Exception as exc:  # noqa: BLE001 - an unusual build: keep F.linear
+        logger.warning("oneDNN packed linears unavailable, using F.linear: %s", exc)
+        return False
+    if not ok:
+        logger.warning("oneDNN packed linears disagree with F.linear on this build; using F.linear")
+    return ok
 
 
 class OneDnnLinear:

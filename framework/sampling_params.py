@@ -1,13 +1,25 @@
-"""SamplingParams with vLLM's fields and defaults, validated at construction."""
+"""SamplingParams with vLLM's fields and defaults, validated at construction.
+
+Validation runs in the caller (construction) and again in the engine core (msgspec calls
+``__post_init__`` when it decodes the request), so a value the caller accepted can never make the
+engine core fail to decode a request. Every field is checked for its type as well as its range:
+integers are Python or numpy integers (never bool, float or str), floats are finite numbers, and
+every integer fits the 64-bit integers the wire (msgpack) and the sampler carry.
+"""
 
 from __future__ import annotations
 
 import enum
+import math
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
 
 _SAMPLING_EPS = 1e-5
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -16,8 +28,57 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
+_MAX_SHOWN_CHARS = 60
+
+
+def _fail(field: str, requirement: str, value: Any) -> None:
+    shown = repr(value)
+    if len(shown) > _MAX_SHOWN_CHARS:
+        shown = shown[:_MAX_SHOWN_CHARS] + "..."
+    raise ValueError(f"SamplingParams.{field} {requirement}, got {shown} ({type(value).__name__})")
+
+
+def _int(field: str, value: Any, minimum: int = INT64_MIN, maximum: int = INT64_MAX) -> int:
+    """``value`` as a Python int in [minimum, maximum]; numpy integers are converted."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        _fail(field, "must be an integer", value)
+    value = int(value)
+    if not minimum <= value <= maximum:
+        _fail(field, f"must be an integer in [{minimum}, {maximum}]", value)
+    return value
+
+
+def _float(field: str, value: Any) -> float:
+    """``value`` as a finite Python float (ints and numpy numbers are converted)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        _fail(field, "must be a number", value)
+    try:
+        converted = float(value)
+    except (OverflowError, ValueError):
+        converted = math.inf
+    if not math.isfinite(converted):
+        _fail(field, "must be a finite number", value)
+    return converted
+
+
+def _bool(field: str, value: Any) -> bool:
+    # numpy's bool is not a bool subclass; it is recognised by its type rather than importing numpy.
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)
+    _fail(field, "must be True or False", value)
+    return False  # unreachable
+
+
+def _token_ids(field: str, values: Any) -> list[int]:
+    # Any iterable of integers (a list, a tuple, a numpy array), never a string or a dict.
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+        _fail(field, "must be a list of token ids", values)
+    return [_int(f"{field}[{index}]", value, 0) for index, value in enumerate(values)]
+
+
 class SamplingParams(
-    msgspec.Struct, omit_defaults=True, array_like=True, kw_only=True  # type: ignore[call-arg]
+    msgspec.Struct, omit_defaults=True, array_like=True, kw_only=True,  # type: ignore[call-arg]
+    forbid_unknown_fields=True,
 ):
     """How to sample one request's output (vLLM's names, meanings and defaults).
 
@@ -53,65 +114,96 @@ class SamplingParams(
     all_stop_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif self.stop is None:
-            self.stop = []
-        if self.stop_token_ids is None:
-            self.stop_token_ids = []
+        self._check_types()
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
 
-    def _verify(self) -> None:
-        def fail(field: str, requirement: str, value: Any) -> None:
-            raise ValueError(f"SamplingParams.{field} {requirement}, got {value!r}")
+    def _check_types(self) -> None:
+        """Normalise every field to the exact type the wire carries, or raise naming it."""
+        self.n = _int("n", self.n, 1)
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
+                     "top_p", "min_p"):
+            setattr(self, name, _float(name, getattr(self, name)))
+        self.top_k = _int("top_k", self.top_k)
+        # Children of an n > 1 request are seeded seed, seed + 1, ...: a signed 64-bit seed keeps
+        # them inside the unsigned 64-bit integers msgpack carries.
+        if self.seed is not None:
+            self.seed = _int("seed", self.seed)
+        if self.max_tokens is not None:
+            self.max_tokens = _int("max_tokens", self.max_tokens)
+        self.min_tokens = _int("min_tokens", self.min_tokens)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _int(name, getattr(self, name)))
+        for name in ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output"):
+            setattr(self, name, _bool(name, getattr(self, name)))
+        if isinstance(self.output_kind, bool) or self.output_kind not in tuple(RequestOutputKind):
+            _fail("output_kind", f"must be one of {[kind.name for kind in RequestOutputKind]}", self.output_kind)
+        self.output_kind = RequestOutputKind(self.output_kind)
+        self._check_stop()
+        self.stop_token_ids = [] if self.stop_token_ids is None else _token_ids("stop_token_ids", self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
+        if self.all_stop_token_ids is not None:
+            self.all_stop_token_ids = _token_ids("all_stop_token_ids", self.all_stop_token_ids)
+        if self.logit_bias is not None:
+            self._check_logit_bias()
 
-        if not isinstance(self.n, int) or self.n < 1:
-            fail("n", "must be an integer >= 1", self.n)
+    def _check_stop(self) -> None:
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        elif isinstance(stop, bytes) or not isinstance(stop, Sequence):
+            _fail("stop", "must be a string or a list of strings", stop)
+        for index, text in enumerate(stop):
+            if not isinstance(text, str) or text == "":
+                _fail(f"stop[{index}]", "must be a non-empty string", text)
+        self.stop = list(stop)
+
+    def _check_logit_bias(self) -> None:
+        if not isinstance(self.logit_bias, Mapping):
+            _fail("logit_bias", "must be a dict of token id -> bias", self.logit_bias)
+        checked: dict[int, float] = {}
+        for token_id, bias in self.logit_bias.items():
+            token_id = _int("logit_bias key", token_id, 0)
+            bias = _float(f"logit_bias[{token_id}]", bias)
+            if not -100.0 <= bias <= 100.0:
+                _fail(f"logit_bias[{token_id}]", "must be in [-100, 100]", bias)
+            checked[token_id] = bias
+        self.logit_bias = checked
+
+    def _verify(self) -> None:
+        """Ranges, once every field has its type."""
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
-                fail(name, "must be in [-2, 2]", value)
+                _fail(name, "must be in [-2, 2]", value)
         if not self.repetition_penalty > 0.0:
-            fail("repetition_penalty", "must be > 0", self.repetition_penalty)
+            _fail("repetition_penalty", "must be > 0", self.repetition_penalty)
         if not self.temperature >= 0.0:
-            fail("temperature", "must be >= 0", self.temperature)
+            _fail("temperature", "must be >= 0", self.temperature)
         if not 0.0 < self.top_p <= 1.0:
-            fail("top_p", "must be in (0, 1]", self.top_p)
+            _fail("top_p", "must be in (0, 1]", self.top_p)
         if self.top_k < 0:
-            fail("top_k", "must be -1 (disable), 0 (disable) or a positive integer", self.top_k)
+            _fail("top_k", "must be -1 (disable), 0 (disable) or a positive integer", self.top_k)
         if not 0.0 <= self.min_p <= 1.0:
-            fail("min_p", "must be in [0, 1]", self.min_p)
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail("seed", "must be an integer or None", self.seed)
+            _fail("min_p", "must be in [0, 1]", self.min_p)
         if self.max_tokens is not None and self.max_tokens < 1:
-            fail("max_tokens", "must be at least 1", self.max_tokens)
+            _fail("max_tokens", "must be at least 1", self.max_tokens)
         if self.min_tokens < 0:
-            fail("min_tokens", "must be >= 0", self.min_tokens)
+            _fail("min_tokens", "must be >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            fail("min_tokens", f"must be <= max_tokens={self.max_tokens}", self.min_tokens)
+            _fail("min_tokens", f"must be <= max_tokens={self.max_tokens}", self.min_tokens)
         if self.logprobs is not None and self.logprobs < 0:
-            fail("logprobs", "must be >= 0", self.logprobs)
+            _fail("logprobs", "must be >= 0", self.logprobs)
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            fail("prompt_logprobs", "must be >= 0", self.prompt_logprobs)
-        assert isinstance(self.stop, list)
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
-            fail("stop", "must be non-empty strings", self.stop)
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
-            fail("stop_token_ids", "must be non-negative integers", self.stop_token_ids)
-        if self.allowed_token_ids is not None and (
-                not self.allowed_token_ids
-                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
-            fail("allowed_token_ids", "must be a non-empty list of non-negative token ids", self.allowed_token_ids)
-        if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict):
-                fail("logit_bias", "must be a dict of token id -> bias", self.logit_bias)
-            for token_id, bias in self.logit_bias.items():
-                if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
-                    fail("logit_bias", "keys must be non-negative token ids", token_id)
-                if not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
-                    fail("logit_bias", f"values must be numbers in [-100, 100] (token {token_id})", bias)
+            _fail("prompt_logprobs", "must be >= 0", self.prompt_logprobs)
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            _fail("allowed_token_ids", "must be a non-empty list of non-negative token ids", self.allowed_token_ids)
 
     @property
     def greedy(self) -> bool:

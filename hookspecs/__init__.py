@@ -165,7 +165,10 @@ def sparrow_execute_model(worker: Any, scheduler_output: SchedulerOutput) -> Mod
 def sparrow_attention_backend(platform: Any, requested: str, model_config: Any) -> type | None:
     """Choose the attention backend class for a worker.
 
-    When: once per worker, at start-up, before the model is built.
+    When: once per worker, at start-up, before the model is built; and once in the frontend
+        process before any engine process starts, when ``attention_backend`` names a backend
+        (not ``"auto"``), so that an unknown name is a ``ConfigError`` before the model loads.
+        Implementations must therefore be cheap to call and import heavy code only when chosen.
     Args:
         platform: the worker's platform object (``platform.name`` says which).
         requested: the ``attention_backend`` configuration value (``"auto"`` or a name).

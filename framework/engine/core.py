@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -40,11 +41,17 @@ class EngineCore:
         )
         self.scheduler = build_scheduler(config, self.kv_cache_manager, self.pm)
         self._schedule = self.pm.hook.sparrow_schedule
+        # None when the model directory cannot tell (fake executors in tests): token ids are then
+        # checked for sign only.
+        self.vocab_size = model_vocab_size(config.model.model)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Raises ValueError when the request can never run (the caller reports it)."""
-        self.scheduler.add_request(Request(
+        """Raises ValueError when the request can never run; any other exception means adding it
+        failed, and the scheduler keeps nothing of it. Either way the caller fails that request
+        alone (``EngineCoreProc`` answers it with an error output)."""
+        check_request(request, vocab_size=self.vocab_size, max_model_len=self.config.model.max_model_len or 0)
+        core_request = Request(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params,
@@ -54,7 +61,19 @@ class EngineCore:
             max_tokens=request.max_tokens,
             kv_transfer_params=request.kv_transfer_params,
             client_index=request.client_index,
-        ))
+        )
+        try:
+            self.scheduler.add_request(core_request)
+        except ValueError:
+            raise  # the interface's rejection: raised before the scheduler kept anything
+        except Exception:
+            # A scheduler (a plugin's, say) failed half-way: it must not keep a request nobody
+            # will hear of again, or schedule it with half its state.
+            try:
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+            except Exception:  # noqa: BLE001 - best effort; the original error is what matters
+                logger.exception("could not remove request %s after its add failed", request.request_id)
+            raise
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
@@ -95,6 +114,65 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def model_vocab_size(model_dir: str | None) -> int | None:
+    """The model's vocabulary size (its embedding rows), or None when it cannot be read."""
+    if not model_dir:
+        return None
+    try:
+        from sparrow.model_loader import get_hf_config
+
+        return int(get_hf_config(model_dir).vocab_size)
+    except Exception as exc:  # noqa: BLE001 - the checks fall back to what needs no vocabulary
+        logger.warning("cannot read the vocabulary size of %s (%r); token ids are not range-checked", model_dir, exc)
+        return None
+
+
+def check_request(request: EngineCoreRequest, *, vocab_size: int | None, max_model_len: int) -> None:
+    """Raise ValueError, naming the field, for a request the engine core must never run.
+
+    The frontend's input processor checks all this (and more) before it sends a request; this is
+    the engine core's own guard, so that a request from any client can fail only itself: an
+    out-of-vocabulary id would index past the embedding or the logits in the middle of a step
+    and take every other request down with it.
+    """
+    def token_range(field: str, token_ids: Any) -> None:
+        for position, token_id in enumerate(token_ids):
+            if not isinstance(token_id, int) or token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+                limit = f"[0, {vocab_size})" if vocab_size is not None else "non-negative"
+                raise ValueError(f"{field}[{position}] = {token_id!r} is not a token id {limit} "
+                                 f"(request {request.request_id!r})")
+
+    if not isinstance(request.request_id, str) or not request.request_id:
+        raise ValueError(f"request_id must be a non-empty string, got {request.request_id!r}")
+    prompt = request.prompt_token_ids
+    if not prompt:
+        raise ValueError(f"prompt_token_ids of request {request.request_id!r} is empty")
+    if max_model_len and len(prompt) >= max_model_len:
+        raise ValueError(f"prompt_token_ids of request {request.request_id!r} holds {len(prompt)} tokens, "
+                         f"leaving no room for output under max_model_len={max_model_len}")
+    token_range("prompt_token_ids", prompt)
+    if request.eos_token_id is not None:
+        token_range("eos_token_id", [request.eos_token_id])
+    if request.max_tokens is not None and request.max_tokens < 1:
+        raise ValueError(f"max_tokens of request {request.request_id!r} must be >= 1, got {request.max_tokens}")
+    if not math.isfinite(request.arrival_time):
+        raise ValueError(f"arrival_time of request {request.request_id!r} must be finite, got {request.arrival_time}")
+    if request.client_index < 0:
+        raise ValueError(f"client_index of request {request.request_id!r} must be >= 0, got {request.client_index}")
+    params = request.sampling_params
+    if params.n != 1:
+        raise ValueError(f"sampling_params.n of request {request.request_id!r} must be 1 in the engine core "
+                         f"(the frontend fans n > 1 out into child requests), got {params.n}")
+    for field in ("stop_token_ids", "all_stop_token_ids", "allowed_token_ids"):
+        token_range(f"sampling_params.{field}", getattr(params, field) or ())
+    token_range("sampling_params.logit_bias", list(params.logit_bias or ()))
+    for field in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, field)
+        if value is not None and vocab_size is not None and value > vocab_size:
+            raise ValueError(f"sampling_params.{field} of request {request.request_id!r} asks for {value} "
+                             f"tokens, more than the vocabulary's {vocab_size}")
 
 
 def build_scheduler(config: EngineConfig, kv_cache_manager: KVCacheManager, pm: Any = None) -> SchedulerInterface:

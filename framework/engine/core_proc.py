@@ -14,6 +14,11 @@ The process stops cleanly on SIGTERM/SIGINT, and stops by itself when its parent
 pipe closes, or the parent pid changes), so a killed frontend never leaves an engine behind. An
 exception in the busy loop is sent to the frontend as ``engine_dead_message`` before the process
 exits, so pending callers fail at once instead of waiting on a silent socket.
+
+No input can get that far: the input thread answers a malformed ADD (undecodable, wrong types or
+values, unknown fields) with an error output for its request id, and drops other malformed
+messages with a log line; a request the engine core rejects, or whose adding raises, fails alone
+with an error output (``EngineCoreOutput.error_message``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+import msgspec
 import zmq
 
 from sparrow.config import EngineConfig
@@ -104,10 +110,15 @@ class EngineCoreProc:
             self._handle_input(request_type, payload)
 
     def _handle_input(self, request_type: EngineCoreRequestType, payload: Any) -> None:
+        # The input thread checked the payload's shape; a failure here is the request's own
+        # (or an abort's) and must never reach the busy loop.
         if request_type is EngineCoreRequestType.ADD:
             self._add_request(payload)
         elif request_type is EngineCoreRequestType.ABORT:
-            self.engine_core.abort_requests(payload)
+            try:
+                self.engine_core.abort_requests(payload)
+            except Exception:  # noqa: BLE001 - a failed abort loses nothing but the abort
+                logger.exception("aborting requests %s failed", payload)
         elif request_type is EngineCoreRequestType.UTILITY:
             call_id, method, args = payload
             self._call_utility(call_id, method, args)
@@ -118,16 +129,27 @@ class EngineCoreProc:
         except ValueError as exc:
             # The request can never run (e.g. too long for the KV cache); it alone fails.
             logger.warning("request %s rejected: %s", request.request_id, exc)
-            rejected = EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
-                                        finish_reason=FinishReason.ABORT, error_message=str(exc))
-            self.output_queue.put(EngineCoreOutputs(outputs=[rejected]))
+            self.reject(request.request_id, str(exc))
+        except Exception as exc:  # noqa: BLE001 - a request that breaks the input path fails alone
+            logger.exception("request %s failed while being added", request.request_id)
+            self.reject(request.request_id, f"the engine core failed to add the request: {type(exc).__name__}: {exc}")
+
+    def reject(self, request_id: str, message: str) -> None:
+        """Finish ``request_id`` with an error output (thread-safe: the input thread calls it too)."""
+        rejected = EngineCoreOutput(request_id=request_id, new_token_ids=[],
+                                    finish_reason=FinishReason.ABORT, error_message=message)
+        self.output_queue.put(EngineCoreOutputs(outputs=[rejected]))
 
     def _call_utility(self, call_id: int, method: str, args: list[Any]) -> None:
         output = UtilityOutput(call_id=call_id)
         try:
             if method.startswith("_") or not callable(getattr(self.engine_core, method, None)):
                 raise AttributeError(f"the engine core has no utility method {method!r}")
-            output.result = serial.encode_result(getattr(self.engine_core, method)(*args))
+            result = serial.encode_result(getattr(self.engine_core, method)(*args))
+            # Encoded here once so that a result msgpack cannot carry fails this call, not the
+            # output thread.
+            msgspec.msgpack.encode(result)
+            output.result = result
         except Exception as exc:  # noqa: BLE001 - a failed utility call fails only its caller
             output.failure_message = f"{type(exc).__name__}: {exc}"
         self.output_queue.put(EngineCoreOutputs(utility_output=output))
@@ -139,17 +161,62 @@ class EngineCoreProc:
             while not self._stop.is_set():
                 if not socket.poll(_POLL_MS):
                     continue
-                type_frame, payload = socket.recv_multipart(copy=False)
-                request_type = EngineCoreRequestType(bytes(type_frame.buffer))
-                if request_type is EngineCoreRequestType.ADD:
-                    self.input_queue.put((request_type, decoder.decode(payload.buffer)))
-                else:
-                    self.input_queue.put((request_type, generic.decode(payload.buffer)))
-        except Exception:  # noqa: BLE001 - a broken input path is fatal, say so and stop the process
+                frames = socket.recv_multipart(copy=False)
+                try:
+                    self._decode_input(frames, decoder, generic)
+                except Exception:  # noqa: BLE001 - one bad message must not stop the input path
+                    logger.exception("engine core dropped a malformed input message")
+        except Exception:  # noqa: BLE001 - a broken socket is fatal, say so and stop the process
             logger.exception("engine core input thread failed")
             os.kill(os.getpid(), signal.SIGTERM)
         finally:
             socket.close(linger=0)
+
+    def _decode_input(self, frames: list[Any], decoder: msgspec.msgpack.Decoder,
+                      generic: msgspec.msgpack.Decoder) -> None:
+        """Decode one message into the input queue. A malformed ADD is answered with an error
+        output when its request id can be read, else logged and dropped, as are malformed ABORT
+        and UTILITY messages; nothing malformed ever reaches the busy loop."""
+        if len(frames) != 2:
+            logger.warning("dropped an input message of %d frames (expected 2)", len(frames))
+            return
+        type_frame, payload = bytes(frames[0].buffer), frames[1].buffer
+        try:
+            request_type = EngineCoreRequestType(type_frame)
+        except ValueError:
+            logger.warning("dropped an input message of unknown type %r", type_frame[:8])
+            return
+        if request_type is EngineCoreRequestType.ADD:
+            try:
+                request = decoder.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                request_id = serial.peek_request_id(payload)
+                if request_id is None:
+                    logger.warning("dropped an undecodable request without a readable request id: %s", exc)
+                else:
+                    message = f"invalid request: {serial.describe_invalid_request(exc)}"
+                    logger.warning("request %s rejected: %s", request_id, message)
+                    self.reject(request_id, message)
+                return
+            self.input_queue.put((request_type, request))
+            return
+        try:
+            body = generic.decode(payload)
+        except msgspec.DecodeError as exc:
+            logger.warning("dropped an undecodable %s message: %s", request_type.name, exc)
+            return
+        if request_type is EngineCoreRequestType.ABORT:
+            if not (isinstance(body, list) and all(isinstance(rid, str) for rid in body)):
+                logger.warning("dropped an ABORT whose payload is not a list of request ids: %.200r", body)
+                return
+        elif not (isinstance(body, list) and len(body) == 3 and isinstance(body[0], int)
+                  and isinstance(body[1], str) and isinstance(body[2], list)):
+            logger.warning("dropped a UTILITY call that is not [call_id, method, [args]]: %.200r", body)
+            if isinstance(body, list) and body and isinstance(body[0], int) and not isinstance(body[0], bool):
+                self.output_queue.put(EngineCoreOutputs(utility_output=UtilityOutput(
+                    call_id=body[0], failure_message="malformed utility call: expected [call_id, method, [args]]")))
+            return
+        self.input_queue.put((request_type, body))
 
     def _output_loop(self, socket: zmq.Socket) -> None:
         encoder = serial.make_encoder()
@@ -158,7 +225,12 @@ class EngineCoreProc:
                 outputs = self.output_queue.get()
                 if outputs is _STOP:
                     return
-                socket.send(encoder.encode(outputs), copy=False)
+                try:
+                    frame = encoder.encode(outputs)
+                except Exception:  # noqa: BLE001 - one unencodable message must not stop the outputs
+                    logger.exception("engine core could not encode an output message; dropped")
+                    continue
+                socket.send(frame, copy=False)
         finally:
             socket.close(linger=_OUTPUT_LINGER_MS)
 
@@ -206,7 +278,9 @@ def _serve(config: EngineConfig, input_path: str, output_path: str, zmq_ctx: zmq
         output_socket.close(linger=0)
         return 0
     except Exception:  # noqa: BLE001 - every start-up failure goes back to the frontend
-        logger.exception("engine core failed to start")
+        # The frontend raises it with this traceback (EngineStartupError): logging it here as
+        # well would show every start-up mistake twice.
+        logger.debug("engine core failed to start", exc_info=True)
         failed = serial.HandshakeMessage(status="FAILED", error=traceback.format_exc())
         output_socket.send(serial.make_encoder().encode(failed))
         output_socket.close(linger=_OUTPUT_LINGER_MS)

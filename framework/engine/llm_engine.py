@@ -38,6 +38,8 @@ class LLMEngine:
         kv_info = self.engine_core.call_utility("get_kv_cache_info")
         self.kv_cache_capacity_tokens = kv_info["num_blocks"] * kv_info["block_size"]
         self.last_stats: SchedulerStats | None = None
+        # Outputs of a step that also raised (another request failed): handed out by the next step.
+        self._held_outputs: list[RequestOutput] = []
 
     # -- requests ---------------------------------------------------------------------------
     def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0):
@@ -52,35 +54,69 @@ class LLMEngine:
         return text, request
 
     def add_processed_request(self, text: str | None, request: Any) -> None:
-        for child in self.output_processor.add_request(request, text):
-            self.engine_core.add_request(child)
+        """Register and send a request from ``process_request``. All or nothing: if sending fails,
+        nothing of the request stays registered (the exception is raised)."""
+        children = self.output_processor.add_request(request, text)
+        try:
+            for child in children:
+                self.engine_core.add_request(child)
+        except BaseException:
+            self._abort_quietly([request.request_id])
+            raise
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> None:
         text, request = self.process_request(request_id, prompt, params, priority)
         self.add_processed_request(text, request)
 
     def abort_request(self, request_ids: list[str] | str) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        aborted = set(request_ids)
+        self._held_outputs = [o for o in self._held_outputs if o.request_id not in aborted]
         engine_ids = self.output_processor.abort_requests(request_ids)
         self.engine_core.abort_requests(engine_ids)
 
+    def _abort_quietly(self, request_ids: list[str]) -> None:
+        """Abort while already failing: the frontend forgets them even if the core is gone."""
+        try:
+            self.abort_request(request_ids)
+        except Exception:  # noqa: BLE001 - the frontend side is clean; the core may be dead
+            logger.debug("abort of %s could not reach the engine core", request_ids, exc_info=True)
+
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests()
+        # Held outputs count: the request they finish is already forgotten by the processor.
+        return bool(self._held_outputs) or self.output_processor.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One batch of outputs. Raises ValueError when the engine core failed a request (its
+        error finish); that request and its n > 1 siblings are then gone, and the outputs the
+        other requests got in the same batch come with the next call."""
+        if self._held_outputs:
+            held, self._held_outputs = self._held_outputs, []
+            return held
         outputs = self.engine_core.get_output()
         if outputs.scheduler_stats is not None:
             self.last_stats = outputs.scheduler_stats
-        errors = [(o.request_id, o.error_message) for o in outputs.outputs if o.error_message]
-        processed = self.output_processor.process_outputs(outputs.outputs)
+        failures: dict[str, str] = {}  # caller's request id -> the engine core's message
+        core_outputs = []
+        for output in outputs.outputs:
+            if output.error_message is None:
+                core_outputs.append(output)
+                continue
+            external_id = self.output_processor.external_id_of(output.request_id)
+            if external_id is not None:  # else: already aborted by its caller; nobody waits
+                failures.setdefault(external_id, output.error_message)
+        processed = self.output_processor.process_outputs(core_outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
-        if errors:
-            # The engine core refused a request (it can never run); the others carry on.
-            raise ValueError("; ".join(f"request {rid!r}: {message}" for rid, message in errors))
+        if failures:
+            self.abort_request(list(failures))
+            self._held_outputs = [o for o in processed.request_outputs if o.request_id not in failures]
+            raise ValueError("; ".join(f"request {rid!r}: {message}" for rid, message in failures.items()))
         return processed.request_outputs
 
     # -- utilities --------------------------------------------------------------------------

@@ -12,7 +12,10 @@ from sparrow.sampling_params import SamplingParams
 from sparrow.worker.outputs import TokenLogprobs
 
 
-class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True,  # type: ignore[call-arg]
+                        forbid_unknown_fields=True):
+    # Decoded in the engine core with every field type-checked (an extra trailing field is an
+    # error too); a payload that fails is answered with an error output, never a dead core.
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -33,8 +36,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # 
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    # Set when the engine core rejected the request (its add_request raised ValueError); the
-    # output is then finished with FinishReason.ABORT and the frontend raises this to the caller.
+    # The error finish: set when the engine core could not take the request (undecodable or
+    # invalid payload, a value it can never run, or a failure while adding it). The output is then
+    # finished with FinishReason.ABORT, and the frontends raise ValueError(error_message) to that
+    # request's caller alone (a 400 in the server); the other requests carry on.
     error_message: str | None = None
 
     @property

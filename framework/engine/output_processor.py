@@ -156,6 +156,11 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
+    def external_id_of(self, request_id: str) -> str | None:
+        """The caller's id of an unfinished engine-core request (a child's parent), else None."""
+        state = self._states.get(request_id)
+        return state.external_id if state is not None else None
+
     def add_request(
         self, request: EngineCoreRequest, prompt: str | None, *, queue: OutputQueue | None = None
     ) -> list[EngineCoreRequest]:

@@ -6,6 +6,9 @@ Every message to the engine core is two ZMQ frames, ``[request_type, payload]``:
     ABORT    payload = [request_id, ...]
     UTILITY  payload = [call_id, method_name, [arg, ...]]
 
+The engine core checks every message it receives: a malformed one is answered with an error
+output (ADD, when its request id can be read) or a failed utility result, or logged and dropped.
+
 Every message from the engine core is one frame: the handshake (a ``HandshakeMessage``) first,
 then ``EngineCoreOutputs`` for the rest of its life.
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 from typing import Any
 
 import msgspec
@@ -57,6 +61,43 @@ def handshake_decoder() -> msgspec.msgpack.Decoder:
 
 def generic_decoder() -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder()
+
+
+def peek_request_id(payload: Any) -> str | None:
+    """The request id of an ADD payload that did not decode as an EngineCoreRequest, when it can
+    still be read (the first element of the array), so that the engine core can fail that
+    request instead of leaving its caller waiting; None when the payload holds none."""
+    try:
+        body = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(body, list) and body and isinstance(body[0], str) and body[0]:
+        return body[0]
+    return None
+
+
+_PATH = re.compile(r"`\$((?:\[\d+\])+)`")
+
+
+def describe_invalid_request(exc: Exception) -> str:
+    """msgspec's error for an ADD payload, with its array path (``$[2][12]``: the wire is
+    array-like) spelled as field names (``sampling_params.max_tokens``)."""
+    message = str(exc)
+    match = _PATH.search(message)
+    if match is None:
+        return message
+    cls: Any = EngineCoreRequest
+    names: list[str] = []
+    for index in map(int, re.findall(r"\d+", match.group(1))):
+        fields = msgspec.structs.fields(cls) if isinstance(cls, type) and issubclass(cls, msgspec.Struct) else None
+        if fields is not None and index < len(fields):
+            names.append(fields[index].name)
+            cls = fields[index].type
+        else:
+            names.append(f"[{index}]")
+            cls = None
+    path = ".".join(names).replace(".[", "[")
+    return f"{message[:match.start()]}`{path}`{message[match.end():]}"
 
 
 def encode_result(value: Any) -> Any:

@@ -9,6 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from sparrow.config import ConfigError, EngineConfig
+from sparrow.engine.preflight import (
+    check_engine_config,
+    check_model_dir,
+    check_plugin_names,
+    resolve_configured_platform,
+)
+from sparrow.plugins import get_registry
 
 logger = logging.getLogger(__name__)
 
@@ -21,22 +28,26 @@ def resolve_model_path(model: str | None) -> str:
         from sparrow.tiny.model import get_builtin_model_path
 
         return str(get_builtin_model_path(model or "sparrow-tiny"))
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise ConfigError(
-            f"invalid engine argument 'model': {model!r} is not a local Hugging Face model directory "
-            f"(no config.json there); Sparrow never downloads models. Built-in: {', '.join(BUILTIN_MODELS)}"
-        )
+    try:
+        path = check_model_dir(model)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}. Built-in: {', '.join(BUILTIN_MODELS)}") from None
     return str(path.resolve())
 
 
 def finalize_config(config: EngineConfig) -> EngineConfig:
-    """Fill what the user left to defaults: model path, tokenizer, max_model_len, served name."""
+    """Fill what the user left to defaults (model path, tokenizer, max_model_len, served name, the
+    platform's token budget), then run the pre-flight checks (``check_engine_config``): every
+    configuration error is a ConfigError raised here, before any engine process starts."""
     from sparrow.model_loader import get_hf_config, get_max_model_len
 
     model_path = resolve_model_path(config.model.model)
-    hf_config = get_hf_config(model_path)
-    model_max = get_max_model_len(hf_config)
+    try:
+        hf_config = get_hf_config(model_path)
+        model_max = get_max_model_len(hf_config)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"invalid engine argument 'model': the config.json of {model_path!r} cannot be "
+                          f"used: {exc}") from None
     max_model_len = config.model.max_model_len
     if max_model_len is None:
         max_model_len = model_max
@@ -51,13 +62,15 @@ def finalize_config(config: EngineConfig) -> EngineConfig:
         "served_model_name": config.model.served_model_name or (config.model.model or "sparrow-tiny"),
     })
     update: dict = {"model": model}
+    # Names are checked before the platform is resolved, so a wrong one is reported as itself.
+    check_plugin_names(config, get_registry())
+    platform = resolve_configured_platform(config.device.device)
     if config.scheduler.max_num_batched_tokens is None:
-        from sparrow.platforms import resolve_platform
-
-        platform = resolve_platform(config.device.device)
         update["scheduler"] = config.scheduler.model_copy(
             update={"max_num_batched_tokens": platform.default_max_num_batched_tokens})
-    return config.model_copy(update=update)
+    finalized = config.model_copy(update=update)
+    check_engine_config(finalized, hf_config=hf_config, platform=platform)
+    return finalized
 
 
 def load_tokenizer(path: str) -> Any:

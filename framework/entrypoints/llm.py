@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -13,6 +14,25 @@ from sparrow.outputs import RequestOutput
 from sparrow.sampling_params import SamplingParams
 
 ChatMessages = Sequence[Mapping[str, Any]]
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _check_priority(index: int, value: Any) -> int:
+    """priority[index] as an int the engine core carries (numpy integers accepted)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not _INT64_MIN <= value <= _INT64_MAX:
+        raise ValueError(f"priority[{index}] must be a 64-bit integer, got {value!r}")
+    return int(value)
+
+
+def _recheck_params(params_list: list[Any]) -> list[Any]:
+    """Validate each SamplingParams again (once per object): a field set after construction
+    skipped the checks, and must fail here, naming the field, rather than in the engine core."""
+    checked: dict[int, Any] = {}
+    for params in params_list:
+        if isinstance(params, SamplingParams) and id(params) not in checked:
+            checked[id(params)] = params.clone()  # clone() runs __post_init__'s checks
+    return [checked.get(id(params), params) for params in params_list]
 
 
 class LLM:
@@ -75,15 +95,28 @@ class LLM:
 
         engine = self.llm_engine
         # Validate every prompt before any reaches the engine: a bad one costs no other its work.
+        params_list = _recheck_params(params_list)
         processed = []
         for index, (prompt, params) in enumerate(zip(prompts, params_list)):
             request_id = str(next(self._request_counter))
-            processed.append(engine.process_request(request_id, prompt, params,
-                                                    priority=priority[index] if priority else 0))
+            request_priority = _check_priority(index, priority[index]) if priority else 0
+            processed.append(engine.process_request(request_id, prompt, params, priority=request_priority))
         order = {request.request_id: index for index, (_, request) in enumerate(processed)}
-        for text, request in processed:
-            engine.add_processed_request(text, request)
+        # All or nothing: if one request cannot be sent, the ones sent before it are aborted, so
+        # that no half of a batch stays registered to surface in a later call.
+        try:
+            for text, request in processed:
+                engine.add_processed_request(text, request)
+        except BaseException:
+            self._abort_quietly(list(order))
+            raise
         return self._run_engine(order, use_tqdm)
+
+    def _abort_quietly(self, request_ids: list[str]) -> None:
+        try:
+            self.llm_engine.abort_request(request_ids)
+        except Exception:  # noqa: BLE001 - already failing; the frontend has forgotten them
+            pass
 
     def _run_engine(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -99,7 +132,8 @@ class LLM:
         try:
             while engine.has_unfinished_requests():
                 for output in engine.step():
-                    if not output.finished:
+                    # An output of an earlier, interrupted call is nobody's here.
+                    if not output.finished or output.request_id not in order:
                         continue
                     results[order[output.request_id]] = output
                     if bar is not None:
@@ -110,8 +144,9 @@ class LLM:
                                        f"output: {num_output_tokens / elapsed:.2f} toks/s")
                         bar.update(1)
         except BaseException:
-            # Interrupted (e.g. Ctrl-C): leave the engine clean for the next call.
-            engine.abort_request(list(order))
+            # Interrupted (e.g. Ctrl-C) or a request failed in the engine core: leave the engine
+            # clean for the next call.
+            self._abort_quietly(list(order))
             raise
         finally:
             if bar is not None:

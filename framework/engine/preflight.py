@@ -1,0 +1,197 @@
+"""Pre-flight checks: configuration errors found in the caller, before any process starts.
+
+``finalize_config`` (which ``LLMEngine`` and ``AsyncLLM`` call first) ends with
+``check_engine_config``, so a wrong name, a missing file or an impossible budget is a
+:class:`~sparrow.config.ConfigError` naming the field within a second, instead of an
+``EngineStartupError`` after the engine process has loaded the model (or, for a budget, a batch
+lost later). Everything here reads files and the plugin registry only: no model, no device.
+
+What is checked:
+
+    model / tokenizer      the directory exists with config.json, its *.safetensors weights (every
+                           file its index names) and tokenizer files
+    scheduler, device,     names the plugin registry knows (the device present on this machine);
+    kv_connector           kv_role set with a connector
+    attention_backend      offered by the platform (its ``sparrow_attention_backend`` hook answers)
+    dtype                  supported by the platform
+    budgets                chunked prefill off needs max_num_batched_tokens >= max_model_len (a
+                           longer prompt could never be scheduled); max_model_len >= 2
+    parallel               the model's heads and MLP split evenly over tensor_parallel_size;
+                           data_parallel_rank < data_parallel_size
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from sparrow.config import ConfigError, EngineConfig
+from sparrow.plugins import Registry, get_plugin_manager, get_registry, import_object
+
+logger = logging.getLogger(__name__)
+
+# A tokenizer directory holds at least one of these (fast, sentencepiece or BPE vocabularies).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def _error(field: str, message: str) -> ConfigError:
+    return ConfigError(f"invalid engine argument {field!r}: {message}")
+
+
+# -- files ----------------------------------------------------------------------------------------
+def check_model_dir(model: str) -> Path:
+    """``model`` as a directory with a config.json, or ConfigError naming what is missing."""
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise _error("model", f"{model!r} does not exist; Sparrow loads local Hugging Face model directories "
+                     "and never downloads models")
+    if not path.is_dir():
+        raise _error("model", f"{model!r} is not a directory (expected a Hugging Face model directory)")
+    if not (path / "config.json").is_file():
+        raise _error("model", f"{model!r} has no config.json, so it is not a Hugging Face model directory")
+    return path
+
+
+def check_model_files(model: str, tokenizer: str | None) -> None:
+    """Weights and tokenizer files are where the engine will look for them."""
+    from sparrow.model_loader import WeightFileError, safetensors_files
+
+    check_model_dir(model)
+    try:
+        safetensors_files(model)
+    except WeightFileError as exc:
+        raise _error("model", f"{exc} (Sparrow loads safetensors weights only)") from None
+    tokenizer_dir = Path(tokenizer or model).expanduser()
+    default_note = " (the tokenizer defaults to the model directory)" if tokenizer in (None, model) else ""
+    if not tokenizer_dir.is_dir():
+        raise _error("tokenizer", f"{str(tokenizer_dir)!r} is not a directory{default_note}")
+    if not any((tokenizer_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise _error("tokenizer", f"{str(tokenizer_dir)!r} holds no tokenizer files (one of "
+                     f"{', '.join(TOKENIZER_FILES)}){default_note}")
+
+
+# -- plugin names ---------------------------------------------------------------------------------
+def _registered(names: Any) -> str:
+    return ", ".join(sorted(names)) or "none"
+
+
+def check_plugin_names(config: EngineConfig, registry: Registry) -> None:
+    scheduler = config.scheduler.scheduler
+    if scheduler not in registry.schedulers:
+        raise _error("scheduler", f"unknown scheduler {scheduler!r}; registered: {_registered(registry.schedulers)}")
+    device = config.device.device
+    if device != "auto" and device not in registry.platforms:
+        raise _error("device", f"unknown device {device!r}; installed platforms: {_registered(registry.platforms)}")
+    kv = config.kv_transfer
+    if kv.kv_connector is not None:
+        if kv.kv_connector not in registry.kv_connectors:
+            raise _error("kv_connector", f"unknown kv_connector {kv.kv_connector!r}; registered: "
+                         f"{_registered(registry.kv_connectors)}")
+        if kv.kv_role is None:
+            raise _error("kv_role", "must be set (kv_producer, kv_consumer or kv_both) when kv_connector is set")
+
+
+def resolve_configured_platform(device: str, registry: Registry | None = None) -> Any:
+    """The platform object ``device`` names (or "auto" picks), or ConfigError naming 'device'."""
+    registry = registry or get_registry()
+    if device == "auto":
+        from sparrow.platforms import resolve_platform
+
+        try:
+            return resolve_platform("auto")
+        except RuntimeError as exc:
+            raise _error("device", str(exc)) from None
+    entry = registry.platforms.get(device)
+    if entry is None:
+        raise _error("device", f"unknown device {device!r}; installed platforms: {_registered(registry.platforms)}")
+    try:
+        import_path = entry.detect()
+    except Exception as exc:  # noqa: BLE001 - a broken detector is reported, with its plugin's name
+        raise _error("device", f"platform {device!r} (plugin {entry.plugin!r}) failed to detect its device: "
+                     f"{exc!r}") from None
+    if import_path is None:
+        raise _error("device", f"{device!r} is installed but its plugin found no such device on this machine")
+    return import_object(import_path)()
+
+
+def check_platform_settings(config: EngineConfig, platform: Any, hf_config: Any) -> None:
+    try:
+        platform.resolve_dtype(config.model.dtype)
+    except ValueError as exc:
+        raise _error("dtype", str(exc)) from None
+    requested = config.device.attention_backend
+    if requested == "auto":
+        return
+    # The same question the worker asks at start-up, asked here first. Only a refusal (ValueError,
+    # or no plugin answering) is the user's error; anything else is left for the worker to report.
+    try:
+        backend = get_plugin_manager().hook.sparrow_attention_backend(
+            platform=platform, requested=requested, model_config=hf_config)
+    except ValueError as exc:
+        raise _error("attention_backend", str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - see above
+        logger.debug("attention backend %r could not be checked before start-up: %r", requested, exc)
+        return
+    if backend is None:
+        raise _error("attention_backend", f"no plugin offers attention backend {requested!r} for platform "
+                     f"{getattr(platform, 'name', platform)!r}")
+
+
+# -- numbers --------------------------------------------------------------------------------------
+def check_budgets(config: EngineConfig) -> None:
+    max_model_len = config.model.max_model_len or 0
+    if max_model_len < 2:
+        raise _error("max_model_len", f"must be at least 2 (one prompt and one output token), got {max_model_len}")
+    budget = config.scheduler.max_num_batched_tokens
+    if budget is not None and not config.scheduler.enable_chunked_prefill and budget < max_model_len:
+        # A prompt is then computed in one step: one longer than the budget could never run.
+        raise _error("max_num_batched_tokens", f"{budget} is smaller than max_model_len={max_model_len} with "
+                     "enable_chunked_prefill=False, so longer prompts could never be scheduled; raise "
+                     "max_num_batched_tokens, lower max_model_len or enable chunked prefill")
+
+
+def check_parallel(config: EngineConfig, hf_config: Any) -> None:
+    parallel = config.parallel
+    if parallel.data_parallel_rank >= parallel.data_parallel_size:
+        raise _error("data_parallel_rank", f"{parallel.data_parallel_rank} must be smaller than "
+                     f"data_parallel_size={parallel.data_parallel_size}")
+    tp = parallel.tensor_parallel_size
+    if tp == 1:
+        return
+    # Shapes the model's layers split across ranks (sparrow.layers.linear); an attribute a model
+    # does not have is not checked.
+    heads = getattr(hf_config, "num_attention_heads", None)
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    intermediate = getattr(hf_config, "intermediate_size", None)
+    if heads is not None and heads % tp:
+        raise _error("tensor_parallel_size", f"{tp} does not divide the model's {heads} attention heads")
+    if kv_heads is not None and (tp % kv_heads if tp >= kv_heads else kv_heads % tp):
+        raise _error("tensor_parallel_size", f"{tp} and the model's {kv_heads} KV heads must divide one another")
+    if intermediate is not None and intermediate % tp:
+        raise _error("tensor_parallel_size", f"{tp} does not divide the model's intermediate_size {intermediate}")
+
+
+# -- all of it ------------------------------------------------------------------------------------
+def check_engine_config(config: EngineConfig, hf_config: Any = None, platform: Any = None) -> None:
+    """Raise ConfigError, naming the field, for a configuration the engine could never start or run.
+
+    ``config`` is finalized (``sparrow.engine.setup.finalize_config``, which calls this); ``hf_config``
+    and ``platform`` save reading them again when the caller has them. Starts no process and loads
+    no model, so a server can call it before anything else.
+    """
+    model = config.model.model
+    if model is None:
+        raise _error("model", "is not resolved; call sparrow.engine.setup.finalize_config first")
+    check_model_files(model, config.model.tokenizer)
+    if hf_config is None:
+        from sparrow.model_loader import get_hf_config
+
+        hf_config = get_hf_config(model)
+    registry = get_registry()
+    check_plugin_names(config, registry)
+    if platform is None:
+        platform = resolve_configured_platform(config.device.device, registry)
+    check_platform_settings(config, platform, hf_config)
+    check_budgets(config)
+    check_parallel(config, hf_config)

@@ -7,10 +7,15 @@ Prompts come in vLLM's forms:
     {"prompt": "text"}                      TextPrompt
     {"prompt_token_ids": [1, 2, 3]}         TokensPrompt (a "prompt" key, if any, is kept as text)
     [{"role": "user", "content": "..."}]    chat messages, rendered with the chat template
+
+Text that is not valid Unicode (a lone surrogate such as ``"\\ud800"``, which Python strings and
+JSON's ``\\u`` escapes allow but UTF-8 cannot encode) is refused here with a ValueError naming the
+field, so that the offline ``LLM`` and the server give the same error and no tokenizer sees it.
 """
 
 from __future__ import annotations
 
+import inspect
 import numbers
 import time
 from collections.abc import Mapping, Sequence
@@ -27,6 +32,46 @@ PromptType = Union[str, Mapping[str, Any], Sequence[Mapping[str, Any]]]
 DEFAULT_MAX_LOGPROBS = 20
 _PREVIEW_CHARS = 40
 _PREVIEW_TOKENS = 8
+
+
+def find_unencodable(value: Any, path: str) -> tuple[str, str] | None:
+    """The path and text of the first string in ``value`` (a string, or mappings, sequences and
+    pydantic models nesting them, keys included) that UTF-8 cannot encode; None if there is none.
+    Paths read like ``messages[0].content``. Iterative: a request may nest deeper than Python's
+    recursion limit."""
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return where, item
+            continue
+        if hasattr(type(item), "model_fields") and hasattr(item, "model_extra"):  # a pydantic model
+            item = {**{name: getattr(item, name) for name in type(item).model_fields}, **(item.model_extra or {})}
+        children: list[tuple[Any, str]] = []
+        if isinstance(item, Mapping):
+            for key, child in item.items():
+                child_path = f"{where}.{key}" if where else str(key)
+                children += [(key, child_path), (child, child_path)]
+        elif isinstance(item, (list, tuple)):
+            # Token-id lists can be millions long; only strings can be unencodable.
+            children = [(child, f"{where}[{index}]") for index, child in enumerate(item) if type(child) is not int]
+        stack.extend(reversed(children))  # depth first, in order: the first bad string is reported
+    return None
+
+
+def check_text(field: str, value: Any) -> None:
+    """Raise a ValueError that starts with ``field`` (or the path inside it) when ``value`` holds
+    text UTF-8 cannot encode."""
+    found = find_unencodable(value, field)
+    if found is None:
+        return
+    path, text = found
+    position = next(index for index, char in enumerate(text) if 0xD800 <= ord(char) <= 0xDFFF)
+    raise ValueError(f"{path}: not valid Unicode text: a lone surrogate {text[position]!r} at character "
+                     f"{position}; send UTF-8 text (a surrogate pair must be complete)")
 
 
 def fan_out(request_id: str, n: int) -> list[str]:
@@ -115,26 +160,74 @@ class InputProcessor:
         messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template: str | None = None,
-        **template_kwargs: Any,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """Render chat messages to the prompt text, with the assistant's turn opened."""
+        """Render chat messages to the prompt text, as transformers' ``apply_chat_template`` does:
+        ``tools`` (JSON schemas) and every key of the messages (``tool_calls``, ``tool_call_id``,
+        ``name``, ...) reach the template; ``chat_template_kwargs`` become template variables.
+        ``continue_final_message`` leaves the last message open for the model to continue."""
         if self.tokenizer is None:
             raise ValueError("messages: chat prompts need a tokenizer, and this engine has none")
         if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("chat_template: the tokenizer has none; pass chat_template=...")
         if not messages:
             raise ValueError("messages must hold at least one message")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message cannot be combined with add_generation_prompt=True: "
+                             "the first continues the last message, the second opens a new one")
         for position, message in enumerate(messages):
             if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
                 raise ValueError(f"messages[{position}] must be a mapping with a string 'role', got {message!r}")
+        check_text("messages", list(messages))
+        check_text("chat_template", chat_template)
+        check_text("tools", tools)
+        check_text("chat_template_kwargs", chat_template_kwargs)
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & self._reserved_template_names())
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {', '.join(map(repr, reserved))} cannot be set here; "
+                             "they are the renderer's own arguments (use the request fields of those names)")
         return self.tokenizer.apply_chat_template(
             [dict(message) for message in messages],
+            tools=[dict(tool) for tool in tools] if tools else None,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             chat_template=chat_template,
             tokenize=False,
-            **template_kwargs,
+            **kwargs,
         )
+
+    def _reserved_template_names(self) -> set[str]:
+        """Names ``chat_template_kwargs`` may not use: the parameters of the tokenizer's
+        ``apply_chat_template`` (tokenize, padding, ...) and the variables it sets itself."""
+        parameters = inspect.signature(self.tokenizer.apply_chat_template).parameters
+        names = {name for name, parameter in parameters.items() if parameter.kind is not parameter.VAR_KEYWORD}
+        return names | {"messages", "conversation"}
+
+    def tokenize(self, text: str, *, add_special_tokens: bool = True, truncate_prompt_tokens: int | None = None,
+                 field: str = "prompt") -> list[int]:
+        """Token ids of ``text`` (checked to be valid Unicode first), kept to the last
+        ``truncate_prompt_tokens`` when that is set."""
+        check_text(field, text)
+        return self.truncate(self._encode(text, add_special_tokens=add_special_tokens), truncate_prompt_tokens)
+
+    def truncate(self, token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """The last ``truncate_prompt_tokens`` of ``token_ids`` (all of them when None). -1 keeps
+        ``max_model_len - 1``, the longest prompt that leaves room for one output token."""
+        if truncate_prompt_tokens is None:
+            return token_ids
+        keep = truncate_prompt_tokens
+        if isinstance(keep, bool) or not isinstance(keep, numbers.Integral):
+            raise ValueError(f"truncate_prompt_tokens must be an int, got {type(keep).__name__}")
+        if keep == -1:
+            keep = self.max_model_len - 1
+        elif not 1 <= keep <= self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens must be -1 or between 1 and max_model_len={self.max_model_len}, "
+                             f"got {keep}")
+        return token_ids[-keep:]
 
     def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         if self.tokenizer is None:
@@ -144,11 +237,13 @@ class InputProcessor:
     def tokenize_prompt(self, request_id: str, prompt: PromptType) -> tuple[str | None, list[int]]:
         """The prompt's text (None for a token prompt) and its token ids, not yet validated."""
         if isinstance(prompt, str):
+            check_text(f"prompt of request {request_id!r}", prompt)
             return prompt, self._encode(prompt, add_special_tokens=True)
         if isinstance(prompt, Mapping):
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):
                 raise ValueError(f"prompt of request {request_id!r}: 'prompt' must be a string, got {type(text).__name__}")
+            check_text(f"prompt of request {request_id!r}", text)
             token_ids = prompt.get("prompt_token_ids")
             if token_ids is not None:
                 return text, self._check_token_id_types(request_id, token_ids)
@@ -235,6 +330,7 @@ class InputProcessor:
             value = getattr(params, field_name)
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"{field_name}={value} exceeds the maximum of {self.max_logprobs} for {name}")
+        check_text("stop", params.stop)
         if params.stop and (self.tokenizer is None or not params.detokenize):
             raise ValueError(f"stop strings {params.stop!r} need detokenize=True and a tokenizer ({name})")
         if params.min_tokens > max_tokens:

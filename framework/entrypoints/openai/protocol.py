@@ -1,8 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API, in OpenAI's shapes (pydantic).
 
-Requests accept OpenAI's fields plus vLLM's sampling extras (top_k, min_p, repetition_penalty,
-ignore_eos, min_tokens, stop_token_ids, priority, ...). Unknown fields are accepted and ignored
-(with a warning), as vLLM does, so that clients written for newer OpenAI APIs still work.
+Requests accept OpenAI's fields plus vLLM's extras (top_k, min_p, repetition_penalty, ignore_eos,
+min_tokens, stop_token_ids, priority, truncate_prompt_tokens, chat_template, ...). The models keep
+unknown fields (``extra="allow"``) only so that ``request_checks`` can refuse each one with a 400
+naming it: nothing a client sends is silently ignored, except the few harmless fields listed there.
 Integers are bounded to what the engine can carry (64-bit), floats must be finite.
 """
 
@@ -56,6 +57,8 @@ class ModelList(OpenAIBaseModel):
 # -- shared -----------------------------------------------------------------------------------
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = Field(
+        False, description="vLLM's: with include_usage, every chunk carries the usage so far.")
 
 
 class UsageInfo(OpenAIBaseModel):
@@ -91,6 +94,13 @@ class SamplingFields(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = Field(0, ge=-INT64_MAX, le=INT64_MAX)
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, le=INT32_MAX,
+        description="Keep only the last k prompt tokens (-1: the most that leave room for one output token).")
+    return_tokens_as_token_ids: bool = Field(
+        False, description="Logprob tokens as 'token_id:N', so that tokens decoding to the same text stay apart.")
+    response_format: dict[str, Any] | None = Field(
+        None, description="Only {'type': 'text'} (the default); structured outputs are not supported yet.")
 
 
 # -- completions ------------------------------------------------------------------------------
@@ -103,6 +113,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_special_tokens: bool = Field(True, description="Let the tokenizer add its special tokens (BOS, ...).")
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -139,10 +150,35 @@ class CompletionStreamResponse(OpenAIBaseModel):
 
 
 # -- chat -------------------------------------------------------------------------------------
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str = Field("", description="The call's arguments, a JSON object as a string.")
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant turn's tool calls, for the template.")
+    tool_call_id: str | None = Field(None, description="A tool message's answer to this call id, for the template.")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -151,8 +187,19 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, description="Shown to the chat template; calling them is not supported yet.")
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = Field(
+        None, description="Only 'none' (tools reach the template, the reply is text) until tool calling is supported.")
+    # vLLM's chat extras
+    echo: bool = Field(False, description="Put the last message's content in front of the reply when it is "
+                                          "the replying role's (continuing a message).")
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = Field(
+        False, description="Continue the last message (needs add_generation_prompt=false).")
+    add_special_tokens: bool = Field(False, description="The chat template writes the special tokens; default false.")
+    chat_template: str | None = Field(
+        None, description="A Jinja chat template for this request instead of the tokenizer's.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra variables for the chat template.")
 
 
 class ChatCompletionTopLogprob(OpenAIBaseModel):

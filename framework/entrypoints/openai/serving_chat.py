@@ -1,12 +1,20 @@
-"""POST /v1/chat/completions: messages rendered with the tokenizer's chat template."""
+"""POST /v1/chat/completions: messages rendered with the tokenizer's (or the request's) chat template.
+
+The messages reach the template as transformers' ``apply_chat_template`` expects them: ``name``,
+an assistant turn's ``tool_calls`` (their JSON ``arguments`` parsed to objects, as tool-use
+templates want them) and a tool turn's ``tool_call_id``, with the request's ``tools``. Generating
+tool calls is not supported yet, so ``tools`` are accepted only with ``tool_choice: "none"``.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
+import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -20,10 +28,12 @@ from sparrow.entrypoints.openai.protocol import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     ChatCompletionTopLogprob,
+    ChatMessage,
     ChatResponseMessage,
     DeltaMessage,
-    UsageInfo,
+    ToolCall,
 )
+from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_unicode, not_supported
 from sparrow.entrypoints.openai.serving_engine import (
     APIError,
     OpenAIServing,
@@ -31,7 +41,10 @@ from sparrow.entrypoints.openai.serving_engine import (
     cancel_on_disconnect,
     clamp_logprob,
     engine_dead,
+    field_error,
     merge_streams,
+    token_label,
+    usage,
 )
 from sparrow.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 
@@ -45,10 +58,107 @@ def message_text(position: int, content: str | list[dict[str, Any]] | None) -> s
     texts = []
     for part in content:
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise APIError(400, f"messages[{position}].content: only text parts are supported, got {part.get('type')!r}",
-                           "BadRequestError", param="messages", code="unsupported")
+            raise APIError(400, f"messages[{position}].content: only text parts are supported, "
+                                f"got {part.get('type')!r}",
+                           "BadRequestError", param=f"messages[{position}].content", code="unsupported")
         texts.append(part["text"])
     return "\n".join(texts)
+
+
+def _template_tool_call(call: ToolCall) -> dict[str, Any]:
+    arguments: Any = call.function.arguments
+    try:
+        parsed = json.loads(arguments)
+    except (ValueError, RecursionError):
+        parsed = None  # not JSON (a model's broken call, sent back verbatim): the template gets the string
+    if isinstance(parsed, dict):
+        arguments = parsed
+    return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The request's messages as chat templates take them."""
+    rendered = []
+    for position, message in enumerate(messages):
+        entry: dict[str, Any] = {"role": message.role, "content": message_text(position, message.content)}
+        if message.name is not None:
+            entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+            if message.content is None:
+                entry["content"] = None  # a turn that only called tools, as templates expect it
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        rendered.append(entry)
+    return rendered
+
+
+def check_tools(request: ChatCompletionRequest) -> None:
+    """Tools may reach the template (tool_choice "none"); generating tool calls is not built yet."""
+    choice = request.tool_choice
+    if request.tools:
+        if choice is None:
+            raise not_supported("tools", "tool calling (tool_choice 'auto', the default when tools are given)",
+                                "; send tool_choice: 'none' to show the tools to the model and get a text reply")
+        if choice != "none":
+            raise not_supported("tool_choice", f"tool_choice {choice!r}", "; only 'none' is")
+    elif choice not in (None, "none"):
+        raise RequestFieldError(f"tool_choice: {choice!r} needs tools", "tool_choice")
+
+
+def render_prompt(input_processor: Any, request: ChatCompletionRequest) -> dict[str, Any]:
+    """The request's prompt, ``{"prompt": text, "prompt_token_ids": [...]}``: every string checked,
+    the messages rendered and tokenized, cut to ``truncate_prompt_tokens``. Blocking: the endpoint
+    runs it in a worker thread."""
+    check_unicode(request)
+    messages = template_messages(request.messages)
+    try:
+        text = input_processor.apply_chat_template(
+            messages,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template=request.chat_template,
+            tools=[tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None,
+            chat_template_kwargs=request.chat_template_kwargs,
+        )
+    except ValueError:
+        raise
+    except jinja2.TemplateSyntaxError as exc:
+        raise RequestFieldError(f"chat_template: not a valid Jinja template: {exc}", "chat_template") from None
+    except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages
+        raise RequestFieldError(f"messages: the chat template failed: {exc}", "messages") from None
+    # By default no special tokens are added: the template wrote every one the model expects.
+    all_ids = input_processor.tokenize(text, add_special_tokens=request.add_special_tokens, field="messages")
+    token_ids = input_processor.truncate(all_ids, request.truncate_prompt_tokens)
+    if len(token_ids) < len(all_ids):
+        text = input_processor.tokenizer.decode(token_ids)
+    return {"prompt": text, "prompt_token_ids": token_ids}
+
+
+@dataclass(slots=True)
+class Reply:
+    """How a request's reply is shaped: its role, the echoed text in front of it, its logprob
+    entries and the usage its stream carries."""
+
+    role: str
+    echo: str  # the last message's text when echo is asked and that message is the reply's role
+    top_logprobs: int
+    as_token_ids: bool
+    include_usage: bool
+    continuous_usage: bool
+    prompt_tokens: int
+
+    @classmethod
+    def of(cls, request: ChatCompletionRequest, prompt_tokens: int) -> Reply:
+        last = request.messages[-1]
+        # A new turn is the assistant's; continuing a message keeps its role (vLLM's rule).
+        role = "assistant" if request.add_generation_prompt else last.role
+        echo = message_text(len(request.messages) - 1, last.content) if request.echo and last.role == role else ""
+        options = request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(include_usage and options.continuous_usage_stats)
+        return cls(role, echo, request.top_logprobs or 0, request.return_tokens_as_token_ids, include_usage,
+                   continuous, prompt_tokens)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -57,39 +167,27 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         model = self.check_model(request.model)
         self.check_common(request)
+        try:
+            check_tools(request)
+        except RequestFieldError as exc:
+            raise field_error(exc) from None
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", "BadRequestError",
                            param="top_logprobs", code="invalid_value")
-        prompt = self._render(request)
+        prompt = await self.off_loop(render_prompt, self.engine.input_processor, request, default_param="messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         params = self.sampling_params(request, max_tokens=max_tokens, logprobs=logprobs, stream=bool(request.stream))
         request_id = self.new_request_id()
         streams = await self.submit(request_id, [prompt], params, request.priority)
-        top_k = request.top_logprobs or 0
+        reply = Reply.of(request, len(prompt["prompt_token_ids"]))
         if request.stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return StreamingResponse(self._stream(request_id, model, request.n, streams[0], include_usage, top_k),
+            return StreamingResponse(self._stream(request_id, model, request.n, streams[0], reply),
                                      media_type="text/event-stream")
         final = await cancel_on_disconnect(raw_request, self._collect(streams[0]))
         if final is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        return JSONResponse(self._response(request_id, model, final, top_k).model_dump(mode="json"))
-
-    def _render(self, request: ChatCompletionRequest) -> dict[str, Any]:
-        messages = [{"role": message.role, "content": message_text(position, message.content)}
-                    for position, message in enumerate(request.messages)]
-        try:
-            text = self.engine.input_processor.apply_chat_template(
-                messages, add_generation_prompt=request.add_generation_prompt, **(request.chat_template_kwargs or {}))
-        except ValueError as exc:
-            raise bad_request(exc, default_param="messages") from None
-        except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages
-            raise APIError(400, f"messages: the chat template failed: {exc}", "BadRequestError",
-                           param="messages", code="invalid_value") from None
-        # The template wrote every special token the model expects: add none when tokenizing.
-        token_ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
-        return {"prompt": text, "prompt_token_ids": token_ids}
+        return JSONResponse(self._response(request_id, model, final, reply).model_dump(mode="json"))
 
     @staticmethod
     async def _collect(stream: Any) -> RequestOutput:
@@ -104,72 +202,70 @@ class OpenAIServingChat(OpenAIServing):
         assert final is not None
         return final
 
-    def _logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | None, top_k: int) -> ChatCompletionLogProbs | None:
+    def _logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | None,
+                  reply: Reply) -> ChatCompletionLogProbs | None:
         if logprobs is None:
             return None
         tokenizer = self.engine.tokenizer
 
-        def text_of(token_id: int, decoded: str | None) -> str:
-            return decoded if decoded is not None else tokenizer.decode([token_id])
+        def entry_of(token_id: int, decoded: str | None, logprob: float) -> dict[str, Any]:
+            text = decoded if decoded is not None else tokenizer.decode([token_id])
+            return {"token": token_label(token_id, text, reply.as_token_ids), "logprob": clamp_logprob(logprob),
+                    "bytes": list(text.encode("utf-8"))}
 
         content = []
         for token_id, position in zip(token_ids, logprobs):
             chosen = position.get(token_id)
-            token = text_of(token_id, chosen.decoded_token if chosen else None)
-            ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)[:top_k]
+            ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)[:reply.top_logprobs]
             content.append(ChatCompletionLogProb(
-                token=token, logprob=clamp_logprob(chosen.logprob) if chosen else -9999.0,
-                bytes=list(token.encode("utf-8")),
-                top_logprobs=[ChatCompletionTopLogprob(token=(t := text_of(other_id, entry.decoded_token)),
-                                                       logprob=clamp_logprob(entry.logprob),
-                                                       bytes=list(t.encode("utf-8")))
+                **entry_of(token_id, chosen.decoded_token if chosen else None, chosen.logprob if chosen else -9999.0),
+                top_logprobs=[ChatCompletionTopLogprob(**entry_of(other_id, entry.decoded_token, entry.logprob))
                               for other_id, entry in ranked],
             ))
         return ChatCompletionLogProbs(content=content)
 
-    def _response(self, request_id: str, model: str, final: RequestOutput, top_k: int) -> ChatCompletionResponse:
+    def _response(self, request_id: str, model: str, final: RequestOutput, reply: Reply) -> ChatCompletionResponse:
         choices = [
             ChatCompletionResponseChoice(
-                index=completion.index, message=ChatResponseMessage(content=completion.text),
-                logprobs=self._logprobs(completion.token_ids, completion.logprobs, top_k),
+                index=completion.index,
+                message=ChatResponseMessage(role=reply.role, content=reply.echo + completion.text),
+                logprobs=self._logprobs(completion.token_ids, completion.logprobs, reply),
                 finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
             for completion in final.outputs
         ]
-        prompt_tokens = len(final.prompt_token_ids or [])
         completion_tokens = sum(len(completion.token_ids) for completion in final.outputs)
-        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=prompt_tokens + completion_tokens)
-        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices,
+                                      usage=usage(len(final.prompt_token_ids or []), completion_tokens))
 
-    def _stream_choice(self, completion: CompletionOutput, top_k: int) -> ChatCompletionResponseStreamChoice:
+    def _stream_choice(self, completion: CompletionOutput, reply: Reply) -> ChatCompletionResponseStreamChoice:
         return ChatCompletionResponseStreamChoice(
             index=completion.index, delta=DeltaMessage(content=completion.text),
-            logprobs=self._logprobs(completion.token_ids, completion.logprobs, top_k),
+            logprobs=self._logprobs(completion.token_ids, completion.logprobs, reply),
             finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
 
-    async def _stream(self, request_id: str, model: str, n: int, stream: Any, include_usage: bool,
-                      top_k: int) -> AsyncIterator[str]:
-        # OpenAI opens every choice with the assistant's role.
-        first = ChatCompletionStreamResponse(id=request_id, model=model, choices=[
-            ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+    async def _stream(self, request_id: str, model: str, n: int, stream: Any, reply: Reply) -> AsyncIterator[str]:
+        prompt_tokens, completion_tokens = reply.prompt_tokens, 0
+        so_far = usage(prompt_tokens, 0) if reply.continuous_usage else None
+        # OpenAI opens every choice with the role; an echoed message follows in the same delta.
+        first = ChatCompletionStreamResponse(id=request_id, model=model, usage=so_far, choices=[
+            ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(role=reply.role, content=reply.echo))
             for index in range(n)])
         yield f"data: {first.model_dump_json()}\n\n"
-        prompt_tokens = completion_tokens = 0
         try:
             async for _, output in merge_streams([stream]):
-                prompt_tokens = len(output.prompt_token_ids or [])
+                prompt_tokens = len(output.prompt_token_ids or []) or prompt_tokens
                 choices = []
                 for completion in output.outputs:
                     completion_tokens += len(completion.token_ids)
                     if completion.text or completion.logprobs or completion.finish_reason is not None:
-                        choices.append(self._stream_choice(completion, top_k))
+                        choices.append(self._stream_choice(completion, reply))
                 if choices:
-                    chunk = ChatCompletionStreamResponse(id=request_id, model=model, choices=choices)
+                    so_far = usage(prompt_tokens, completion_tokens) if reply.continuous_usage else None
+                    chunk = ChatCompletionStreamResponse(id=request_id, model=model, choices=choices, usage=so_far)
                     yield f"data: {chunk.model_dump_json()}\n\n"
-            if include_usage:
-                usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                  total_tokens=prompt_tokens + completion_tokens)
-                chunk = ChatCompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage)
+            if reply.include_usage:
+                chunk = ChatCompletionStreamResponse(id=request_id, model=model, choices=[],
+                                                     usage=usage(prompt_tokens, completion_tokens))
                 yield f"data: {chunk.model_dump_json()}\n\n"
         except EngineDeadError as exc:
             yield f"data: {json.dumps(engine_dead(exc).body())}\n\n"

@@ -20,6 +20,7 @@ from sparrow.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     UsageInfo,
 )
+from sparrow.entrypoints.openai.request_checks import check_unicode, not_supported
 from sparrow.entrypoints.openai.serving_engine import (
     APIError,
     OpenAIServing,
@@ -27,7 +28,10 @@ from sparrow.entrypoints.openai.serving_engine import (
     cancel_on_disconnect,
     clamp_logprob,
     engine_dead,
+    field_error,
     merge_streams,
+    token_label,
+    usage,
 )
 from sparrow.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 
@@ -47,16 +51,43 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
     return [{"prompt_token_ids": list(item)} for item in prompt]
 
 
+def tokenize_prompts(input_processor: Any, request: CompletionRequest) -> list[dict[str, Any]]:
+    """Every prompt of the request as ``{"prompt": text, "prompt_token_ids": [...]}`` (no text for
+    token prompts), tokenized with the request's ``add_special_tokens`` and cut to its
+    ``truncate_prompt_tokens``. Blocking: the endpoint runs it in a worker thread."""
+    check_unicode(request)
+    prompts = []
+    for prompt in completion_prompts(request.prompt):
+        if isinstance(prompt, str):
+            all_ids = input_processor.tokenize(prompt, add_special_tokens=request.add_special_tokens)
+            token_ids = input_processor.truncate(all_ids, request.truncate_prompt_tokens)
+            if len(token_ids) < len(all_ids):
+                prompt = input_processor.tokenizer.decode(token_ids)  # echo shows what the model saw
+            prompts.append({"prompt": prompt, "prompt_token_ids": token_ids})
+        else:
+            prompts.append({"prompt_token_ids": input_processor.truncate(prompt["prompt_token_ids"],
+                                                                         request.truncate_prompt_tokens)})
+    return prompts
+
+
 class CompletionLogprobsBuilder:
     """OpenAI's completion logprobs (tokens, token_logprobs, top_logprobs, text_offset) for one
-    choice, built incrementally so streamed chunks continue the offsets of earlier ones."""
+    choice, built incrementally so streamed chunks continue the offsets of earlier ones.
 
-    def __init__(self, tokenizer: Any) -> None:
+    ``as_token_ids`` labels tokens ``token_id:N``; text offsets still count the decoded text."""
+
+    def __init__(self, tokenizer: Any, as_token_ids: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.as_token_ids = as_token_ids
         self.offset = 0
 
     def token_text(self, token_id: int, decoded: str | None) -> str:
         return decoded if decoded is not None else self.tokenizer.decode([token_id])
+
+    def label(self, token_id: int, decoded: str | None) -> str:
+        if self.as_token_ids:
+            return token_label(token_id, "", True)
+        return self.token_text(token_id, decoded)
 
     def build(self, token_ids: list[int], logprobs: SampleLogprobs,
               out: CompletionLogProbs | None = None) -> CompletionLogProbs:
@@ -66,7 +97,7 @@ class CompletionLogprobsBuilder:
         for token_id, position in zip(token_ids, logprobs):
             if position is None:
                 text = self.tokenizer.decode([token_id])
-                out.tokens.append(text)
+                out.tokens.append(token_label(token_id, text, self.as_token_ids))
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
                 out.text_offset.append(self.offset)
@@ -74,12 +105,16 @@ class CompletionLogprobsBuilder:
                 continue
             chosen = position.get(token_id)
             text = self.token_text(token_id, chosen.decoded_token if chosen else None)
-            out.tokens.append(text)
+            out.tokens.append(token_label(token_id, text, self.as_token_ids))
             out.token_logprobs.append(clamp_logprob(chosen.logprob) if chosen else None)
-            out.top_logprobs.append({
-                self.token_text(other_id, entry.decoded_token): clamp_logprob(entry.logprob)
-                for other_id, entry in position.items()
-            })
+            # Keyed by text, two tokens can share a key (partial UTF-8 bytes both decode to
+            # U+FFFD): the more likely keeps it, and the chosen token's entry is always there.
+            top: dict[str, float] = {}
+            for other_id, entry in sorted(position.items(), key=lambda item: item[1].rank or 0):
+                top.setdefault(self.label(other_id, entry.decoded_token), clamp_logprob(entry.logprob))
+            if chosen is not None:
+                top[self.label(token_id, chosen.decoded_token)] = clamp_logprob(chosen.logprob)
+            out.top_logprobs.append(top)
             out.text_offset.append(self.offset)
             self.offset += len(text)
         return out
@@ -118,15 +153,14 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.check_model(request.model)
         self.check_common(request)
         if request.suffix:
-            raise APIError(400, "suffix is not supported", "BadRequestError", param="suffix", code="unsupported")
+            raise field_error(not_supported("suffix", "suffix (fill-in-the-middle)"))
         echo = bool(request.echo)
         if request.max_tokens == 0 and not echo:
             raise APIError(400, "max_tokens must be at least 1 (0 is allowed only with echo)", "BadRequestError",
                            param="max_tokens", code="invalid_value")
         if request.best_of is not None and request.best_of != request.n:
-            raise APIError(400, "best_of must equal n (beam-style best_of is not supported)", "BadRequestError",
-                           param="best_of", code="unsupported")
-        prompts = completion_prompts(request.prompt)
+            raise field_error(not_supported("best_of", "best_of other than n (returning the best of several samples)"))
+        prompts = await self.off_loop(tokenize_prompts, self.engine.input_processor, request, default_param="prompt")
         # echo with max_tokens=0 scores the prompt: one token is generated and dropped, as vLLM does.
         echo_only = echo and request.max_tokens == 0
         prompt_logprobs = request.prompt_logprobs
@@ -140,13 +174,17 @@ class OpenAIServingCompletion(OpenAIServing):
         n = request.n
         shape = Echo(echo, echo_only, request.logprobs is not None)
         if request.stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return StreamingResponse(self._stream(request_id, model, n, streams, include_usage, shape),
+            options = request.stream_options
+            include_usage = bool(options and options.include_usage)
+            continuous = bool(include_usage and options.continuous_usage_stats)
+            return StreamingResponse(self._stream(request_id, model, n, streams, include_usage, shape,
+                                                  request.return_tokens_as_token_ids, continuous),
                                      media_type="text/event-stream")
         finals = await cancel_on_disconnect(raw_request, self._collect(streams))
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        return JSONResponse(self._response(request_id, model, n, finals, shape).model_dump(mode="json"))
+        response = self._response(request_id, model, n, finals, shape, request.return_tokens_as_token_ids)
+        return JSONResponse(response.model_dump(mode="json"))
 
     @staticmethod
     async def _collect(streams: list) -> list[RequestOutput]:
@@ -161,20 +199,20 @@ class OpenAIServingCompletion(OpenAIServing):
         return [finals[index] for index in range(len(streams))]
 
     def _response(self, request_id: str, model: str, n: int, finals: list[RequestOutput],
-                  shape: Echo) -> CompletionResponse:
-        choices, usage = [], UsageInfo()
+                  shape: Echo, as_token_ids: bool) -> CompletionResponse:
+        choices, totals = [], UsageInfo()
         for prompt_index, final in enumerate(finals):
-            usage.prompt_tokens += len(final.prompt_token_ids or [])
+            totals.prompt_tokens += len(final.prompt_token_ids or [])
             for completion in final.outputs:
                 completion = shape.generated(completion)
-                usage.completion_tokens += len(completion.token_ids)
-                builder = CompletionLogprobsBuilder(self.engine.tokenizer)
+                totals.completion_tokens += len(completion.token_ids)
+                builder = CompletionLogprobsBuilder(self.engine.tokenizer, as_token_ids)
                 choice = self._choice(prompt_index * n + completion.index, completion, builder,
                                       shape.prefix(final, builder, self.engine.tokenizer))
                 choices.append(choice)
-        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        totals.total_tokens = totals.prompt_tokens + totals.completion_tokens
         choices.sort(key=lambda choice: choice.index)
-        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+        return CompletionResponse(id=request_id, model=model, choices=choices, usage=totals)
 
     @staticmethod
     def _choice(index: int, completion: CompletionOutput, builder: CompletionLogprobsBuilder,
@@ -186,8 +224,8 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionResponseChoice(index=index, text=text + completion.text, logprobs=logprobs,
                                         finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
 
-    async def _stream(self, request_id: str, model: str, n: int, streams: list,
-                      include_usage: bool, shape: Echo) -> AsyncIterator[str]:
+    async def _stream(self, request_id: str, model: str, n: int, streams: list, include_usage: bool,
+                      shape: Echo, as_token_ids: bool, continuous_usage: bool) -> AsyncIterator[str]:
         builders: dict[int, CompletionLogprobsBuilder] = {}
         prompt_tokens: dict[int, int] = {}
         completion_tokens = 0
@@ -205,17 +243,17 @@ class OpenAIServingCompletion(OpenAIServing):
                     if (not completion.text and completion.finish_reason is None and not completion.logprobs
                             and not (first and shape.echo)):
                         continue
-                    builder = builders.setdefault(index, CompletionLogprobsBuilder(self.engine.tokenizer))
+                    builder = builders.setdefault(index, CompletionLogprobsBuilder(self.engine.tokenizer, as_token_ids))
                     prefix = shape.prefix(output, builder, self.engine.tokenizer) if first else ("", None)
                     choices.append(self._choice(index, completion, builder, prefix))
                 if choices:
-                    chunk = CompletionStreamResponse(id=request_id, model=model, choices=choices)
+                    # continuous_usage_stats: the usage so far (of the prompts seen so far) in every chunk.
+                    so_far = usage(sum(prompt_tokens.values()), completion_tokens) if continuous_usage else None
+                    chunk = CompletionStreamResponse(id=request_id, model=model, choices=choices, usage=so_far)
                     yield f"data: {chunk.model_dump_json()}\n\n"
             if include_usage:
-                total_prompt = sum(prompt_tokens.values())
-                usage = UsageInfo(prompt_tokens=total_prompt, completion_tokens=completion_tokens,
-                                  total_tokens=total_prompt + completion_tokens)
-                chunk = CompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage)
+                chunk = CompletionStreamResponse(id=request_id, model=model, choices=[],
+                                                 usage=usage(sum(prompt_tokens.values()), completion_tokens))
                 yield f"data: {chunk.model_dump_json()}\n\n"
         except EngineDeadError as exc:
             yield f"data: {json.dumps(engine_dead(exc).body())}\n\n"

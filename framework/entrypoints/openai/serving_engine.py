@@ -1,5 +1,6 @@
-"""What the completion and chat endpoints share: errors in OpenAI's shape, model checks,
-SamplingParams from a request, submitting prompts, merging streams, and client disconnects."""
+"""What the completion and chat endpoints share: errors in OpenAI's shape, model and field checks,
+SamplingParams from a request, work off the event loop, submitting prompts, merging streams,
+logprob token labels, and client disconnects."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ import logging
 import re
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 from fastapi import Request
 
 from sparrow.engine.async_llm import AsyncLLM
 from sparrow.engine.exceptions import EngineDeadError
-from sparrow.entrypoints.openai.protocol import SamplingFields
+from sparrow.engine.input_processor import check_text
+from sparrow.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_fields
 from sparrow.outputs import RequestOutput
 from sparrow.sampling_params import RequestOutputKind, SamplingParams
 
@@ -26,9 +29,12 @@ T = TypeVar("T")
 _PARAM_NAMES = {
     "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
-    "prompt_logprobs", "logit_bias", "allowed_token_ids", "prompt", "prompt_token_ids", "messages", "chat_template", "priority",
+    "prompt_logprobs", "logit_bias", "allowed_token_ids", "prompt", "prompt_token_ids", "messages", "chat_template",
+    "priority", "truncate_prompt_tokens", "chat_template_kwargs", "continue_final_message", "add_generation_prompt",
+    "tools", "tool_choice", "model", "user",
 }
-_LEADING_NAME = re.compile(r"^(?:SamplingParams\.)?([a-z_]+)")
+# A leading field name, and inside messages the message and key: "messages[1].content: ...".
+_LEADING_NAME = re.compile(r"^(?:SamplingParams\.)?([a-z_]+)(\[\d+\](?:\.[a-z_]+)?)?")
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM reports this instead
 
 
@@ -45,7 +51,14 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
+        return {"error": {"message": _printable(self.message), "type": self.err_type,
+                          "param": None if self.param is None else _printable(self.param), "code": self.code}}
+
+
+def _printable(text: str) -> str:
+    """``text`` with lone surrogates escaped: an error may quote the bad input, and JSON encoded
+    as UTF-8 cannot carry them (the response would fail to render: a 500)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(exc: ValueError, default_param: str | None = None) -> APIError:
@@ -53,9 +66,15 @@ def bad_request(exc: ValueError, default_param: str | None = None) -> APIError:
     message = str(exc)
     match = _LEADING_NAME.match(message)
     param = match.group(1) if match and match.group(1) in _PARAM_NAMES else default_param
+    if match and param == "messages" and match.group(2):
+        param += match.group(2)
     if param == "prompt_token_ids":
         param = "prompt"
     return APIError(400, message, "BadRequestError", param=param, code="invalid_value")
+
+
+def field_error(exc: RequestFieldError) -> APIError:
+    return APIError(400, str(exc), "BadRequestError", param=exc.param, code=exc.code)
 
 
 def engine_dead(exc: EngineDeadError) -> APIError:
@@ -64,6 +83,17 @@ def engine_dead(exc: EngineDeadError) -> APIError:
 
 def clamp_logprob(value: float) -> float:
     return max(value, LOGPROB_FLOOR)
+
+
+def token_label(token_id: int, text: str, as_token_id: bool) -> str:
+    """A logprob entry's token: its text, or ``token_id:N`` (vLLM's return_tokens_as_token_ids),
+    which stays unique where several tokens decode to the same text (partial UTF-8 bytes)."""
+    return f"token_id:{token_id}" if as_token_id else text
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
 
 
 def logit_bias(value: dict[str, float] | None) -> dict[int, float] | None:
@@ -89,6 +119,10 @@ class OpenAIServing:
     def check_model(self, model: str | None) -> str:
         if model is None or model in self.served_model_names:
             return self.served_model_names[0]
+        try:
+            check_text("model", model)
+        except ValueError as exc:
+            raise bad_request(exc, default_param="model") from None
         raise APIError(404, f"the model {model!r} does not exist; served: {', '.join(self.served_model_names)}",
                        "NotFoundError", param="model", code="model_not_found")
 
@@ -97,11 +131,25 @@ class OpenAIServing:
 
     @staticmethod
     def check_common(request: SamplingFields) -> None:
+        """Refuse what no endpoint honours (unknown and not-yet-supported fields) before any work."""
+        try:
+            check_fields(request)
+        except RequestFieldError as exc:
+            raise field_error(exc) from None
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "BadRequestError",
                            param="stream_options", code="invalid_value")
-        if request.model_extra:
-            logger.warning("ignoring unsupported request fields: %s", ", ".join(sorted(request.model_extra)))
+
+    @staticmethod
+    async def off_loop(work: Callable[..., T], *args: Any, default_param: str | None = None) -> T:
+        """Run ``work`` (tokenizing, templating, checking every string) in a worker thread, so
+        that a huge prompt does not stall other requests' streams; its ValueErrors become 400s."""
+        try:
+            return await asyncio.to_thread(work, *args)
+        except RequestFieldError as exc:
+            raise field_error(exc) from None
+        except ValueError as exc:
+            raise bad_request(exc, default_param=default_param) from None
 
     @staticmethod
     def sampling_params(request: SamplingFields, *, max_tokens: int | None, logprobs: int | None,

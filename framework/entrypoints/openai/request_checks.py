@@ -1,0 +1,130 @@
+"""Honour or refuse: every field of a request is implemented, or it is a 400 naming it.
+
+A client that asks for JSON output or a tool call and silently gets free text is worse off than
+one told "not supported". So, beyond the fields the endpoints implement:
+
+- fields of features not built yet (structured outputs, tool calling, beam search, ...) are a 400
+  saying "not supported yet";
+- any other unknown field is a 400 saying "unknown field";
+- a few fields that common clients send and that change nothing a client can see here are
+  accepted and ignored (``IGNORED_FIELDS``; on messages, ``IGNORED_MESSAGE_FIELDS`` when empty);
+- text that UTF-8 cannot encode (a lone surrogate), anywhere in the request, is a 400 naming
+  where it is.
+
+``param`` is the top-level field, except inside ``messages`` where it is the message and key
+(``messages[2].content``), as OpenAI names them. Errors are ``RequestFieldError`` (a ValueError
+with ``param``); the endpoints turn them into OpenAI-shaped 400s.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel
+
+from sparrow.engine.input_processor import check_text, find_unencodable
+
+# Accepted and ignored: OpenAI bookkeeping (metadata, store, service_tier) and
+# parallel_tool_calls, which only matters once tool calls are generated.
+IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls"})
+# Keys of assistant messages as OpenAI returns them; clients send those turns back verbatim.
+IGNORED_MESSAGE_FIELDS = frozenset({"refusal", "annotations", "audio", "function_call"})
+
+_STRUCTURED = "structured outputs (constrained decoding)"
+NOT_SUPPORTED_YET: dict[str, str] = {
+    "structured_outputs": _STRUCTURED,
+    "structural_tag": _STRUCTURED,
+    "functions": "function calling (the deprecated form of tools)",
+    "function_call": "function calling (the deprecated form of tool_choice)",
+    "bad_words": "bad_words",
+    "logits_processors": "custom logits processors",
+    "use_beam_search": "beam search",
+    "length_penalty": "beam search",
+    "prompt_embeds": "prompt embeddings",
+    "documents": "documents for the chat template",
+    "reasoning_effort": "reasoning_effort",
+    "modalities": "output modalities",
+    "audio": "audio output",
+    "prediction": "predicted outputs",
+    "web_search_options": "web search",
+    "mm_processor_kwargs": "multimodal inputs",
+    "kv_transfer_params": "KV cache transfer",
+    "cache_salt": "cache_salt",
+    "vllm_xargs": "vllm_xargs",
+}
+_GUIDED_PREFIX = "guided_"  # guided_json, guided_regex, guided_choice, guided_grammar, ...
+_MESSAGE_KEY = re.compile(r"messages\[\d+\](?:\.[^.\[]+)?")
+_TOP_LEVEL = re.compile(r"[^.\[]+")
+
+
+class RequestFieldError(ValueError):
+    """An invalid or unsupported request field; ``param`` names it as the error's ``param``."""
+
+    def __init__(self, message: str, param: str, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+def param_of(path: str) -> str:
+    """The ``param`` for a field path: ``stop[1]`` -> ``stop``, ``messages[0].content[2].text`` ->
+    ``messages[0].content``."""
+    match = _MESSAGE_KEY.match(path) or _TOP_LEVEL.match(path)
+    return match.group(0) if match else path
+
+
+def not_supported(field: str, what: str, hint: str = "") -> RequestFieldError:
+    return RequestFieldError(f"{field}: {what} is not supported yet{hint}", param_of(field), code="unsupported")
+
+
+def check_unicode(request: BaseModel) -> None:
+    """Refuse text UTF-8 cannot encode anywhere in the request (keys too). Runs over every string,
+    so the endpoints call it off the event loop with the tokenization."""
+    found = find_unencodable(request, "")
+    if found is None:
+        return
+    path, text = found
+    try:
+        check_text(path, text)
+    except ValueError as exc:
+        raise RequestFieldError(str(exc), param_of(path)) from None
+
+
+def check_fields(request: BaseModel) -> None:
+    """Refuse unknown and not-yet-supported fields, at any depth, and response formats other than
+    text. Fields the request models declare are the endpoints' to honour."""
+    _check_extras(request, "", top_level=True)
+    response_format = getattr(request, "response_format", None)
+    if response_format is not None and response_format.get("type", "text") != "text":
+        raise not_supported("response_format", f"response_format of type {response_format.get('type')!r}",
+                            f" ({_STRUCTURED}); only {{'type': 'text'}} is")
+    options = getattr(request, "stream_options", None)
+    if options is not None and options.continuous_usage_stats and not options.include_usage:
+        raise RequestFieldError("stream_options: continuous_usage_stats needs include_usage to be true",
+                                "stream_options")
+
+
+def _check_extras(model: BaseModel, path: str, *, top_level: bool = False) -> None:
+    for name, value in (model.model_extra or {}).items():
+        field = f"{path}.{name}" if path else name
+        if top_level and name in IGNORED_FIELDS:
+            continue
+        if path.startswith("messages[") and "." not in path and name in IGNORED_MESSAGE_FIELDS and not value:
+            continue
+        if name in NOT_SUPPORTED_YET:
+            raise not_supported(field, NOT_SUPPORTED_YET[name])
+        if name.startswith(_GUIDED_PREFIX):
+            raise not_supported(field, _STRUCTURED)
+        raise RequestFieldError(f"{field}: unknown field (check its spelling; the API reference lists the "
+                                f"fields this server implements)", param_of(field), code="unknown_field")
+    for name in type(model).model_fields:
+        _check_nested(getattr(model, name), f"{path}.{name}" if path else name)
+
+
+def _check_nested(value: Any, path: str) -> None:
+    if isinstance(value, BaseModel):
+        _check_extras(value, path)
+    elif isinstance(value, list) and value and isinstance(value[0], BaseModel):
+        for index, item in enumerate(value):
+            _check_nested(item, f"{path}[{index}]")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
 import socket
@@ -82,7 +81,7 @@ class Server:
         self.engine_pid = self._engine_pid()
 
     def _engine_pid(self) -> int:
-        engines = [pid for pid, cmdline in _proc_children(self.proc.pid) if b"spawn_main" in cmdline]
+        engines = [pid for pid, cmdline in _proc_children(self.proc.pid) if b"EngineCore" in cmdline.split(b"\0")]
         assert len(engines) == 1, f"expected one engine process, found {engines}"
         return engines[0]
 
@@ -526,41 +525,3 @@ def test_openapi_schema_fuzzing_finds_no_server_error(server):
     assert "POST /v1/completions" in labels and "POST /v1/chat/completions" in labels
     assert not failures, failures[:5]
     assert httpx.get(server.url + "/health").status_code == 200
-
-
-# -- engine death -----------------------------------------------------------------------------
-def test_killing_the_engine_fails_in_flight_requests_and_health(model_dir, tmp_path):
-    server = Server(model_dir, tmp_path / "server.log")
-    try:
-        async def stream_until_error(client: openai.AsyncOpenAI) -> BaseException | None:
-            stream = await client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=400, stream=True,
-                                                     extra_body={"ignore_eos": True})
-            try:
-                async for _ in stream:
-                    pass
-            except openai.APIError as exc:
-                return exc
-            return None
-
-        async def main():
-            async with server.async_client(timeout=60) as client:
-                tasks = [asyncio.create_task(stream_until_error(client)) for _ in range(4)]
-                await asyncio.to_thread(wait_until, lambda: server.metrics()["sparrow:num_requests_running"] == 4,
-                                        30, "4 running requests")
-                os.kill(server.engine_pid, signal.SIGKILL)
-                killed_at = time.monotonic()
-                results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
-                return results, time.monotonic() - killed_at
-
-        results, elapsed = asyncio.run(main())
-        assert all(isinstance(r, openai.APIError) for r in results), results
-        assert elapsed < 5
-        health = httpx.get(server.url + "/health")
-        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
-        with pytest.raises(openai.InternalServerError) as info:
-            server.client().completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
-        assert info.value.status_code == 503
-    finally:
-        server.stop()
-    assert server.proc.returncode == 0, server.log()
-    assert not is_running(server.engine_pid)

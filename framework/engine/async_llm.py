@@ -8,15 +8,21 @@ The engine core always runs in its own process here (an in-process core would bl
 loop during every forward pass). A consumer that stops early (its task is cancelled, or it
 closes the generator) aborts the request in the engine core, which frees its KV blocks.
 When the engine core dies, every pending and later call raises ``EngineDeadError``.
+
+Tokenizing a prompt (and validating it) runs on one worker thread, not on the event loop: a
+prompt of megabytes takes seconds to tokenize, and the loop must keep serving open streams and
+health checks meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncGenerator
-from typing import Any
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from sparrow.config import EngineConfig
 from sparrow.engine.exceptions import EngineDeadError
@@ -29,6 +35,8 @@ from sparrow.outputs import RequestOutput
 from sparrow.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class RequestOutputCollector:
@@ -91,7 +99,11 @@ class AsyncLLM:
         # engine-core request id -> prompt length, for the prompt-token counter
         self._prompt_lens: dict[str, int] = {}
         self._dead_error: EngineDeadError | None = None
+        self._dead_event = asyncio.Event()
         self._output_handler: asyncio.Task | None = None
+        # One thread, as vLLM has: a Hugging Face fast tokenizer re-configured (truncation,
+        # padding) by one thread while another encodes fails with "Already borrowed".
+        self._input_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparrow-input")
         self.engine_core: Any
         if self.config.parallel.data_parallel_size > 1:
             from sparrow.engine.dp_client import AsyncDPClient
@@ -130,6 +142,22 @@ class AsyncLLM:
 
     async def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    async def wait_until_dead(self) -> EngineDeadError:
+        """Return once the engine core has died (or ``fail_all`` / ``shutdown`` ended the engine).
+        Starts the output handler, so that a death is noticed even when no request is running."""
+        self._ensure_output_handler()
+        await self._dead_event.wait()
+        return self.dead_error or EngineDeadError()
+
+    async def run_input_work(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` (tokenizing, rendering a chat template) on the input thread and await it,
+        so that the event loop stays free while a huge prompt is processed."""
+        try:
+            future = self._input_executor.submit(functools.partial(fn, *args, **kwargs))
+        except RuntimeError:  # the executor was shut down with the engine
+            raise self.dead_error or EngineDeadError("the engine was shut down") from None
+        return await asyncio.wrap_future(future)
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(
@@ -177,11 +205,14 @@ class AsyncLLM:
         """Validate and submit a request; its outputs go to the returned collector."""
         self._raise_if_dead()
         self._ensure_output_handler()
-        if request_id in self._collectors:
-            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        self._check_request_id_free(request_id)
         params = sampling_params if sampling_params is not None else SamplingParams()
-        text, request = self.input_processor.process_inputs(
-            request_id, prompt, params, priority=priority, arrival_time=arrival_time)
+        text, request = await self.run_input_work(
+            self.input_processor.process_inputs, request_id, prompt, params, priority=priority,
+            arrival_time=arrival_time)
+        # While the prompt was processed the engine may have died, or another caller taken the id.
+        self._raise_if_dead()
+        self._check_request_id_free(request_id)
         self._check_kv_capacity(request)
         collector = RequestOutputCollector(params.output_kind)
         children = self.output_processor.add_request(request, text, queue=collector)
@@ -199,6 +230,10 @@ class AsyncLLM:
             raise
         return collector
 
+    def _check_request_id_free(self, request_id: str) -> None:
+        if request_id in self._collectors:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+
     def _check_kv_capacity(self, request: EngineCoreRequest) -> None:
         needed = min(len(request.prompt_token_ids) + (request.max_tokens or 0), self.model_config.max_model_len or 0)
         if needed > self.kv_cache_capacity_tokens:
@@ -209,6 +244,14 @@ class AsyncLLM:
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests: their consumers get a final output with finish_reason "abort"."""
         self._abort_now([request_id] if isinstance(request_id, str) else list(request_id))
+
+    def fail_all(self, error: EngineDeadError) -> int:
+        """Refuse every later request and end every unfinished one with ``error``, aborting its
+        work in the engine core (a server that shuts down). Returns how many were ended."""
+        request_ids = list(self._collectors)
+        self._abort_now(request_ids)
+        self._set_dead(error)
+        return len(request_ids)
 
     def _abort_now(self, request_ids: list[str]) -> None:
         engine_ids = self.output_processor.abort_requests(request_ids)
@@ -285,6 +328,7 @@ class AsyncLLM:
             self._dead_error = error
         for collector in self._collectors.values():
             collector.put(error)
+        self._dead_event.set()
 
     # -- utilities --------------------------------------------------------------------------
     async def reset_prefix_cache(self) -> bool:
@@ -305,6 +349,8 @@ class AsyncLLM:
     def shutdown(self) -> None:
         """Stop the engine process; pending consumers get EngineDeadError."""
         self.engine_core.shutdown()
+        # A prompt being tokenized finishes on its own; nothing queued behind it starts.
+        self._input_executor.shutdown(wait=False, cancel_futures=True)
         error = self.engine_core.dead_error or EngineDeadError("the engine was shut down")
         handler = self._output_handler
         if handler is None or handler.done():

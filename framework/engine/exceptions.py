@@ -13,5 +13,9 @@ class EngineDeadError(RuntimeError):
         super().__init__(message)
 
 
+class EngineShutdownError(EngineDeadError):
+    """The server is shutting down (SIGTERM, Ctrl-C) and ended the request unfinished."""
+
+
 class EngineStartupError(RuntimeError):
     """The engine core process failed while starting; the message carries its traceback."""

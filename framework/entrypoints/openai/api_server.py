@@ -8,13 +8,15 @@
     POST /v1/chat/completions  chat messages through the tokenizer's chat template
 
 ``build_app(engine, args)`` makes the FastAPI app (tests drive it directly); ``run_server(args)``
-builds the engine from the engine flags and serves it with uvicorn. ``add_serve_parser`` adds the
-``serve`` subcommand to the ``sparrow`` CLI.
+binds the port, builds the engine from the engine flags and serves it with uvicorn until a signal
+(exit code 0) or the engine core's death (exit code 1); see ``lifecycle``. ``add_serve_parser``
+adds the ``serve`` subcommand to the ``sparrow`` CLI.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import secrets
@@ -191,10 +193,11 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
 
 
 def run_server(args: argparse.Namespace) -> int:
-    """Build the engine from the parsed flags and serve until SIGINT/SIGTERM."""
+    """Bind the port, build the engine from the parsed flags and serve; return the exit code."""
     import uvicorn
 
     from sparrow.entrypoints.cli import engine_kwargs
+    from sparrow.entrypoints.openai.lifecycle import RequestTracker, Server, bind_listeners
 
     kwargs = engine_kwargs(args)
     model_pos = getattr(args, "model_pos", None)
@@ -202,41 +205,75 @@ def run_server(args: argparse.Namespace) -> int:
         if kwargs.get("model") not in (None, model_pos):
             raise SystemExit(f"sparrow serve: MODEL {model_pos!r} and --model {kwargs['model']!r} disagree")
         kwargs["model"] = model_pos
-    # uvicorn re-raises the signal that stopped it once it is done; make SIGTERM an exception
-    # (as SIGINT is) so that the engine below is shut down rather than orphaned.
+    sockets = bind_listeners(args.host, args.port)
+    # While the model loads, SIGTERM is an exception (as SIGINT is), so that whatever has started
+    # is shut down rather than orphaned. Once serving, lifecycle.Server handles both signals.
     signal.signal(signal.SIGTERM, _raise_system_exit)
-    engine = AsyncLLM.from_engine_args(**kwargs)
     try:
-        app = build_app(engine, args)
-        logger.info("serving %s on http://%s:%d", engine.served_model_name, args.host, args.port)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                    access_log=not args.disable_access_log, timeout_graceful_shutdown=5)
+        engine = AsyncLLM.from_engine_args(**kwargs)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    try:
+        tracker = RequestTracker(build_app(engine, args))
+        config = uvicorn.Config(tracker, log_level=args.uvicorn_log_level, access_log=not args.disable_access_log,
+                                # A backstop only: requests are ended before uvicorn shuts down.
+                                timeout_graceful_shutdown=5)
+        server = Server(config, engine, tracker, args.shutdown_timeout)
+        with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+            return runner.run(server.serve_sockets(sockets))
     finally:
         engine.shutdown()
-    return 0
 
 
 def _raise_system_exit(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
+def _shutdown_timeout(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value!r}")
+    return seconds
+
+
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``sparrow serve [MODEL]`` with server flags and every engine argument."""
     from sparrow.entrypoints.cli import add_engine_args
 
-    parser = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    from sparrow.entrypoints.openai.lifecycle import DEFAULT_SHUTDOWN_TIMEOUT_S
+
+    parser = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (see docs/serving.md). The process exits "
+                    "with code 0 after SIGTERM or Ctrl+C, and with code 1 when the engine core dies.")
     parser.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
-                        help="local model directory (default: built-in sparrow-tiny)")
+                        help="local model directory (default: the built-in sparrow-tiny)")
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    server.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on; 0.0.0.0 for every IPv4 interface (default: 127.0.0.1)")
+    server.add_argument("--port", type=int, default=8000,
+                        help="TCP port to listen on; checked before the model loads (default: 8000)")
     server.add_argument("--api-key", default=None,
-                        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${ENV_API_KEY}, else no auth)")
+                        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${ENV_API_KEY} if set, "
+                             "else no authentication)")
     server.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                        help="larger request bodies get 413 (default 10 MiB)")
+                        help=f"answer larger request bodies with 413 (default: {DEFAULT_MAX_REQUEST_BODY_BYTES}, "
+                             "10 MiB)")
+    server.add_argument("--shutdown-timeout", type=_shutdown_timeout, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                        metavar="SECONDS",
+                        help="on SIGTERM or Ctrl+C, refuse new requests and let those in flight run this long; "
+                             "then end the rest with an error (streams: an error event and [DONE]). 0 ends "
+                             f"them at once, as vLLM does (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
     server.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"])
-    server.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="log level of the HTTP server's own messages (default: info)")
+    server.add_argument("--disable-access-log", action="store_true",
+                        help="do not log one line per HTTP request (default: off, every request is logged)")
     add_engine_args(parser)
     parser.set_defaults(func=run_server)
     return parser

@@ -14,7 +14,7 @@ from typing import Any, Callable, TypeVar
 from fastapi import Request
 
 from sparrow.engine.async_llm import AsyncLLM
-from sparrow.engine.exceptions import EngineDeadError
+from sparrow.engine.exceptions import EngineDeadError, EngineShutdownError
 from sparrow.engine.input_processor import check_text
 from sparrow.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_fields
@@ -78,6 +78,8 @@ def field_error(exc: RequestFieldError) -> APIError:
 
 
 def engine_dead(exc: EngineDeadError) -> APIError:
+    if isinstance(exc, EngineShutdownError):
+        return APIError(503, str(exc), "ServiceUnavailableError", code="shutting_down")
     return APIError(503, f"the engine is not running: {exc}", "ServiceUnavailableError", code="engine_dead")
 
 
@@ -140,12 +142,13 @@ class OpenAIServing:
             raise APIError(400, "stream_options is only allowed when stream is true", "BadRequestError",
                            param="stream_options", code="invalid_value")
 
-    @staticmethod
-    async def off_loop(work: Callable[..., T], *args: Any, default_param: str | None = None) -> T:
+    async def off_loop(self, work: Callable[..., T], *args: Any, default_param: str | None = None) -> T:
         """Run ``work`` (tokenizing, templating, checking every string) in a worker thread, so
         that a huge prompt does not stall other requests' streams; its ValueErrors become 400s."""
         try:
-            return await asyncio.to_thread(work, *args)
+            # The engine's one input thread: a fast tokenizer used from two threads at once can
+            # fail ("Already borrowed"), and the order of requests is kept.
+            return await self.engine.run_input_work(work, *args)
         except RequestFieldError as exc:
             raise field_error(exc) from None
         except ValueError as exc:

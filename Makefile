@@ -1,27 +1,37 @@
 # Sparrow: `make run` sets up and generates text with the built-in model; `make test` runs the suite.
+# Everything is installed into $(VENV); its commands are $(VENV)/bin/sparrow, $(VENV)/bin/python.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Once upon a time
 
-.PHONY: setup run test test-fast check-install bench serve clean wheelhouse
+.PHONY: setup setup-dev run test test-fast check-install bench serve clean wheelhouse
 
+# What running needs: the package and its dependencies, no test or plotting tools.
 setup: $(VENV)/.installed
+# What the tests need on top: pytest, the openai client, schemathesis, matplotlib, triton, ...
+setup-dev: $(VENV)/.installed-dev
 
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	# torch is pinned to the CPU build on disk; a looser pin pulls gigabytes of CUDA packages.
 	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
 run: setup
 	$(VENV)/bin/sparrow generate --prompt "$(PROMPT)" --max-tokens 32
+	@echo
+	@echo "Sparrow is installed in $(VENV): run $(VENV)/bin/sparrow --help, or 'source $(VENV)/bin/activate' first."
 
-test: setup
+test: setup-dev
 	$(PY) -m pytest -q -p no:cacheprovider
 
-test-fast: setup
+test-fast: setup-dev
 	$(PY) -m pytest -q -x -m "not slow"
 
 # A non-editable install into a fresh virtual environment imports every package.

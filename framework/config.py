@@ -23,12 +23,22 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    model: str | None = Field(None, description="Local Hugging Face model directory; None is the built-in sparrow-tiny.")
-    tokenizer: str | None = Field(None, description="Tokenizer directory; defaults to the model directory.")
-    dtype: str = Field("auto", description="auto, float32, bfloat16 or float16 (auto: the platform's default).")
-    max_model_len: int | None = Field(None, gt=0, description="Context length; defaults to the model's.")
-    seed: int = Field(0, ge=0, description="Seed for weights built locally and unseeded sampling.")
-    served_model_name: str | None = Field(None, description="Name the server reports; defaults to the model path.")
+    # Every description is also the --help text of its flag: say what the value does and, where
+    # the default is None, what None means ("(default: ...)"); the CLI appends other defaults.
+    model: str | None = Field(None, description="Local Hugging Face model directory (config.json, *.safetensors, "
+                              "tokenizer files); never downloaded (default: the built-in sparrow-tiny).")
+    tokenizer: str | None = Field(None, description="Tokenizer directory (default: the model directory).")
+    dtype: str = Field("auto", description="Weight and activation dtype: auto, float32, bfloat16 or float16; "
+                       "auto is the platform's choice (CPU float32, CUDA bfloat16).")
+    max_model_len: int | None = Field(None, gt=0, description="Longest context, prompt plus output, in tokens "
+                                      "(default: the model's max_position_embeddings).")
+    seed: int = Field(0, ge=0, description="Seed for requests without their own seed and for built-in weights.")
+    served_model_name: str | None = Field(None, description="Model name the server reports and accepts "
+                                          "(default: the model path).")
+    structured_outputs_any_whitespace: bool = Field(
+        False, description="Structured outputs: let JSON grammars put any whitespace between tokens (the "
+        "default allows only compact JSON, so that a weak model cannot emit whitespace until max_tokens; "
+        "vLLM's disable_any_whitespace, inverted).")
 
     @field_validator("dtype")
     @classmethod
@@ -40,27 +50,38 @@ class ModelConfig(_Section):
 
 
 class CacheConfig(_Section):
-    block_size: int | None = Field(None, gt=0, le=1024, description="Tokens per KV block; defaults to the platform's (16).")
-    enable_prefix_caching: bool = True
-    kv_cache_memory_bytes: int | None = Field(None, gt=0, description="KV cache size on CPU-like devices.")
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
-    num_kv_blocks: int | None = Field(None, gt=0, description="Override of the measured number of KV blocks.")
+    block_size: int | None = Field(None, gt=0, le=1024, description="Tokens per KV cache block "
+                                   "(default: the platform's, 16 on CPU and CUDA).")
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV blocks of prompt prefixes already computed.")
+    kv_cache_memory_bytes: int | None = Field(None, gt=0, description="KV cache size in bytes on CPU-like devices "
+                                              "(default: a quarter of free RAM, at most 1 GiB).")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="Share of GPU memory for weights, "
+                                          "activations and the KV cache, in (0, 1].")
+    num_kv_blocks: int | None = Field(None, gt=0, description="Number of KV cache blocks, instead of sizing the "
+                                      "cache from memory (default: measured).")
 
 
 class SchedulerConfig(_Section):
-    scheduler: str = Field("fcfs", description="Registered scheduler name: fcfs, priority, sjf, lpm, or a plugin's.")
-    max_num_seqs: int = Field(256, gt=0)
-    max_num_batched_tokens: int | None = Field(None, gt=0, description="Token budget per step; default: the platform's (CPU 2048, CUDA 8192).")
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int | None = Field(None, gt=0, description="Cap on a prompt's tokens per step.")
+    scheduler: str = Field("fcfs", description="Scheduling policy: fcfs, priority, sjf, lpm, or a plugin's "
+                           "(`sparrow plugins` lists them).")
+    max_num_seqs: int = Field(256, gt=0, description="Most requests running in one step.")
+    max_num_batched_tokens: int | None = Field(None, gt=0, description="Token budget per step, prompt and output "
+                                               "tokens together (default: the platform's, CPU 2048, CUDA 8192).")
+    enable_chunked_prefill: bool = Field(True, description="Split a long prompt across steps instead of computing "
+                                         "it in one.")
+    long_prefill_token_threshold: int | None = Field(None, gt=0, description="Most tokens of one prompt per step "
+                                                     "(default: no cap beyond the step's budget).")
 
 
 class ParallelConfig(_Section):
-    tensor_parallel_size: int = Field(1, gt=0)
-    data_parallel_size: int = Field(1, gt=0)
+    tensor_parallel_size: int = Field(1, gt=0, description="Ranks (processes or devices) that shard the model.")
+    data_parallel_size: int = Field(1, gt=0, description="Engine cores behind one frontend, each with a whole "
+                                    "copy of the model.")
     data_parallel_rank: int = Field(0, ge=0, description="This engine core's index under data parallelism "
                                     "(set by the frontend; picks its devices after the lower ranks').")
-    distributed_executor_backend: Literal["uni", "mp"] | None = None
+    distributed_executor_backend: Literal["uni", "mp"] | None = Field(
+        None, description="uni: the worker runs in the engine-core process; mp: one process per rank "
+        "(default: uni for one rank, mp for several).")
     # Several machines (docs/distributed.md); each falls back to its environment variable.
     nnodes: int | None = Field(None, gt=0, description="Machines this engine's tensor-parallel ranks span "
                                "(default: SPARROW_NNODES, else 1).")
@@ -80,15 +101,20 @@ class ParallelConfig(_Section):
 
 
 class DeviceConfig(_Section):
-    device: str = Field("auto", description="auto, or a registered platform name (cpu, cuda, ...).")
-    attention_backend: str = Field("auto", description="auto or a backend name the platform offers.")
-    enforce_eager: bool = False
+    device: str = Field("auto", description="Platform to run on: auto picks the best one present; or a "
+                        "registered name (cpu, cuda, a plugin's).")
+    attention_backend: str = Field("auto", description="Attention implementation: auto, or one the platform "
+                                   "offers (CPU: torch; CUDA: triton, flashinfer).")
+    enforce_eager: bool = Field(False, description="CUDA: run every step eagerly, without CUDA graphs.")
 
 
 class KVTransferConfig(_Section):
-    kv_connector: str | None = None
-    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] | None = None
-    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
+    kv_connector: str | None = Field(None, description="KV connector that moves KV blocks between engines, "
+                                     "e.g. shared_storage (default: none).")
+    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] | None = Field(
+        None, description="This engine's side of the KV transfer (default: none).")
+    kv_connector_extra_config: dict[str, Any] = Field(
+        default_factory=dict, description='The connector\'s settings, e.g. {"storage_path": "/dir"}.')
 
 
 class EngineConfig(BaseModel):

@@ -74,9 +74,10 @@ def instrument() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=2)
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--runs", type=int, default=2, help="profiled runs of the whole workload")
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests in the workload")
     args = parser.parse_args()
     instrument()
     from sparrow import LLM, SamplingParams
@@ -93,7 +94,8 @@ def main() -> None:
         TOTALS.clear()
         llm.reset_prefix_cache()
         started = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
+        # The progress bar goes to stderr; its cost is one update per finished request.
+        llm.generate(prompts, params, use_tqdm=True)
         print(f"run {run + 1}: {time.perf_counter() - started:.2f} s in all")
         for label in ORDER:
             print(f"  {label:34s} {TOTALS.get(label, 0.0):6.2f} s")

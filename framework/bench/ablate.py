@@ -81,24 +81,25 @@ def _on_off(text: str) -> bool:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("ablate", help="one workload across a grid of schedulers and engine settings")
     p.add_argument("model", nargs="?", default=None, help="local model directory (default: built-in sparrow-tiny)")
-    p.add_argument("--workload", choices=WORKLOADS, default="mixed")
-    p.add_argument("--num-prompts", type=_positive_int, default=64)
+    p.add_argument("--workload", choices=WORKLOADS, default="mixed",
+                   help="offline (nothing shared), shared-prefix, or mixed (short and long requests)")
+    p.add_argument("--num-prompts", type=_positive_int, default=64, help="requests in the workload")
     grid = p.add_argument_group("grid (comma-separated values; every combination is one point)")
     grid.add_argument("--schedulers", type=str, default="fcfs",
-                      help="scheduler names, or 'all' for every registered scheduler (default fcfs)")
+                      help="scheduler names, or 'all' for every registered scheduler")
     grid.add_argument("--prefix-caching", type=_csv(_on_off), default=None, help="on,off (default: engine's, on)")
     grid.add_argument("--max-num-batched-tokens", type=_csv(_positive_int), default=None,
-                      help="token budgets per step (default: engine's)")
+                      help="token budgets per step (default: the platform's, CPU 2048, CUDA 8192)")
     grid.add_argument("--block-size", type=_csv(_positive_int), default=None, help="KV block sizes (default: platform's)")
     grid.add_argument("--max-num-seqs", type=_csv(_positive_int), default=None,
                       help="running-batch caps (default: engine's); small values make requests queue")
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="multiply every prompt and output length of the workload (e.g. 0.25 for a quick run)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and of every engine")
     p.add_argument("--engine-args", default="{}", help='JSON dict of extra engine arguments, e.g. \'{"dtype": "float32"}\'')
     p.add_argument("--multiprocess", action=argparse.BooleanOptionalAction, default=None,
                    help="engine core in its own process (default: the engine's default, yes)")
-    p.add_argument("--output-dir", default="bench-results/ablate")
+    p.add_argument("--output-dir", default="bench-results/ablate", help="where results.md, .json and .png go")
     p.set_defaults(func=run)
     return p
 
@@ -175,6 +176,7 @@ def run_point(model_path: str, workload: list[WorkItem], point: dict[str, Any], 
 def measure(engine: Any, workload: list[WorkItem]) -> dict[str, Any]:
     """Submit the whole workload at t0 and step the engine until every request finishes."""
     import numpy as np
+    from tqdm.auto import tqdm
 
     from sparrow import SamplingParams
 
@@ -186,10 +188,12 @@ def measure(engine: Any, workload: list[WorkItem]) -> dict[str, Any]:
         params = SamplingParams(max_tokens=item.max_tokens, ignore_eos=True, temperature=0.0)
         engine.add_request(f"ablate-{index}", {"prompt_token_ids": item.prompt_token_ids}, params,
                            priority=item.priority)
+    bar = tqdm(total=len(workload), desc="requests", unit="req", leave=False, dynamic_ncols=True)
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = output
+                bar.update(1)
         # Scheduler stats are per-step deltas, one per engine-core message: add each once.
         stats = engine.last_stats
         if stats is not None and stats is not last_stats:
@@ -198,6 +202,7 @@ def measure(engine: Any, workload: list[WorkItem]) -> dict[str, Any]:
             preemptions += stats.num_preemptions
             last_stats = stats
     elapsed = time.monotonic() - t0
+    bar.close()
     if len(finished) != len(workload):
         raise RuntimeError(f"only {len(finished)} of {len(workload)} requests finished")
 
@@ -259,12 +264,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              seed=args.seed, length_scale=args.length_scale)
     points = grid_points(axes)
     varying = {arg for arg, values in axes.items() if values and len(values) > 1}
+    from tqdm.auto import tqdm
+
     results = []
-    for number, point in enumerate(points, 1):
-        label = point_label(point, varying)
-        print(f"[{number}/{len(points)}] {label}", flush=True)
-        measured = run_point(model_path, workload, point, engine_args, args.multiprocess, args.seed)
-        results.append({"label": label, "settings": point, **measured})
+    # Progress on stderr: one bar over the grid, and one per point over its requests.
+    with tqdm(total=len(points), desc="grid points", unit="point", dynamic_ncols=True) as bar:
+        for point in points:
+            label = point_label(point, varying)
+            bar.set_postfix_str(label)
+            measured = run_point(model_path, workload, point, engine_args, args.multiprocess, args.seed)
+            results.append({"label": label, "settings": point, **measured})
+            bar.update(1)
 
     report = {
         "benchmark": "ablate", "workload": args.workload, "model": model_path,
@@ -280,9 +290,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     table = markdown_table(report)
     (out_dir / "results.json").write_text(json.dumps(report, indent=2))
     (out_dir / "results.md").write_text(table)
-    write_chart(report, out_dir / "results.png")
+    charted = write_chart(report, out_dir / "results.png")
     print(table)
-    print(f"wrote {out_dir / 'results.md'}, results.json, results.png")
+    print(f"wrote {out_dir / 'results.md'}, results.json" + (", results.png" if charted else
+          " (no chart: matplotlib is not installed; pip install 'sparrow-llm[bench]')"))
     return report
 
 
@@ -320,8 +331,12 @@ def markdown_table(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_chart(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
+def write_chart(report: dict[str, Any], path: Path) -> bool:
+    """Draw the chart; False when matplotlib is missing (it is an extra, not needed to run)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")  # files only: no display on benchmark machines
     import matplotlib.pyplot as plt
@@ -348,4 +363,5 @@ def write_chart(report: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 

@@ -108,16 +108,25 @@ async def run_benchmark(args: argparse.Namespace, requests: list[BenchRequest]) 
         async with semaphore:
             return await send_request(client, url, args.model, request, args.temperature)
 
+    from tqdm.auto import tqdm
+
+    # Finished requests out of those planned (--max-seconds may stop sending early); on stderr.
+    bar = tqdm(total=len(requests), desc="requests", unit="req", dynamic_ncols=True)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout), headers=headers, limits=limits) as client:
         tasks = []
         started = time.perf_counter()
-        for request in requests:
-            if time.perf_counter() - started > args.max_seconds:
-                break
-            tasks.append(asyncio.create_task(one(client, request)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
+        with bar:
+            for request in requests:
+                if time.perf_counter() - started > args.max_seconds:
+                    bar.total = len(tasks)
+                    bar.refresh()
+                    break
+                task = asyncio.create_task(one(client, request))
+                task.add_done_callback(lambda _: bar.update(1))
+                tasks.append(task)
+                if args.request_rate != float("inf"):
+                    await asyncio.sleep(rng.expovariate(args.request_rate))
+            results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - started
     return list(results), duration
 
@@ -202,22 +211,22 @@ def run(args: argparse.Namespace) -> int:
 def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``sparrow bench serve`` to the ``bench`` subcommands."""
     parser = subparsers.add_parser("serve", help="online benchmark against a running sparrow serve")
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's address")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's)")
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: none)")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
-                        help="Poisson arrival rate in requests/s (default inf: all at once)")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--max-seconds", type=float, default=600.0, help="no request starts after this")
-    parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    parser.add_argument("--input-len-min", type=int, default=16)
-    parser.add_argument("--input-len-max", type=int, default=400)
-    parser.add_argument("--output-len-min", type=int, default=16)
-    parser.add_argument("--output-len-max", type=int, default=200)
+                        help="Poisson arrival rate in requests/s (default: inf, all at once)")
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests to send")
+    parser.add_argument("--max-seconds", type=float, default=600.0, help="no request starts after this many seconds")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (default: none)")
+    parser.add_argument("--input-len-min", type=int, default=16, help="shortest prompt, in tokens")
+    parser.add_argument("--input-len-max", type=int, default=400, help="prompt lengths are below this")
+    parser.add_argument("--output-len-min", type=int, default=16, help="smallest max_tokens of a request")
+    parser.add_argument("--output-len-max", type=int, default=200, help="max_tokens values are below this")
     parser.add_argument("--vocab-size", type=int, default=4096, help="prompt token ids are drawn below this")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrival times")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
-    parser.add_argument("--result-file", default="bench-results/serve.json")
+    parser.add_argument("--result-file", default="bench-results/serve.json", help="JSON report path ('' for none)")
     parser.set_defaults(func=run)
     return parser

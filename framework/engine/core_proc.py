@@ -253,7 +253,7 @@ def load_executor_factory(path: str) -> Executor:
 
 def run_engine_core(config: EngineConfig, input_path: str, output_path: str, parent_pid: int,
                     death_pipe: Connection | None = None, executor_factory: str | None = None) -> None:
-    """Process entry point of P1 (a 'spawn' child of the frontend); exits 0 on a clean stop."""
+    """Process entry point of P1 (a fresh interpreter, see sparrow.engine.launch); exits 0 on a clean stop."""
     _setup_logging()
     _install_signal_handlers()
     _watch_parent(parent_pid, death_pipe)

@@ -1,36 +1,99 @@
-"""The `sparrow` command: generate, serve, bench, plugins."""
+"""The `sparrow` command: generate, serve, bench, plugins, worker.
+
+A mistake by the user (a bad flag value, a missing model or weight file, an unknown scheduler or
+device, a busy port) ends the command with one line, ``sparrow: error: <message>``, and exit
+status 2 (1 for failures at run time); ``--debug`` adds the traceback.
+
+``--log-level`` governs every process: the engine core and the worker ranks read it from
+``SPARROW_LOGGING_LEVEL``, which the command sets before any of them starts.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
+import re
 import sys
-from typing import Any
+import traceback
+import types
+from typing import Any, Literal, Union, get_args, get_origin
+
+ENV_LOGGING_LEVEL = "SPARROW_LOGGING_LEVEL"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Engine arguments set by Sparrow itself between its processes: accepted, never shown in --help.
+HIDDEN_ENGINE_ARGS = frozenset({"data_parallel_rank"})
+DEFAULT_PROMPT = "Once upon a time"
+EXIT_RUNTIME_FAILURE = 1
+EXIT_USER_ERROR = 2  # argparse's status for a usage error, so every user mistake exits alike
+EXIT_INTERRUPTED = 130  # the shell's status for a command stopped by SIGINT
+# Exceptions raised inside the engine process reach the frontend as traceback text: these names
+# there are the user's mistake (a model directory, a flag), anything else is a failure.
+USER_ERROR_NAMES = ("ConfigError", "ValueError", "FileNotFoundError", "WeightFileError", "MissingWeightsError",
+                    "UnsupportedArchitectureError", "PluginError")
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to a flag's help unless the help already states its default (a
+    default of None or False means "not set" and is explained by the text itself)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or not action.option_strings or default is None or default is False
+                or default is argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
+# -- engine arguments ---------------------------------------------------------------------------
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """Every EngineConfig field as --kebab-case, generated so flags never drift from the config."""
+    """Every EngineConfig field as --kebab-case, generated so flags never drift from the config;
+    the field's description is the help text. Flags default to None: only what the user sets is
+    passed on, and the config supplies the rest."""
     from sparrow.config import EngineConfig
 
     group = parser.add_argument_group("engine arguments")
-    for section_name, section in EngineConfig.sections().items():
+    for section in EngineConfig.sections().values():
         for name, field in section.model_fields.items():
             if name in skip:
                 continue
             flag = "--" + name.replace("_", "-")
-            annotation = str(field.annotation)
-            help_text = field.description or f"{section_name} setting"
+            if name in HIDDEN_ENGINE_ARGS:
+                help_text = argparse.SUPPRESS
+            else:
+                help_text = (field.description or name.replace("_", " ")).replace("%", "%%")
+                default = field.get_default(call_default_factory=True)
+                if "(default:" not in help_text:
+                    shown = json.dumps(default) if isinstance(default, dict) else default
+                    help_text = help_text.rstrip(".") + f" (default: {shown})."
+            # `int | None` -> [int]; `Literal["uni", "mp"] | None` -> [Literal["uni", "mp"]]
+            kinds = [field.annotation]
+            if get_origin(field.annotation) in (Union, types.UnionType):
+                kinds = [arg for arg in get_args(field.annotation) if arg is not type(None)]
             if field.annotation is bool:
                 group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-            elif "dict" in annotation:
-                group.add_argument(flag, dest=name, type=json.loads, default=None, help=help_text + " (JSON)")
-            elif "int" in annotation and "float" not in annotation:
+            elif get_origin(kinds[0]) is Literal:
+                group.add_argument(flag, dest=name, choices=list(get_args(kinds[0])), default=None, help=help_text)
+            elif dict in kinds or get_origin(kinds[0]) is dict:
+                group.add_argument(flag, dest=name, type=_json_object, default=None, metavar="JSON", help=help_text)
+            elif int in kinds:
                 group.add_argument(flag, dest=name, type=int, default=None, help=help_text)
-            elif "float" in annotation:
+            elif float in kinds:
                 group.add_argument(flag, dest=name, type=float, default=None, help=help_text)
             else:
                 group.add_argument(flag, dest=name, default=None, help=help_text)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -41,23 +104,63 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             if getattr(args, name, None) is not None}
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from sparrow import LLM, SamplingParams
+def merge_model_arg(kwargs: dict[str, Any], model_pos: str | None) -> dict[str, Any]:
+    """The positional MODEL and --model are one argument; naming two different models is an error."""
+    from sparrow.config import ConfigError
 
-    kwargs = engine_kwargs(args)
-    if args.model_pos is not None:
-        kwargs["model"] = args.model_pos
-    llm = LLM(**kwargs)
+    if model_pos is not None:
+        if kwargs.get("model") not in (None, model_pos):
+            raise ConfigError(f"invalid engine argument 'model': MODEL {model_pos!r} and --model "
+                              f"{kwargs['model']!r} disagree; give one")
+        kwargs["model"] = model_pos
+    return kwargs
+
+
+# -- commands -----------------------------------------------------------------------------------
+def cmd_generate(args: argparse.Namespace) -> int:
+    from sparrow import LLM, RequestOutputKind, SamplingParams
+
+    kwargs = merge_model_arg(engine_kwargs(args), args.model_pos)
+    # Built before the engine so that a bad sampling flag is reported without loading a model.
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
-    prompts = args.prompt or ["Once upon a time"]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    for output in outputs:
-        if len(prompts) > 1:
-            print(f"--- {output.prompt!r}")
-        print(output.prompt + output.outputs[0].text)
-    llm.shutdown()
+                            top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos,
+                            output_kind=RequestOutputKind.DELTA)
+    prompts = args.prompt or [DEFAULT_PROMPT]
+    with LLM(**kwargs) as llm:
+        stream_generate(llm.llm_engine, prompts, params, sys.stdout)
     return 0
+
+
+def stream_generate(engine: Any, prompts: list[str], params: Any, out: Any) -> None:
+    """Print each prompt followed by its continuation, as it is generated.
+
+    One prompt streams its text token by token. Several print whole, each as soon as it
+    finishes (streams of several requests interleaved would be unreadable).
+    """
+    prompt_of = {}  # request id -> prompt text
+    for index, prompt in enumerate(prompts):
+        request_id = f"generate-{index}"
+        engine.add_request(request_id, prompt, params)
+        prompt_of[request_id] = prompt
+    streaming = len(prompts) == 1
+    if streaming:
+        out.write(prompts[0])
+        out.flush()
+    texts = {request_id: [] for request_id in prompt_of}  # request id -> text deltas so far
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            delta = output.outputs[0].text if output.outputs else ""
+            if streaming:
+                out.write(delta)
+            else:
+                texts[output.request_id].append(delta)
+            if output.finished:
+                if streaming:
+                    out.write("\n")
+                else:
+                    prompt = prompt_of[output.request_id]
+                    out.write(f"--- {prompt!r}\n{prompt}{''.join(texts[output.request_id])}\n")
+            out.flush()
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -81,34 +184,73 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- the parser ---------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparrow", description="Sparrow: a small, pluggable LLM inference engine")
-    parser.add_argument("--log-level", default="WARNING")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from sparrow import __version__
 
-    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    parser = argparse.ArgumentParser(prog="sparrow", description="Sparrow: a small, pluggable LLM inference engine",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    _add_common_options(parser, argparse.SUPPRESS)
+    parser.set_defaults(log_level=None, debug=False, default_log_level="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts, printed as it is generated",
+                         description="Generate text for each prompt and print the prompt with its continuation "
+                                     "(one prompt streams as tokens arrive; several print as each finishes).")
     gen.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
-                     help="local model directory (default: built-in sparrow-tiny)")
-    gen.add_argument("--prompt", action="append", help="prompt text (repeat for several)")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
-    gen.add_argument("--ignore-eos", action="store_true")
-    add_engine_args(gen, skip=("model",))
+                     help="local model directory, the same as --model (default: built-in sparrow-tiny)")
+    sampling = gen.add_argument_group("sampling")
+    sampling.add_argument("--prompt", action="append",
+                          help=f"prompt text; repeat for several (default: {DEFAULT_PROMPT!r})")
+    sampling.add_argument("--max-tokens", type=int, default=32, help="most tokens to generate per prompt")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this probability mass")
+    sampling.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all")
+    sampling.add_argument("--sampling-seed", type=int, default=None,
+                          help="per-request sampling seed (default: none, the engine's --seed drives sampling)")
+    sampling.add_argument("--ignore-eos", action="store_true",
+                          help="keep generating past the end-of-sequence token (default: stop there)")
+    add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     plugins = sub.add_parser("plugins", help="list plugins, hooks, platforms, schedulers, connectors, architectures")
     plugins.set_defaults(func=cmd_plugins)
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, ablate")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     from sparrow.bench import throughput
 
     throughput.add_parser(bench_sub)
     _optional_parsers(sub, bench_sub)
+    # Long-running services log their start-up by default; one-shot commands keep stdout clean.
+    for name in ("serve", "worker"):
+        if name in sub.choices:
+            sub.choices[name].set_defaults(default_log_level="INFO")
+    for child in _sub_parsers(parser):
+        _add_common_options(child, argparse.SUPPRESS)
     return parser
+
+
+def _add_common_options(parser: argparse.ArgumentParser, default: Any) -> None:
+    """--log-level and --debug, accepted before or after the subcommand. Subcommands default to
+    SUPPRESS so that an option given before the subcommand is not reset by the subcommand."""
+    parser.formatter_class = HelpFormatter
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=default, metavar="LEVEL",
+                        help=f"log level of every Sparrow process, {', '.join(LOG_LEVELS)} (default: "
+                             f"${ENV_LOGGING_LEVEL}, else WARNING; INFO for serve and worker)")
+    parser.add_argument("--debug", action="store_true", default=default,
+                        help="on an error, print the traceback too (default: one line)")
+
+
+def _sub_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                found.append(child)
+                found.extend(_sub_parsers(child))
+    return found
 
 
 def _optional_parsers(sub: Any, bench_sub: Any) -> None:
@@ -136,11 +278,74 @@ def _optional_parsers(sub: Any, bench_sub: Any) -> None:
         add_ablate_parser(bench_sub)
 
 
+# -- errors and logging -------------------------------------------------------------------------
+def describe_error(exc: BaseException) -> tuple[str, int] | None:
+    """(one-line message, exit status) for an error the user can act on; None for a bug."""
+    from sparrow.config import ConfigError
+    from sparrow.engine.exceptions import EngineDeadError, EngineStartupError
+    from sparrow.plugins import PluginError
+
+    if isinstance(exc, EngineStartupError):
+        name, message = _root_cause(str(exc))
+        status = EXIT_USER_ERROR if name.rsplit(".", 1)[-1] in USER_ERROR_NAMES else EXIT_RUNTIME_FAILURE
+        return f"the engine failed to start: {message}", status
+    if isinstance(exc, (ConfigError, ValueError, FileNotFoundError, PluginError)):
+        return _one_line(str(exc)), EXIT_USER_ERROR
+    if isinstance(exc, (EngineDeadError, OSError)):
+        return _one_line(str(exc)), EXIT_RUNTIME_FAILURE
+    return None
+
+
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit)): (.+)$")
+
+
+def _root_cause(text: str) -> tuple[str, str]:
+    """(exception name, message) of the innermost exception in a traceback's text: the last line
+    that reads ``SomeError: message``."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        match = _EXCEPTION_LINE.match(line)
+        if match:
+            return match.group(1), match.group(2)
+    return "", lines[-1] if lines else text
+
+
+def _one_line(message: str) -> str:
+    return " ".join(part.strip() for part in message.splitlines() if part.strip()) or "(no message)"
+
+
+def configure_logging(args: argparse.Namespace) -> str:
+    """Set the log level of this process and, through the environment, of every process it starts."""
+    level = (args.log_level or os.environ.get(ENV_LOGGING_LEVEL) or args.default_log_level).upper()
+    if level not in LOG_LEVELS:
+        level = args.default_log_level
+    os.environ[ENV_LOGGING_LEVEL] = level
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    return level
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    result = args.func(args)
+    configure_logging(args)
+    try:
+        result = args.func(args)
+    except KeyboardInterrupt:
+        print("sparrow: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`sparrow generate | head -1`): nothing left to tell anyone.
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps the interpreter's final flush quiet
+        return EXIT_RUNTIME_FAILURE
+    except Exception as exc:  # noqa: BLE001 - classified below; bugs are re-raised with their traceback
+        described = describe_error(exc)
+        if described is None:
+            raise
+        message, status = described
+        if args.debug:
+            traceback.print_exc()
+        print(f"sparrow: error: {message}", file=sys.stderr)
+        return status
     return result if isinstance(result, int) else 0
 
 

@@ -1,0 +1,256 @@
+"""The `sparrow` command as a user meets it: the real console script in a subprocess.
+
+A mistake is one line (`sparrow: error: ...` naming what is wrong) and a non-zero status, never a
+traceback; --help describes every flag with its default; --log-level reaches the engine's own
+processes; `generate` streams; a reduced HF comparison is never printed as a speed-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(sys.executable).parent / "sparrow"
+# A small engine: these tests are about the command, not the cache.
+SMALL = ["--max-model-len", "256", "--num-kv-blocks", "64"]
+
+
+def sparrow_command() -> list[str]:
+    return [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "sparrow.entrypoints.cli"]
+
+
+def run_sparrow(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    base = {name: value for name, value in os.environ.items() if name != "SPARROW_LOGGING_LEVEL"}
+    return subprocess.run([*sparrow_command(), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**base, "SPARROW_CPU_THREADS": "1", **(env or {})})
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess, *names: str) -> str:
+    assert result.returncode != 0, result
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("sparrow: error: "), lines[0]
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+    return lines[0]
+
+
+# -- mistakes -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def no_weights_dir(qwen3_dir, tmp_path_factory) -> str:
+    """A model directory whose weight file is missing (config and tokenizer are there)."""
+    target = tmp_path_factory.mktemp("no-weights") / "model"
+    shutil.copytree(qwen3_dir, target)
+    for weights in target.glob("*.safetensors"):
+        weights.unlink()
+    return str(target)
+
+
+MISTAKES = {
+    # name: (extra arguments after `generate MODEL`, words the error line must contain)
+    "unknown-scheduler": (["--scheduler", "fifo"], ["scheduler", "fifo"]),
+    "negative-temperature": (["--temperature", "-1"], ["temperature"]),
+    "unknown-device": (["--device", "nosuch"], ["device", "nosuch"]),
+    "zero-max-num-seqs": (["--max-num-seqs", "0"], ["max_num_seqs"]),
+    "empty-prompt": (["--prompt", ""], ["prompt"]),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_a_mistake_is_one_line_naming_the_field(mistake, qwen3_dir):
+    extra, names = MISTAKES[mistake]
+    result = run_sparrow("generate", qwen3_dir, *SMALL, *extra)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert_one_error_line(result, *names)
+
+
+def test_a_missing_weight_file_is_one_line(no_weights_dir):
+    result = run_sparrow("generate", no_weights_dir, *SMALL)
+    assert result.returncode == 2
+    assert_one_error_line(result, "safetensors", no_weights_dir)
+
+
+def test_a_missing_model_directory_is_one_line(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    result = run_sparrow("generate", missing, "--prompt", "Hi")
+    assert result.returncode == 2
+    assert_one_error_line(result, "model", missing)
+
+
+def test_positional_and_flag_model_must_agree(qwen3_dir, no_weights_dir):
+    result = run_sparrow("generate", qwen3_dir, "--model", no_weights_dir)
+    assert_one_error_line(result, "model", "disagree")
+
+
+def test_bad_benchmark_flags_are_one_line_before_anything_loads(qwen3_dir):
+    result = run_sparrow("bench", "throughput", qwen3_dir, "--compare-hf", "--hf-num-prompts", "0")
+    assert_one_error_line(result, "--hf-num-prompts")
+    result = run_sparrow("bench", "throughput", qwen3_dir, "--engine-args", "{not json")
+    assert_one_error_line(result, "--engine-args")
+
+
+def test_a_busy_port_is_one_line_without_a_traceback(qwen3_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_sparrow("serve", qwen3_dir, "--port", str(port), *SMALL)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr + result.stdout
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower() or str(port) in line]
+    assert len(errors) == 1 and str(port) in errors[0], result.stderr
+
+
+def test_debug_shows_the_traceback(qwen3_dir):
+    result = run_sparrow("generate", qwen3_dir, "--temperature", "-1", "--debug")
+    assert result.returncode == 2
+    assert "Traceback" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("sparrow: error: ")
+
+
+# -- help and version ---------------------------------------------------------------------------
+HELP_COMMANDS = [["generate"], ["serve"], ["bench", "throughput"], ["bench", "serve"], ["bench", "ablate"]]
+
+
+def _subparser(parser, *names):
+    import argparse
+
+    for name in names:
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = action.choices[name]
+    return parser
+
+
+@pytest.mark.parametrize("command", HELP_COMMANDS, ids=" ".join)
+def test_every_flag_has_a_real_help_text(command):
+    import argparse
+
+    from sparrow.entrypoints.cli import build_parser
+
+    parser = _subparser(build_parser(), *command)
+    for action in parser._actions:
+        if isinstance(action, (argparse._HelpAction, argparse._VersionAction)) or action.help == argparse.SUPPRESS:
+            continue
+        name = "/".join(action.option_strings) or action.dest
+        assert action.help and len(action.help.split()) >= 2, f"{' '.join(command)} {name} has no help text"
+        assert not re.search(r"\b\w+ setting\b", action.help), f"{name}: placeholder help {action.help!r}"
+
+
+@pytest.mark.parametrize("command", [["generate"], ["serve"], ["bench", "throughput"]], ids=" ".join)
+def test_help_shows_defaults_and_hides_internal_flags(command):
+    result = run_sparrow(*command, "--help", timeout=120)
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())  # argparse wraps lines
+    assert not re.search(r"\b(cache|scheduler|model|parallel|device) setting\b", text)
+    assert "--data-parallel-rank" not in text
+    if command == ["bench", "throughput"]:
+        assert "--num-prompts NUM_PROMPTS requests in the workload (default: 64)" in text
+        assert "(default: one batch of all; 32 with --preset gpu)" in text
+    else:
+        assert "Most requests running in one step (default: 256)." in text
+        assert "(default: the platform's, CPU 2048, CUDA 8192)" in text
+        assert "--scheduler SCHEDULER" in text and "(default: fcfs)" in text
+
+
+def test_internal_flags_are_still_accepted():
+    from sparrow.entrypoints.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["generate", "--data-parallel-rank", "1", "--max-num-seqs", "8"])
+    assert engine_kwargs(args) == {"data_parallel_rank": 1, "max_num_seqs": 8}
+    args = build_parser().parse_args(["serve", "--data-parallel-rank", "1"])
+    assert args.data_parallel_rank == 1
+
+
+def test_version():
+    from sparrow import __version__
+
+    result = run_sparrow("--version", timeout=120)
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"sparrow {__version__}"
+
+
+# -- generate -----------------------------------------------------------------------------------
+def test_generate_model_flag_equals_the_positional(qwen3_dir):
+    common = ["--prompt", "Hello", "--max-tokens", "8", *SMALL]
+    positional = run_sparrow("generate", qwen3_dir, *common)
+    flag = run_sparrow("generate", "--model", qwen3_dir, *common)
+    assert positional.returncode == 0 and flag.returncode == 0, positional.stderr + flag.stderr
+    assert positional.stdout.startswith("Hello") and len(positional.stdout.strip()) > len("Hello")
+    assert flag.stdout == positional.stdout
+
+
+def test_generate_several_prompts_prints_each_with_its_continuation(qwen3_dir):
+    result = run_sparrow("generate", qwen3_dir, "--prompt", "Hello", "--prompt", "The sky", "--max-tokens", "4",
+                         *SMALL)
+    assert result.returncode == 0, result.stderr
+    headers = [line for line in result.stdout.splitlines() if line.startswith("--- ")]
+    assert sorted(headers) == ["--- 'Hello'", "--- 'The sky'"]
+    single = run_sparrow("generate", qwen3_dir, "--prompt", "The sky", "--max-tokens", "4", *SMALL)
+    assert single.stdout.strip() in result.stdout  # greedy: the same text alone or in a batch
+
+
+def test_generate_streams_and_stops_cleanly_on_ctrl_c(qwen3_dir):
+    """Text arrives while the request still runs; Ctrl-C then ends it with one line, no ERROR."""
+    base = {name: value for name, value in os.environ.items() if name != "SPARROW_LOGGING_LEVEL"}
+    proc = subprocess.Popen(
+        [*sparrow_command(), "generate", qwen3_dir, "--prompt", "Hello", "--max-tokens", "2000", "--ignore-eos",
+         "--max-model-len", "2048"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**base, "SPARROW_CPU_THREADS": "1"},
+        start_new_session=True)
+    try:
+        first = proc.stdout.read(len("Hello") + 8)  # the prompt and the first generated bytes
+        assert first.startswith(b"Hello") and len(first) > len("Hello")
+        # 2000 tokens take seconds: still generating, so the text above was streamed.
+        assert proc.poll() is None
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130
+    assert stderr.decode().strip() == "sparrow: interrupted"
+
+
+# -- logging ------------------------------------------------------------------------------------
+def test_log_level_governs_the_engine_processes(qwen3_dir):
+    common = ["generate", qwen3_dir, "--prompt", "Hi", "--max-tokens", "2", *SMALL]
+    verbose = run_sparrow("--log-level", "INFO", *common)
+    assert verbose.returncode == 0, verbose.stderr
+    # The engine core is another process: its INFO lines carry its own tag.
+    assert re.search(r"^INFO .*\[EngineCore", verbose.stderr, re.MULTILINE), verbose.stderr
+    for quiet in (run_sparrow(*common, "--log-level", "ERROR"), run_sparrow(*common)):
+        assert quiet.returncode == 0, quiet.stderr
+        assert not re.search(r"^INFO", quiet.stderr, re.MULTILINE), quiet.stderr
+        assert quiet.stdout.startswith("Hi")
+    # The environment variable the processes read works on its own too.
+    from_env = run_sparrow(*common, env={"SPARROW_LOGGING_LEVEL": "INFO"})
+    assert "[EngineCore" in from_env.stderr
+
+
+# -- honest comparisons -------------------------------------------------------------------------
+def test_a_reduced_hf_run_is_never_a_speed_up(qwen3_dir, tmp_path):
+    result_file = tmp_path / "throughput.json"
+    result = run_sparrow("bench", "throughput", qwen3_dir, "--num-prompts", "3", "--input-len-min", "4",
+                         "--input-len-max", "12", "--output-len-min", "2", "--output-len-max", "5",
+                         "--compare-hf", "--hf-num-prompts", "1", "--result-file", str(result_file),
+                         "--engine-args", json.dumps({"num_kv_blocks": 64, "max_model_len": 256}))
+    assert result.returncode == 0, result.stderr
+    assert "HF per-batch output tok/s" in result.stdout
+    assert "first 1 of 3 prompts" in result.stdout
+    assert not re.search(r"speed-?up|\d\s*x\b|x HF", result.stdout, re.IGNORECASE), result.stdout
+    report = json.loads(result_file.read_text())
+    assert report["hf_num_prompts"] == 1 and report["hf_same_workload"] is False
+    assert "speedup_vs_hf" not in report
+    assert "HF generate" in result.stderr  # its progress bar

@@ -14,6 +14,9 @@ Multiprocess cores produce outputs on their own; one forwarding thread per core 
 for the async client) moves them into a single queue, so ``get_output`` wakes for the first core
 that has something. In-process cores (``SPARROW_ENABLE_MULTIPROCESSING=0``) are stepped in turn
 by ``get_output`` itself.
+
+A client that is dropped shuts its cores down when it is collected (``weakref.finalize``; at
+interpreter exit at the latest): the forwarders hold the per-core clients, never the router.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import asyncio
 import logging
 import queue
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -139,12 +143,44 @@ class DPRouter:
         if self._dead_error is not None:
             raise self._dead_error
 
-    def _shutdown_clients(self) -> None:
-        for client in self.clients:
-            try:
-                client.shutdown()
-            except Exception:  # noqa: BLE001 - shut the others down anyway
-                logger.exception("shutting down a data-parallel engine core failed")
+
+def _shutdown_engines(clients: list[Any], forwarders: list[threading.Thread]) -> None:
+    """Shut every core down (the finalizer of both clients: it must not refer to the client)."""
+    for client in clients:
+        try:
+            client.shutdown()
+        except Exception:  # noqa: BLE001 - shut the others down anyway
+            logger.exception("shutting down a data-parallel engine core failed")
+    # Each forwarder ends by itself: its client's shutdown delivers EngineDeadError to it.
+    for thread in forwarders:
+        if thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+
+
+def _forward_outputs(index: int, client: Any, merged: queue.Queue) -> None:
+    """A forwarder thread of DPClient: core ``index``'s outputs into the merged queue."""
+    while True:
+        try:
+            outputs = client.get_output()
+        except EngineDeadError as exc:
+            merged.put((index, exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - a silent forwarder would hang get_output
+            logger.exception("data-parallel engine core %d: reading outputs failed", index)
+            merged.put((index, EngineDeadError(f"reading its outputs failed: {exc!r}")))
+            return
+        merged.put((index, outputs))
+
+
+async def _forward_outputs_async(index: int, client: Any, merged: asyncio.Queue) -> None:
+    """A forwarder task of AsyncDPClient."""
+    while True:
+        try:
+            outputs = await client.get_output_async()
+        except EngineDeadError as exc:
+            merged.put_nowait((index, exc))
+            return
+        merged.put_nowait((index, outputs))
 
 
 class DPClient(DPRouter):
@@ -164,10 +200,11 @@ class DPClient(DPRouter):
         self._forwarders: list[threading.Thread] = []
         if self.multiprocess:
             for index, client in enumerate(self.clients):
-                thread = threading.Thread(target=self._forward, args=(index, client),
+                thread = threading.Thread(target=_forward_outputs, args=(index, client, self._merged),
                                           name=f"DPClientOutputs-{index}", daemon=True)
                 thread.start()
                 self._forwarders.append(thread)
+        self._finalizer = weakref.finalize(self, _shutdown_engines, self.clients, self._forwarders)
 
     @property
     def kv_cache_info(self) -> dict[str, int]:
@@ -185,19 +222,6 @@ class DPClient(DPRouter):
     def abort_requests(self, request_ids: list[str]) -> None:
         for index, ids in self._aborts_by_core(request_ids).items():
             self.clients[index].abort_requests(ids)
-
-    def _forward(self, index: int, client: Any) -> None:
-        while True:
-            try:
-                outputs = client.get_output()
-            except EngineDeadError as exc:
-                self._merged.put((index, exc))
-                return
-            except Exception as exc:  # noqa: BLE001 - a silent forwarder would hang get_output
-                logger.exception("data-parallel engine core %d: reading outputs failed", index)
-                self._merged.put((index, EngineDeadError(f"reading its outputs failed: {exc!r}")))
-                return
-            self._merged.put((index, outputs))
 
     def get_output(self) -> EngineCoreOutputs:
         """The outputs of every core that has produced some (waits for the first one)."""
@@ -218,9 +242,7 @@ class DPClient(DPRouter):
         return _combine(method, [client.call_utility(method, *args) for client in self.clients])
 
     def shutdown(self) -> None:
-        self._shutdown_clients()
-        for thread in self._forwarders:
-            thread.join(timeout=5.0)
+        self._finalizer()
 
 
 class AsyncDPClient(DPRouter):
@@ -236,6 +258,7 @@ class AsyncDPClient(DPRouter):
         self.kv_cache_info = _combine("get_kv_cache_info", [client.kv_cache_info for client in self.clients])
         self._merged: asyncio.Queue | None = None
         self._forwarders: list[asyncio.Task] = []
+        self._finalizer = weakref.finalize(self, _shutdown_engines, self.clients, [])
 
     @property
     def is_dead(self) -> bool:
@@ -250,19 +273,10 @@ class AsyncDPClient(DPRouter):
         if self._merged is None:
             self._merged = asyncio.Queue()
             loop = asyncio.get_running_loop()
-            self._forwarders = [loop.create_task(self._forward(index, client), name=f"DPClientOutputs-{index}")
+            self._forwarders = [loop.create_task(_forward_outputs_async(index, client, self._merged),
+                                                 name=f"DPClientOutputs-{index}")
                                 for index, client in enumerate(self.clients)]
         return self._merged
-
-    async def _forward(self, index: int, client: Any) -> None:
-        assert self._merged is not None
-        while True:
-            try:
-                outputs = await client.get_output_async()
-            except EngineDeadError as exc:
-                self._merged.put_nowait((index, exc))
-                return
-            self._merged.put_nowait((index, outputs))
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self._start_forwarders()
@@ -295,8 +309,7 @@ class AsyncDPClient(DPRouter):
         return _combine(method, list(results))
 
     def shutdown(self) -> None:
-        self._shutdown_clients()
-        # Each forwarder ends by itself: its client's shutdown delivers EngineDeadError to it.
+        self._finalizer()
 
 
 def combine_stats(stats: list[SchedulerStats], deltas: dict[str, int]) -> SchedulerStats:

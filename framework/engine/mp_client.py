@@ -1,14 +1,20 @@
 """Clients that run the engine core in its own process (P1) and talk to it over ZMQ.
 
 ``SyncMPClient`` is what ``LLM`` uses by default; ``AsyncMPClient`` is what ``AsyncLLM`` uses.
-Both start ``run_engine_core`` in a 'spawn' child, bind two ``ipc://`` sockets in a private temp
-dir (input: frontend PUSH -> core PULL; output: core PUSH -> frontend PULL), wait for the core's
-READY handshake, and then read outputs on a background thread:
+Both start ``run_engine_core`` in a fresh interpreter (``sparrow.engine.launch``: the caller's
+``__main__`` is never imported again), bind two ``ipc://`` sockets in a private temp dir (input:
+frontend PUSH -> core PULL; output: core PUSH -> frontend PULL), wait for the core's READY
+handshake, and then read outputs on a background thread:
 
     reader thread:  output socket + the process sentinel
         EngineCoreOutputs            -> the output queue (get_output / get_output_async)
         utility_output               -> the future of that call id
         engine_dead_message / exit   -> EngineDeadError to every pending and later caller
+
+Lifetime: the process, its sockets and the reader thread belong to an ``_EngineProcess`` that
+holds no reference to the client, so a client (and the ``LLM`` around it) that is dropped is
+collected, and a ``weakref.finalize`` on the client shuts the engine down then; the same
+finalizer runs at interpreter exit and on ``shutdown()``, whichever comes first.
 
 Set ``SPARROW_ENABLE_MULTIPROCESSING=0`` to make ``make_client`` return an ``InprocClient``
 (the engine core inside the caller's process: for debugging with pdb or a profiler).
@@ -18,17 +24,16 @@ Set ``SPARROW_ENABLE_MULTIPROCESSING=0`` to make ``make_client`` return an ``Inp
 from __future__ import annotations
 
 import asyncio
-import atexit
 import itertools
 import logging
-import multiprocessing
 import os
 import queue
 import shutil
 import tempfile
 import threading
+import weakref
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -37,6 +42,7 @@ from sparrow.engine import serial
 from sparrow.engine.core_client import InprocClient
 from sparrow.engine.core_proc import load_executor_factory, run_engine_core
 from sparrow.engine.exceptions import EngineDeadError, EngineStartupError
+from sparrow.engine.launch import start_process
 from sparrow.engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
 
 logger = logging.getLogger(__name__)
@@ -70,42 +76,49 @@ def make_client(config: EngineConfig, multiprocess: bool | None = None, *,
     return SyncMPClient(config, executor_factory=executor_factory)
 
 
-class MPClient:
-    """Starts and stops the engine process; owns the sockets and the reader thread."""
+class _EngineProcess:
+    """The engine process, its sockets, the reader thread and the pending calls.
 
-    def __init__(self, config: EngineConfig, executor_factory: str | None = None) -> None:
+    Everything the reader thread and the client's finalizer touch lives here and nothing here
+    refers to the client, so the client can be collected while the thread runs. ``deliver`` hands
+    an output (or the death notice) to the client's queue; it is called on the reader thread.
+    """
+
+    def __init__(self, config: EngineConfig, executor_factory: str | None,
+                 deliver: Callable[[EngineCoreOutputs | EngineDeadError], None]) -> None:
+        self._deliver = deliver
         self._closed = False
         self._dead_error: EngineDeadError | None = None
-        self._lock = threading.Lock()  # guards _pending_calls, _dead_error and _closed
+        # Guards _pending_calls, _dead_error and _closed. Reentrant: a collection that runs a
+        # finalizer (and so shutdown) can start on any thread, the reader's included.
+        self._lock = threading.RLock()
         self._send_lock = threading.Lock()  # the input socket is used by any caller's thread
         self._pending_calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
         self._stop_reader = threading.Event()
+        self._reader: threading.Thread | None = None
         self._encoder = serial.make_encoder()
 
-        self._tmpdir = tempfile.mkdtemp(prefix="sparrow-engine-")
-        input_path = f"ipc://{self._tmpdir}/input.sock"
-        output_path = f"ipc://{self._tmpdir}/output.sock"
+        self.tmpdir = tempfile.mkdtemp(prefix="sparrow-engine-")
+        input_path = f"ipc://{self.tmpdir}/input.sock"
+        output_path = f"ipc://{self.tmpdir}/output.sock"
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.PUSH)
         self._input.bind(input_path)
         self._output = self._ctx.socket(zmq.PULL)
         self._output.bind(output_path)
 
-        mp_ctx = multiprocessing.get_context("spawn")
-        # The core watches the read end: the OS closes our write end when this process dies,
-        # however it dies, and the core shuts itself down.
-        death_reader, self._death_writer = mp_ctx.Pipe(duplex=False)
-        self.proc = mp_ctx.Process(
-            target=run_engine_core, name="EngineCore", daemon=False,
-            kwargs=dict(config=config, input_path=input_path, output_path=output_path,
-                        parent_pid=os.getpid(), death_pipe=death_reader, executor_factory=executor_factory),
-        )
-        # Non-daemon (a daemon could not start tensor-parallel workers), so multiprocessing
-        # would join it at exit: shut it down first. atexit runs handlers last-in first-out.
-        atexit.register(self.shutdown)
-        self.proc.start()
-        death_reader.close()
+        # The core watches its death pipe: the OS closes our end when this process dies, however
+        # it dies, and the core shuts itself down.
+        try:
+            self.proc = start_process(
+                run_engine_core, name="EngineCore",
+                kwargs=dict(config=config, input_path=input_path, output_path=output_path,
+                            parent_pid=os.getpid(), executor_factory=executor_factory))
+        except BaseException:  # e.g. a configuration that cannot be pickled: nothing was started
+            self._ctx.destroy(linger=0)
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            raise
         try:
             self.kv_cache_info = self._wait_for_ready()
         except BaseException:
@@ -141,11 +154,11 @@ class MPClient:
         raise EngineStartupError(f"the engine core was not ready after {timeout_s:.0f}s ({ENV_READY_TIMEOUT})")
 
     # -- sending ----------------------------------------------------------------------------
-    def _send(self, request_type: EngineCoreRequestType, payload: bytes) -> None:
+    def send(self, request_type: EngineCoreRequestType, payload: bytes) -> None:
         frames = (request_type.value, payload)
         with self._send_lock:
             while True:
-                self._raise_if_dead()
+                self.raise_if_dead()
                 try:
                     self._input.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
                     return
@@ -156,21 +169,21 @@ class MPClient:
                         raise self._dead_error or EngineDeadError() from None
                     self._input.poll(_READER_POLL_MS, zmq.POLLOUT)
 
-    def _send_add(self, request: EngineCoreRequest) -> None:
-        self._send(EngineCoreRequestType.ADD, self._encoder.encode(request))
+    def send_add(self, request: EngineCoreRequest) -> None:
+        self.send(EngineCoreRequestType.ADD, self._encoder.encode(request))
 
-    def _send_abort(self, request_ids: list[str]) -> None:
+    def send_abort(self, request_ids: list[str]) -> None:
         if request_ids:
-            self._send(EngineCoreRequestType.ABORT, self._encoder.encode(list(request_ids)))
+            self.send(EngineCoreRequestType.ABORT, self._encoder.encode(list(request_ids)))
 
-    def _start_utility_call(self, method: str, args: tuple[Any, ...]) -> Future:
+    def start_utility_call(self, method: str, args: tuple[Any, ...]) -> Future:
         future: Future = Future()
         call_id = next(self._call_ids)
         with self._lock:
-            self._raise_if_dead()
+            self.raise_if_dead()
             self._pending_calls[call_id] = future
         try:
-            self._send(EngineCoreRequestType.UTILITY, self._encoder.encode([call_id, method, list(args)]))
+            self.send(EngineCoreRequestType.UTILITY, self._encoder.encode([call_id, method, list(args)]))
         except BaseException:
             with self._lock:
                 self._pending_calls.pop(call_id, None)
@@ -196,7 +209,8 @@ class MPClient:
                     self._mark_dead(f"the engine core process exited unexpectedly (exit code {self.proc.exitcode})")
                     return
         except Exception as exc:  # noqa: BLE001 - a reader that stops must not leave callers waiting
-            logger.exception("engine core client reader failed")
+            if not self._closed:  # a shutdown on this very thread closed the socket under it
+                logger.exception("engine core client reader failed")
             self._mark_dead(f"the engine core client's reader failed: {exc!r}")
         finally:
             self._output.close(linger=0)
@@ -233,32 +247,23 @@ class MPClient:
             future.set_exception(self._dead_error)
         self._deliver(self._dead_error)
 
-    def _raise_if_dead(self) -> None:
+    def raise_if_dead(self) -> None:
         if self._dead_error is not None:
             raise self._dead_error
         if self._closed:
             raise EngineDeadError("the engine was shut down")
 
-    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
-        """Hand an output (or the death notice) to the consumer; called on the reader thread."""
-        raise NotImplementedError
-
-    # -- state and shutdown -----------------------------------------------------------------
-    @property
-    def is_dead(self) -> bool:
-        return self._dead_error is not None
-
     @property
     def dead_error(self) -> EngineDeadError | None:
         return self._dead_error
 
+    # -- shutdown ---------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop the engine process (SIGTERM, then SIGKILL after a grace period) and clean up."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        atexit.unregister(self.shutdown)
         if self.proc.is_alive():
             self.proc.terminate()
             self.proc.join(_TERMINATE_TIMEOUT_S)
@@ -267,7 +272,7 @@ class MPClient:
                 self.proc.kill()
                 self.proc.join(_TERMINATE_TIMEOUT_S)
         self._stop_reader.set()
-        reader = getattr(self, "_reader", None)
+        reader = self._reader
         if reader is not None and reader is not threading.current_thread():
             reader.join(_TERMINATE_TIMEOUT_S)
         else:
@@ -275,26 +280,60 @@ class MPClient:
         self._mark_dead("the engine was shut down")
         with self._send_lock:
             self._input.close(linger=0)
-        self._death_writer.close()
+        self.proc.close()
         self._ctx.term()
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+class MPClient:
+    """A client of one engine process. The process lives until ``shutdown()``, until the client is
+    garbage-collected, or until the interpreter exits, whichever comes first."""
+
+    def __init__(self, config: EngineConfig, executor_factory: str | None = None) -> None:
+        self._engine = _EngineProcess(config, executor_factory, self._make_deliver())
+        # Created after the process started, so that at exit (finalizers run newest first) the
+        # clean shutdown comes before the launcher's last-resort termination of the child.
+        self._finalizer = weakref.finalize(self, self._engine.shutdown)
+        self.kv_cache_info = self._engine.kv_cache_info
+
+    def _make_deliver(self) -> Callable[[EngineCoreOutputs | EngineDeadError], None]:
+        """The reader thread's way to hand over outputs; it must not refer to ``self``."""
+        raise NotImplementedError
+
+    @property
+    def proc(self) -> Any:
+        """The engine core's process (``sparrow.engine.launch.ChildProcess``)."""
+        return self._engine.proc
+
+    @property
+    def _tmpdir(self) -> str:
+        return self._engine.tmpdir
+
+    @property
+    def is_dead(self) -> bool:
+        return self._engine.dead_error is not None
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._engine.dead_error
+
+    def shutdown(self) -> None:
+        """Stop the engine process and release everything; idempotent."""
+        self._finalizer()
 
 
 class SyncMPClient(MPClient):
     """Blocking client with the same methods as ``InprocClient``."""
 
-    def __init__(self, config: EngineConfig, executor_factory: str | None = None) -> None:
+    def _make_deliver(self) -> Callable[[EngineCoreOutputs | EngineDeadError], None]:
         self._outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
-        super().__init__(config, executor_factory)
-
-    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
-        self._outputs.put(item)
+        return self._outputs.put
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._send_add(request)
+        self._engine.send_add(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self._send_abort(request_ids)
+        self._engine.send_abort(request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
         """The next outputs of the core; raises EngineDeadError once the core is dead."""
@@ -305,57 +344,65 @@ class SyncMPClient(MPClient):
         return item
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        return self._start_utility_call(method, args).result()
+        return self._engine.start_utility_call(method, args).result()
 
 
-class AsyncMPClient(MPClient):
-    """asyncio client. It binds to the event loop of its first async call."""
+class _LoopOutputs:
+    """The async client's output queue: bound to the event loop of the client's first async call;
+    what arrives before that waits in a list."""
 
-    def __init__(self, config: EngineConfig, executor_factory: str | None = None) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._outputs: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
-        self._early: list[EngineCoreOutputs | EngineDeadError] = []  # delivered before binding
-        self._bind_lock = threading.Lock()
-        super().__init__(config, executor_factory)
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.queue: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
+        self._early: list[EngineCoreOutputs | EngineDeadError] = []
+        self._lock = threading.Lock()
 
-    def _bind_loop(self) -> asyncio.Queue:
+    def bind(self) -> asyncio.Queue:
         loop = asyncio.get_running_loop()
-        with self._bind_lock:
-            if self._loop is None:
-                self._loop, self._outputs = loop, asyncio.Queue()
+        with self._lock:
+            if self.loop is None:
+                self.loop, self.queue = loop, asyncio.Queue()
                 for item in self._early:
-                    self._outputs.put_nowait(item)
+                    self.queue.put_nowait(item)
                 self._early.clear()
-            elif self._loop is not loop:
+            elif self.loop is not loop:
                 raise RuntimeError("AsyncMPClient is used from a different event loop than the one it is bound to")
-        assert self._outputs is not None
-        return self._outputs
+        assert self.queue is not None
+        return self.queue
 
-    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
-        with self._bind_lock:
-            if self._loop is None:
+    def deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        with self._lock:
+            if self.loop is None:
                 self._early.append(item)
                 return
-            loop, outputs = self._loop, self._outputs
+            loop, outputs = self.loop, self.queue
         assert outputs is not None
         try:
             loop.call_soon_threadsafe(outputs.put_nowait, item)
         except RuntimeError:
             pass  # the loop is closed: nobody is left to read outputs
 
+
+class AsyncMPClient(MPClient):
+    """asyncio client. It binds to the event loop of its first async call."""
+
+    def _make_deliver(self) -> Callable[[EngineCoreOutputs | EngineDeadError], None]:
+        self._outputs = _LoopOutputs()
+        return self._outputs.deliver
+
     async def add_request_async(self, request: EngineCoreRequest) -> None:
-        self._bind_loop()
-        self._send_add(request)
+        self._outputs.bind()
+        self._engine.send_add(request)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
-        self._send_abort(request_ids)
+        self._engine.send_abort(request_ids)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Sending never waits on the engine, so an abort works from sync code (a closing generator)."""
-        self._send_abort(request_ids)
+        self._engine.send_abort(request_ids)
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        outputs = self._bind_loop()
+        outputs = self._outputs.bind()
         item = await outputs.get()
         if isinstance(item, EngineDeadError):
             outputs.put_nowait(item)
@@ -363,5 +410,5 @@ class AsyncMPClient(MPClient):
         return item
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
-        self._bind_loop()
-        return await asyncio.wrap_future(self._start_utility_call(method, args))
+        self._outputs.bind()
+        return await asyncio.wrap_future(self._engine.start_utility_call(method, args))

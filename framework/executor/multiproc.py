@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
@@ -80,8 +79,7 @@ class MultiprocExecutor(Executor):
         self.local_ranks = self.topology.node_ranks(self.world_size, 0)
         self.execute_timeout_s = float(os.environ.get(ENV_EXECUTE_TIMEOUT, "600"))
         self.start_timeout_s = float(os.environ.get(ENV_START_TIMEOUT, "600"))
-        self._procs: dict[int, Any] = {}  # local rank -> process
-        self._death_writers: list[Any] = []
+        self._procs: dict[int, Any] = {}  # rank -> process (sparrow.engine.launch.ChildProcess)
         self._ranks_info: dict[int, dict[str, Any]] = {}  # rank -> HELLO info
         self._joined_nodes: set[int] = set()
         self._replies: dict[int, bytes] = {}  # rank -> payload, for the current seq only
@@ -143,14 +141,12 @@ class MultiprocExecutor(Executor):
             init_method = tcp_init_method(self.topology.master_addr, self.topology.master_port)
         else:
             init_method = tcp_init_method("127.0.0.1", get_open_port())
-        mp_ctx = multiprocessing.get_context("spawn")
         for local_rank, rank in enumerate(self.local_ranks):
             spec = wp.WorkerSpec(config=self.config, rank=rank, local_rank=local_rank, world_size=self.world_size,
                                  local_world_size=len(self.local_ranks), distributed_init_method=init_method,
                                  endpoint=self._ipc_endpoint)
-            proc, death_writer = wp.spawn_worker(mp_ctx, spec)
+            proc = wp.spawn_worker(spec)
             self._procs[rank] = proc
-            self._death_writers.append(death_writer)
             self._poller.register(proc.sentinel, zmq.POLLIN)
 
     def _wait_for_ranks(self) -> None:
@@ -358,8 +354,8 @@ class MultiprocExecutor(Executor):
             if proc.is_alive():
                 proc.kill()
                 proc.join(_SHUTDOWN_GRACE_S)
-        for writer in self._death_writers:
-            writer.close()
+        for proc in self._procs.values():
+            proc.close()
         if self._started:
             if self._monitor is not None:
                 self._router.disable_monitor()

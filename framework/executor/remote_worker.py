@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import multiprocessing
 import os
 import signal
 import socket
@@ -99,11 +98,10 @@ def run_node(master_addr: str, master_port: int, node_rank: int, executor_port: 
     monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
     sock.connect(endpoint)
     procs: list[Any] = []
-    writers: list[Any] = []
     previous = _install_signal_handlers()
     try:
         reply = _join(sock, node_rank, endpoint, join_timeout_s)
-        procs, writers = _start_ranks(reply, node_rank, endpoint, model)
+        procs = _start_ranks(reply, node_rank, endpoint, model)
         return _supervise(procs, monitor, endpoint)
     except JoinError as exc:
         logger.error("%s", exc)
@@ -113,8 +111,6 @@ def run_node(master_addr: str, master_port: int, node_rank: int, executor_port: 
         return 130
     finally:
         _stop(procs)
-        for writer in writers:
-            writer.close()
         sock.disable_monitor()
         monitor.close(linger=0)
         sock.close(linger=0)
@@ -138,7 +134,7 @@ def _join(sock: zmq.Socket, node_rank: int, endpoint: str, timeout_s: float) -> 
     return reply
 
 
-def _start_ranks(reply: dict[str, Any], node_rank: int, endpoint: str, model: str | None) -> tuple[list, list]:
+def _start_ranks(reply: dict[str, Any], node_rank: int, endpoint: str, model: str | None) -> list[Any]:
     from sparrow.config import EngineConfig
 
     config = EngineConfig.model_validate_json(reply["config"])
@@ -148,16 +144,13 @@ def _start_ranks(reply: dict[str, Any], node_rank: int, endpoint: str, model: st
     topology = NodeTopology(nnodes=nnodes, node_rank=node_rank)
     ranks = topology.node_ranks(world_size)
     logger.info("node %d: starting ranks %d..%d of %d", node_rank, ranks[0], ranks[-1], world_size)
-    mp_ctx = multiprocessing.get_context("spawn")
-    procs, writers = [], []
+    procs = []
     for local_rank, rank in enumerate(ranks):
         spec = wp.WorkerSpec(config=config, rank=rank, local_rank=local_rank, world_size=world_size,
                              local_world_size=len(ranks), distributed_init_method=reply["init_method"],
                              endpoint=endpoint)
-        proc, writer = wp.spawn_worker(mp_ctx, spec)
-        procs.append(proc)
-        writers.append(writer)
-    return procs, writers
+        procs.append(wp.spawn_worker(spec))
+    return procs
 
 
 def _supervise(procs: list[Any], monitor: zmq.Socket, endpoint: str) -> int:
@@ -197,6 +190,7 @@ def _stop(procs: list[Any]) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(_EXIT_GRACE_S)
+        proc.close()
 
 
 def _install_signal_handlers() -> dict[int, Any]:

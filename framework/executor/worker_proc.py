@@ -21,7 +21,6 @@ others speak only when they fail.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import signal
 import socket
@@ -37,6 +36,7 @@ import msgspec
 import zmq
 
 from sparrow.config import EngineConfig
+from sparrow.engine.launch import ChildProcess, start_process
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def set_heartbeats(sock: zmq.Socket) -> None:
 
 @dataclass(slots=True, frozen=True)
 class WorkerSpec:
-    """Everything a rank process needs; pickled into the spawned child."""
+    """Everything a rank process needs; pickled into the child process."""
 
     config: EngineConfig
     rank: int
@@ -95,19 +95,15 @@ class WorkerSpec:
     endpoint: str  # the executor's ROUTER socket
 
 
-def spawn_worker(mp_ctx: Any, spec: WorkerSpec) -> tuple[multiprocessing.process.BaseProcess, Connection]:
-    """Start ``spec``'s rank; returns the process and the write end of its death pipe.
+def spawn_worker(spec: WorkerSpec) -> ChildProcess:
+    """Start ``spec``'s rank in a fresh interpreter (``sparrow.engine.launch``: the user's main
+    module is never imported again).
 
-    The rank watches the pipe's read end: the OS closes the write end when the caller's process
-    dies, however it dies (SIGKILL included), and the rank exits instead of lingering.
+    The rank watches its death pipe: the OS closes the write end when the caller's process dies,
+    however it dies (SIGKILL included), and the rank exits instead of lingering. Closing the
+    returned process (``close()``) closes that end too.
     """
-    death_reader, death_writer = mp_ctx.Pipe(duplex=False)
-    # daemon: multiprocessing also terminates the rank when the caller exits normally.
-    proc = mp_ctx.Process(target=run_worker, args=(spec, death_reader), name=f"SparrowWorker-{spec.rank}",
-                          daemon=True)
-    proc.start()
-    death_reader.close()
-    return proc, death_writer
+    return start_process(run_worker, name=f"SparrowWorker-{spec.rank}", args=(spec,))
 
 
 def run_worker(spec: WorkerSpec, death_pipe: Connection | None = None) -> None:
@@ -128,7 +124,8 @@ def run_worker(spec: WorkerSpec, death_pipe: Connection | None = None) -> None:
     try:
         proc = WorkerProc(spec, sock)
     except Exception:  # noqa: BLE001 - start-up failures go back to the executor with their traceback
-        logger.exception("worker rank %d failed to start", spec.rank)
+        # The executor raises it with this traceback, up to the frontend: logged once, there.
+        logger.debug("worker rank %d failed to start", spec.rank, exc_info=True)
         sock.send_multipart([FAILURE, encode_seq(0), msgspec.msgpack.encode(["H", traceback.format_exc()])])
         exit_code = 1
     else:

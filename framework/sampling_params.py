@@ -69,6 +69,69 @@ def _bool(field: str, value: Any) -> bool:
     return False  # unreachable
 
 
+class StructuredOutputsParams(
+    msgspec.Struct, omit_defaults=True, array_like=True, kw_only=True,  # type: ignore[call-arg]
+    forbid_unknown_fields=True,
+):
+    """Constrain a request's output to a grammar (vLLM's fields; exactly one is set).
+
+    ``json``: a JSON schema (a dict, or its JSON text); ``json_object``: any JSON object;
+    ``regex``: the whole output matches it; ``choice``: the output is one of these strings;
+    ``grammar``: an EBNF grammar (GBNF style, with a ``root`` rule). Checked here for shape; the
+    frontend compiles the grammar before the request reaches the engine core (see
+    ``sparrow.structured_output.check``), so a bad schema, regex or grammar is a ValueError
+    naming the field there.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        import json as json_module
+
+        chosen = [name for name in STRUCTURED_OUTPUT_KINDS
+                  if getattr(self, name) is not None and getattr(self, name) is not False]
+        if len(chosen) != 1:
+            got = " and ".join(chosen) if chosen else "none"
+            raise ValueError(f"StructuredOutputsParams: exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)} "
+                             f"must be set, got {got}")
+        if isinstance(self.json, str):
+            try:
+                schema = json_module.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got "
+                                 f"{type(schema).__name__}")
+        elif self.json is not None and not isinstance(self.json, Mapping):
+            raise ValueError(f"structured_outputs.json must be a dict or a JSON string, got {type(self.json).__name__}")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be True when set, got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, (str, bytes)) or not isinstance(self.choice, Sequence) or not self.choice:
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+            for index, text in enumerate(self.choice):
+                if not isinstance(text, str) or not text:
+                    raise ValueError(f"structured_outputs.choice[{index}] must be a non-empty string, got {text!r}")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: json, json_object, regex, choice or grammar."""
+        return next(name for name in STRUCTURED_OUTPUT_KINDS
+                    if getattr(self, name) is not None and getattr(self, name) is not False)
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
 def _token_ids(field: str, values: Any) -> list[int]:
     # Any iterable of integers (a list, a tuple, a numpy array), never a string or a dict.
     if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
@@ -112,6 +175,8 @@ class SamplingParams(
     allowed_token_ids: list[int] | None = None
     # Filled in by the input processor from the model's generation config; appended last.
     all_stop_token_ids: list[int] | None = None
+    # Constrained decoding (JSON schema, regex, choice, grammar); appended after the fields above.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -150,6 +215,8 @@ class SamplingParams(
             self.all_stop_token_ids = _token_ids("all_stop_token_ids", self.all_stop_token_ids)
         if self.logit_bias is not None:
             self._check_logit_bias()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            _fail("structured_outputs", "must be a StructuredOutputsParams", self.structured_outputs)
 
     def _check_stop(self) -> None:
         stop = self.stop

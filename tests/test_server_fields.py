@@ -120,12 +120,9 @@ def assert_400(call, param: str, *phrases: str) -> dict:
 # -- refused fields -----------------------------------------------------------------------------
 COMPLETION_REFUSED = [
     ({"no_such_field": 1}, "no_such_field", "unknown field"),
-    ({"guided_json": {"type": "object"}}, "guided_json", "not supported yet"),
-    ({"guided_regex": "[a-z]+"}, "guided_regex", "not supported yet"),
-    ({"guided_choice": ["a", "b"]}, "guided_choice", "not supported yet"),
-    ({"guided_grammar": "root ::= 'a'"}, "guided_grammar", "not supported yet"),
-    ({"structured_outputs": {"json": {}}}, "structured_outputs", "not supported yet"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "not supported yet"),
+    ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend", "not supported yet"),
+    ({"structural_tag": "{}"}, "structural_tag", "not supported yet"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format", "not supported yet"),
     ({"bad_words": ["the"]}, "bad_words", "not supported yet"),
     ({"best_of": 3}, "best_of", "not supported yet"),
     ({"suffix": "The end."}, "suffix", "not supported yet"),
@@ -133,14 +130,12 @@ COMPLETION_REFUSED = [
     ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, "stream_options", "stream"),
 ]
 CHAT_REFUSED = [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format",
-     "not supported yet"),
+    ({"response_format": {"type": "xml"}}, "response_format", "not supported yet"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported yet"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice",
      "not supported yet"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"functions": [{"name": "f"}]}, "functions", "not supported yet"),
-    ({"guided_json": {"type": "object"}}, "guided_json", "not supported yet"),
     ({"documents": [{"title": "a", "text": "b"}]}, "documents", "not supported yet"),
     ({"messages": [{"role": "user", "content": "hi", "colour": "red"}]}, "messages[0].colour", "unknown field"),
     ({"stream": True, "stream_options": {"include_usage": True, "typo": 1}}, "stream_options", "unknown field"),

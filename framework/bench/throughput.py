@@ -49,6 +49,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--repeats", type=int, default=1, help="runs of the engine (the median is reported)")
     p.add_argument("--result-file", default="bench-results/throughput.json", help="JSON report path ('' for none)")
     p.add_argument("--engine-args", default="{}", help='JSON dict of extra engine arguments, e.g. \'{"max_num_seqs": 64}\'')
+    p.add_argument("--structured-outputs", choices=("none", "json"), default="none",
+                   help="json: constrain every request to a JSON array of strings too long to end before its "
+                   "max_tokens, so outputs are as long as unconstrained ones (structured outputs' overhead)")
     p.add_argument("--preset", choices=("cpu", "gpu"), default="cpu",
                    help="gpu: Qwen3-0.6B-shaped random bf16 model, 256 requests, lengths 100-1024, temperature 0.6")
     p.set_defaults(func=run)
@@ -139,8 +142,13 @@ def run_engine(model_path: str, workload, args, engine_args: dict) -> dict[str, 
     prompts = [{"prompt_token_ids": prompt} for prompt, _ in workload]
     # The GPU model's vocabulary is wider than its small tokenizer: no text, only token ids.
     detokenize = args.preset != "gpu"
+    structured = None
+    if getattr(args, "structured_outputs", "none") == "json":
+        from sparrow.sampling_params import StructuredOutputsParams
+
+        structured = StructuredOutputsParams(json={"type": "array", "items": {"type": "string"}, "minItems": 1000})
     params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=args.temperature, seed=args.seed + i,
-                             detokenize=detokenize) for i, (_, m) in enumerate(workload)]
+                             detokenize=detokenize, structured_outputs=structured) for i, (_, m) in enumerate(workload)]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     times = []
     for _ in range(args.repeats):

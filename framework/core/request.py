@@ -21,6 +21,8 @@ class FinishReason(enum.IntEnum):
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     WAITING_FOR_REMOTE_KVS = enum.auto()
+    # Waiting for its grammar to compile (structured outputs); skipped by admission until then.
+    WAITING_FOR_GRAMMAR = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after PREEMPTED is finished.
@@ -54,7 +56,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
         "priority", "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
         "max_tokens", "stop_reason", "block_hashes", "kv_transfer_params", "_output_token_ids",
-        "_all_token_ids", "client_index",
+        "_all_token_ids", "client_index", "structured_output",
     )
 
     def __init__(
@@ -89,6 +91,10 @@ class Request:
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.client_index = client_index
+        # The request's grammar state (structured outputs), or None. Duck-typed so that the
+        # scheduler needs no xgrammar (nor torch): ``is_ready()``, ``accept_tokens(token_ids) ->
+        # bool`` and ``is_terminated()`` (see sparrow.structured_output.manager).
+        self.structured_output: Any = None
 
     # -- progress ---------------------------------------------------------------------------
     @property

@@ -10,9 +10,10 @@ from typing import Any
 
 from sparrow.config import EngineConfig
 from sparrow.core.kv_cache_manager import KVCacheManager
-from sparrow.core.request import Request, RequestStatus
+from sparrow.core.request import FinishReason, Request, RequestStatus
+from sparrow.core.sched.output import SchedulerOutput
 from sparrow.core.sched.interface import SchedulerInterface
-from sparrow.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from sparrow.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from sparrow.executor import Executor, make_executor
 from sparrow.kv_transfer import KVConnectorRole, build_connector
 from sparrow.plugins import get_plugin_manager, get_registry
@@ -44,6 +45,9 @@ class EngineCore:
         # None when the model directory cannot tell (fake executors in tests): token ids are then
         # checked for sign only.
         self.vocab_size = model_vocab_size(config.model.model)
+        # Structured outputs: built on the first constrained request (it loads the tokenizer).
+        self._structured_output: Any = None
+        self._grammar_pending: dict[str, Request] = {}  # req_id -> request whose grammar compiles
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -62,8 +66,14 @@ class EngineCore:
             kv_transfer_params=request.kv_transfer_params,
             client_index=request.client_index,
         )
+        if request.sampling_params.structured_outputs is not None:
+            core_request.structured_output = self.structured_output_manager().new_request(
+                request.sampling_params.structured_outputs)
+            core_request.status = RequestStatus.WAITING_FOR_GRAMMAR
         try:
             self.scheduler.add_request(core_request)
+            if core_request.structured_output is not None:
+                self._grammar_pending[core_request.request_id] = core_request
         except ValueError:
             raise  # the interface's rejection: raised before the scheduler kept anything
         except Exception:
@@ -83,20 +93,78 @@ class EngineCore:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        failed = self._fail_uncompiled_grammars() if self._grammar_pending else []
         if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.monotonic())
+            return EngineCoreOutputs(outputs=failed, scheduler_stats=self.scheduler.make_stats(),
+                                     timestamp=time.monotonic())
         scheduler_output = self._schedule(scheduler=self.scheduler)
         if scheduler_output is None:
             raise RuntimeError("no plugin answered sparrow_schedule")
         if scheduler_output.total_num_scheduled_tokens == 0:
-            # Nothing fits this step (e.g. waiting on remote KV, or a plugin vetoed every
-            # allocation): yield the CPU briefly instead of spinning the busy loop.
+            # Nothing fits this step (e.g. waiting on remote KV or on a grammar's compile, or a
+            # plugin vetoed every allocation): yield the CPU briefly instead of spinning.
             time.sleep(0.001)
-            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats(), timestamp=time.monotonic())
+            return EngineCoreOutputs(outputs=failed, scheduler_stats=self.scheduler.make_stats(),
+                                     timestamp=time.monotonic())
+        if self._structured_output is not None:
+            self._attach_grammar_bitmask(scheduler_output)
         model_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
+        return EngineCoreOutputs(outputs=failed + outputs, scheduler_stats=self.scheduler.make_stats(),
                                  timestamp=time.monotonic())
+
+    # -- structured outputs -----------------------------------------------------------------
+    def structured_output_manager(self) -> Any:
+        if self._structured_output is None:
+            from sparrow.engine.setup import model_eos_token_ids
+            from sparrow.structured_output.manager import StructuredOutputManager
+
+            model = self.config.model
+            if self.vocab_size is None or not model.tokenizer:
+                raise ValueError("structured outputs need the model's vocabulary size and tokenizer, "
+                                 "which this engine core could not read")
+            self._structured_output = StructuredOutputManager(
+                model.tokenizer, vocab_size=self.vocab_size,
+                stop_token_ids=model_eos_token_ids(model.model) if model.model else [],
+                any_whitespace=model.structured_outputs_any_whitespace,
+                max_num_reqs=self.config.scheduler.max_num_seqs)
+        return self._structured_output
+
+    def _fail_uncompiled_grammars(self) -> list[EngineCoreOutput]:
+        """Finish, with an error output each, the requests whose grammar failed to compile (the
+        frontend parses every grammar first, so this is rare: a compile-only failure, or a
+        client that skipped the frontend)."""
+        failed: list[EngineCoreOutput] = []
+        for req_id, request in list(self._grammar_pending.items()):
+            if not request.structured_output.done():
+                continue
+            del self._grammar_pending[req_id]
+            message = request.structured_output.error()
+            if message is None or request.is_finished():
+                continue
+            self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+            failed.append(EngineCoreOutput(request_id=req_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
+                                           error_message=message))
+        return failed
+
+    def _attach_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:
+        """Fill the bitmask of every constrained request that samples a token this step (a
+        prompt chunk that stops short of the end samples nothing and needs no row)."""
+        requests = getattr(self.scheduler, "requests", {})
+        req_ids: list[str] = []
+        grammars = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = requests.get(req_id)
+            if request is None or request.structured_output is None:
+                continue
+            # schedule() counted this step's tokens as computed already.
+            if request.num_computed_tokens < request.num_tokens:
+                continue
+            req_ids.append(req_id)
+            grammars.append(request.structured_output)
+        if grammars:
+            scheduler_output.structured_output_request_ids = req_ids
+            scheduler_output.grammar_bitmask = self._structured_output.fill_bitmask(grammars)
 
     # -- utilities (callable by name from the frontend) -------------------------------------
     def reset_prefix_cache(self) -> bool:
@@ -113,6 +181,8 @@ class EngineCore:
         return self.executor.collective_rpc(method, args, kwargs)
 
     def shutdown(self) -> None:
+        if self._structured_output is not None:
+            self._structured_output.shutdown()
         self.executor.shutdown()
 
 

@@ -345,6 +345,12 @@ class InputProcessor:
                 if token_id >= self.vocab_size:
                     raise ValueError(f"{field_name}: token id {token_id} is outside the vocabulary "
                                      f"[0, {self.vocab_size}) ({name})")
+        if params.structured_outputs is not None:
+            # Parsed here, so that a bad schema, regex or grammar is the caller's ValueError (a
+            # 400) and never reaches the engine core; xgrammar is imported only when used.
+            from sparrow.structured_output.grammar import check_structured_outputs
+
+            check_structured_outputs(params.structured_outputs)
         eos_ids = [] if params.ignore_eos else self.eos_token_ids
         stop_token_ids = _dedupe(stop_token_ids + eos_ids[1:])
         return params.clone(

@@ -69,6 +69,9 @@ class SamplingMetadata:
     # Per row, how many top logprobs it asked for (None = no logprobs); max over rows or None.
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None
+    # Structured outputs: (rows [G] int64, bitmask [G, ceil(V / 32)] int32) where bit j of word w
+    # allows token 32 * w + j in that row; None when no row samples under a grammar this step.
+    grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def step_seed(seed: int, position: int) -> int:
@@ -234,7 +237,10 @@ class SamplingTensors:
         self._rows = []
         for row, p in enumerate(params):
             seed = p.seed if p.seed is not None and p.temperature >= _SAMPLING_EPS else None
-            stop_ids = _stop_ids(p, self.vocab_size) if p.min_tokens > 0 else frozenset()
+            # A grammar decides where a constrained output ends: masking EOS below min_tokens
+            # where the grammar allows only EOS would leave the row nothing to sample.
+            enforce_min_tokens = p.min_tokens > 0 and p.structured_outputs is None
+            stop_ids = _stop_ids(p, self.vocab_size) if enforce_min_tokens else frozenset()
             if seed is not None or stop_ids:
                 self._rows.append(_RowStepInfo(row, seed, p.min_tokens, stop_ids))
         seeded = [info.row for info in self._rows if info.seed is not None]

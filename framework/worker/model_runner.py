@@ -29,7 +29,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class StepInputs:
     """One step's flat inputs; host arrays are numpy, device tensors torch."""
 
-    __slots__ = ("input_ids", "positions", "metadata", "num_scheduled", "logits_indices", "complete_rows")
+    __slots__ = ("input_ids", "positions", "metadata", "num_scheduled", "logits_indices", "complete_rows",
+                 "grammar_bitmask")
 
     def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                  num_scheduled: np.ndarray, logits_indices: torch.Tensor, complete_rows: np.ndarray) -> None:
@@ -39,6 +40,8 @@ class StepInputs:
         self.num_scheduled = num_scheduled  # [num_reqs] new tokens per row
         self.logits_indices = logits_indices  # [num_reqs] flat index of each row's last token
         self.complete_rows = complete_rows  # [num_reqs] bool: the row samples a token this step
+        # Structured outputs: (rows [G] int64, bitmask [G, ceil(V / 32)] int32) on the device, or None.
+        self.grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -85,6 +88,7 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0 or self.batch.num_reqs == 0:
             return ModelRunnerOutput()
         inputs = self.prepare_inputs(scheduler_output)
+        inputs.grammar_bitmask = self.grammar_bitmask(scheduler_output)
         connector_meta = scheduler_output.kv_connector_metadata
         if self.kv_connector is not None and connector_meta is not None:
             self.kv_connector.start_load_kv(self.kv_connector_meta(connector_meta))
@@ -168,6 +172,16 @@ class ModelRunner:
             complete_rows=complete_rows,
         )
 
+    def grammar_bitmask(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The engine core's bitmask rows (in its request order) placed at this batch's rows."""
+        if not so.structured_output_request_ids or so.grammar_bitmask is None:
+            return None
+        # A writable copy: torch refuses to wrap the read-only view np.frombuffer gives of bytes.
+        words = np.frombuffer(so.grammar_bitmask, dtype=np.int32).reshape(len(so.structured_output_request_ids), -1).copy()
+        rows = np.fromiter((self.batch.req_id_to_row[req_id] for req_id in so.structured_output_request_ids),
+                           dtype=np.int64, count=len(so.structured_output_request_ids))
+        return self.to_device(rows), self.to_device(words)
+
     def padded_num_tokens(self, num_tokens: int) -> int:
         """The step's token count after padding (subclasses bucket it); no padding here."""
         return num_tokens
@@ -190,6 +204,7 @@ class ModelRunner:
                                                [s.prompt_token_ids for s in batch.states])
             self._sampling_version = batch.version
         sampling_metadata = self.sampling_tensors.metadata([s.output_token_ids for s in batch.states])
+        sampling_metadata.grammar_bitmask = inputs.grammar_bitmask
         sampler_output = self.sampler(logits, sampling_metadata)
         sampled = self.agree_on_sampled(sampler_output.sampled_token_ids).tolist()
         logprobs_rows = sampler_output.logprobs_lists()

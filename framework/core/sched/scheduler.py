@@ -8,6 +8,7 @@ is preempted first). Pure Python: no torch.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -19,6 +20,8 @@ from sparrow.core.sched.output import CachedRequestData, NewRequestData, Schedul
 from sparrow.core.sched.stop import check_stop
 from sparrow.engine.messages import EngineCoreOutput, SchedulerStats
 from sparrow.worker.outputs import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
 
 # allocate_slots(kv_cache_manager=, request=, num_new_tokens=, num_new_computed_tokens=,
 #                new_computed_blocks=) -> KVCacheBlocks | None   (the sparrow_allocate_slots hook)
@@ -193,8 +196,16 @@ class Scheduler(SchedulerInterface):
         if not preempted_this_step:
             if self.sort_waiting and len(self.waiting) > 1:
                 self.waiting = deque(sorted(self.waiting, key=self.waiting_key))
+            # Requests whose grammar is still compiling step aside for this step, keeping their
+            # place in the queue, so that they block nobody.
+            skipped: list[Request] = []
             while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
+                if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                    if not request.structured_output.is_ready():
+                        skipped.append(self.waiting.popleft())
+                        continue
+                    request.status = RequestStatus.WAITING
                 computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request, record_stats=False)
                 num_external = 0
                 if self.kv_connector is not None:
@@ -223,6 +234,7 @@ class Scheduler(SchedulerInterface):
                 scheduled_new.append(request)
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 token_budget -= num_new_tokens
+            self.waiting.extendleft(reversed(skipped))
 
         output = SchedulerOutput(
             scheduled_new_reqs=[self._new_request_data(r) for r in scheduled_new],
@@ -270,6 +282,8 @@ class Scheduler(SchedulerInterface):
                 request.append_output_token_ids(token_id)
                 new_token_ids.append(token_id)
                 status, stop_reason = check_stop(request, token_id, self.max_model_len)
+                if status is None and request.structured_output is not None:
+                    status = _advance_grammar(request, token_id)
                 if status is not None:
                     request.status, request.stop_reason = status, stop_reason
                     break
@@ -303,6 +317,19 @@ class Scheduler(SchedulerInterface):
         self.num_preemptions = 0
         self.num_external_computed_tokens = 0
         return stats
+
+
+def _advance_grammar(request: Request, token_id: int) -> RequestStatus | None:
+    """Feed an accepted token to the request's grammar matcher; FINISHED_STOPPED once the grammar
+    has reached its end (the token was a stop token the grammar allowed there: with ignore_eos,
+    an EOS check_stop let through)."""
+    grammar = request.structured_output
+    if not grammar.accept_tokens(request.request_id, [token_id]):
+        # The bitmask allowed only what the matcher accepts, so this is a bug, not the user's
+        # input. The matcher keeps its state: the next mask still follows the grammar.
+        logger.error("request %s: grammar rejected sampled token %d", request.request_id, token_id)
+        return None
+    return RequestStatus.FINISHED_STOPPED if grammar.is_terminated() else None
 
 
 def _allocate_directly(kv_cache_manager: KVCacheManager, request: Request, num_new_tokens: int,

@@ -100,7 +100,15 @@ class SamplingFields(OpenAIBaseModel):
     return_tokens_as_token_ids: bool = Field(
         False, description="Logprob tokens as 'token_id:N', so that tokens decoding to the same text stay apart.")
     response_format: dict[str, Any] | None = Field(
-        None, description="Only {'type': 'text'} (the default); structured outputs are not supported yet.")
+        None, description="{'type': 'text'} (the default), {'type': 'json_object'}, or {'type': 'json_schema', "
+        "'json_schema': {'name': ..., 'schema': {...}}}: the output is JSON (matching the schema).")
+    # Structured outputs, vLLM's ways (at most one of these and response_format's JSON types).
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's: exactly one of json (a schema), json_object, regex, choice, grammar (EBNF).")
+    guided_json: str | dict[str, Any] | None = Field(None, description="vLLM's older form: a JSON schema.")
+    guided_regex: str | None = Field(None, description="vLLM's older form: the output matches this regex.")
+    guided_choice: list[str] | None = Field(None, description="vLLM's older form: the output is one of these.")
+    guided_grammar: str | None = Field(None, description="vLLM's older form: an EBNF grammar.")
 
 
 # -- completions ------------------------------------------------------------------------------

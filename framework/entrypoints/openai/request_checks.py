@@ -3,8 +3,8 @@
 A client that asks for JSON output or a tool call and silently gets free text is worse off than
 one told "not supported". So, beyond the fields the endpoints implement:
 
-- fields of features not built yet (structured outputs, tool calling, beam search, ...) are a 400
-  saying "not supported yet";
+- fields of features not built yet (tool calling's deprecated forms, beam search, ...) are a 400
+  saying "not supported yet" (structured outputs are checked in ``structured_outputs.py``);
 - any other unknown field is a 400 saying "unknown field";
 - a few fields that common clients send and that change nothing a client can see here are
   accepted and ignored (``IGNORED_FIELDS``; on messages, ``IGNORED_MESSAGE_FIELDS`` when empty);
@@ -31,10 +31,9 @@ IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "parallel_tool_
 # Keys of assistant messages as OpenAI returns them; clients send those turns back verbatim.
 IGNORED_MESSAGE_FIELDS = frozenset({"refusal", "annotations", "audio", "function_call"})
 
-_STRUCTURED = "structured outputs (constrained decoding)"
+_GUIDED = "this guided decoding option (structured outputs take guided_json, guided_regex, guided_choice, guided_grammar)"
 NOT_SUPPORTED_YET: dict[str, str] = {
-    "structured_outputs": _STRUCTURED,
-    "structural_tag": _STRUCTURED,
+    "structural_tag": "structural tags (structured outputs with tags)",
     "functions": "function calling (the deprecated form of tools)",
     "function_call": "function calling (the deprecated form of tool_choice)",
     "bad_words": "bad_words",
@@ -53,7 +52,7 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "cache_salt": "cache_salt",
     "vllm_xargs": "vllm_xargs",
 }
-_GUIDED_PREFIX = "guided_"  # guided_json, guided_regex, guided_choice, guided_grammar, ...
+_GUIDED_PREFIX = "guided_"  # guided_decoding_backend, guided_whitespace_pattern, ... (the four are fields)
 _MESSAGE_KEY = re.compile(r"messages\[\d+\](?:\.[^.\[]+)?")
 _TOP_LEVEL = re.compile(r"[^.\[]+")
 
@@ -92,13 +91,12 @@ def check_unicode(request: BaseModel) -> None:
 
 
 def check_fields(request: BaseModel) -> None:
-    """Refuse unknown and not-yet-supported fields, at any depth, and response formats other than
-    text. Fields the request models declare are the endpoints' to honour."""
+    """Refuse unknown and not-yet-supported fields, at any depth, and unsupported response format
+    types. Fields the request models declare are the endpoints' to honour."""
+    from sparrow.entrypoints.openai.structured_outputs import check_response_format
+
     _check_extras(request, "", top_level=True)
-    response_format = getattr(request, "response_format", None)
-    if response_format is not None and response_format.get("type", "text") != "text":
-        raise not_supported("response_format", f"response_format of type {response_format.get('type')!r}",
-                            f" ({_STRUCTURED}); only {{'type': 'text'}} is")
+    check_response_format(getattr(request, "response_format", None))
     options = getattr(request, "stream_options", None)
     if options is not None and options.continuous_usage_stats and not options.include_usage:
         raise RequestFieldError("stream_options: continuous_usage_stats needs include_usage to be true",
@@ -115,7 +113,7 @@ def _check_extras(model: BaseModel, path: str, *, top_level: bool = False) -> No
         if name in NOT_SUPPORTED_YET:
             raise not_supported(field, NOT_SUPPORTED_YET[name])
         if name.startswith(_GUIDED_PREFIX):
-            raise not_supported(field, _STRUCTURED)
+            raise not_supported(field, _GUIDED)
         raise RequestFieldError(f"{field}: unknown field (check its spelling; the API reference lists the "
                                 f"fields this server implements)", param_of(field), code="unknown_field")
     for name in type(model).model_fields:

@@ -174,10 +174,12 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", "BadRequestError",
                            param="top_logprobs", code="invalid_value")
+        structured_outputs = await self.structured_outputs(request)
         prompt = await self.off_loop(render_prompt, self.engine.input_processor, request, default_param="messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        params = self.sampling_params(request, max_tokens=max_tokens, logprobs=logprobs, stream=bool(request.stream))
+        params = self.sampling_params(request, max_tokens=max_tokens, logprobs=logprobs, stream=bool(request.stream),
+                                      structured_outputs=structured_outputs)
         request_id = self.new_request_id()
         streams = await self.submit(request_id, [prompt], params, request.priority)
         reply = Reply.of(request, len(prompt["prompt_token_ids"]))

@@ -160,6 +160,7 @@ class OpenAIServingCompletion(OpenAIServing):
                            param="max_tokens", code="invalid_value")
         if request.best_of is not None and request.best_of != request.n:
             raise field_error(not_supported("best_of", "best_of other than n (returning the best of several samples)"))
+        structured_outputs = await self.structured_outputs(request)
         prompts = await self.off_loop(tokenize_prompts, self.engine.input_processor, request, default_param="prompt")
         # echo with max_tokens=0 scores the prompt: one token is generated and dropped, as vLLM does.
         echo_only = echo and request.max_tokens == 0
@@ -168,7 +169,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs = request.logprobs  # echoed prompt tokens carry their logprobs too
         params = self.sampling_params(request, max_tokens=1 if echo_only else request.max_tokens,
                                       logprobs=request.logprobs, stream=bool(request.stream),
-                                      prompt_logprobs=prompt_logprobs)
+                                      prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs)
         request_id = self.new_request_id()
         streams = await self.submit(request_id, prompts, params, request.priority)
         n = request.n

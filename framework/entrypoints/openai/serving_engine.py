@@ -18,8 +18,9 @@ from sparrow.engine.exceptions import EngineDeadError, EngineShutdownError
 from sparrow.engine.input_processor import check_text
 from sparrow.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_fields
+from sparrow.entrypoints.openai.structured_outputs import GUIDED_FIELDS, structured_outputs_of
 from sparrow.outputs import RequestOutput
-from sparrow.sampling_params import RequestOutputKind, SamplingParams
+from sparrow.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -154,9 +155,18 @@ class OpenAIServing:
         except ValueError as exc:
             raise bad_request(exc, default_param=default_param) from None
 
+    async def structured_outputs(self, request: SamplingFields) -> StructuredOutputsParams | None:
+        """The request's structured outputs, parsed off the event loop (the first parse imports
+        xgrammar); a 400 naming the field when they are invalid."""
+        if (request.response_format is None or request.response_format.get("type", "text") == "text") and all(
+                getattr(request, name) is None for name in ("structured_outputs", *GUIDED_FIELDS)):
+            return None
+        return await self.off_loop(structured_outputs_of, request)
+
     @staticmethod
     def sampling_params(request: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                        stream: bool, prompt_logprobs: int | None = None) -> SamplingParams:
+                        stream: bool, prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         try:
             return SamplingParams(
                 n=request.n,
@@ -182,6 +192,7 @@ class OpenAIServing:
                 allowed_token_ids=request.allowed_token_ids,
                 # A stream sends what is new; a full response needs only the end.
                 output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+                structured_outputs=structured_outputs,
             )
         except ValueError as exc:
             raise bad_request(exc) from None

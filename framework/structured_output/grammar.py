@@ -1,0 +1,107 @@
+"""From ``StructuredOutputsParams`` to an xgrammar ``Grammar``: the one place that knows how each
+kind (json, json_object, regex, choice, grammar) becomes a grammar.
+
+Used twice: by the frontend, which parses every request's grammar before it is sent (a bad schema,
+regex or grammar is a ValueError naming the field, and never reaches the engine core), and by the
+engine core, which compiles it against the tokenizer. Parsing needs no tokenizer and takes well
+under a millisecond for the schemas clients send; compiling is the expensive half (see
+``manager.py``).
+
+xgrammar imports torch, so this module is imported lazily and never from ``sparrow.core``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from sparrow.sampling_params import StructuredOutputsParams
+
+# xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: "; the client needs the rest.
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+def grammar_key(params: StructuredOutputsParams) -> str:
+    """A string naming the grammar exactly: the compile cache's key. Two requests with the same
+    key get the same compiled grammar (a dict schema is keyed by its canonical JSON)."""
+    kind = params.kind
+    value: Any = getattr(params, kind)
+    if kind == "json" and not isinstance(value, str):
+        value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    elif kind == "choice":
+        value = json.dumps(value, separators=(",", ":"))
+    elif kind == "json_object":
+        value = ""
+    return f"{kind}:{value}"
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """``root ::= "a" | "b"``: a JSON string literal is a valid EBNF string literal in xgrammar."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def build_grammar(params: StructuredOutputsParams, *, any_whitespace: bool = False) -> Any:
+    """The xgrammar ``Grammar`` for ``params``; ValueError naming the field when it is invalid.
+
+    JSON kinds allow no free whitespace unless ``any_whitespace``: separators are exactly ", " and
+    ": " and nothing else may come between tokens, so that a weak model cannot emit whitespace
+    until max_tokens (xgrammar's own default allows any amount).
+    """
+    import xgrammar
+
+    kind = params.kind
+    try:
+        if kind == "json":
+            schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+            return xgrammar.Grammar.from_json_schema(json.dumps(_strict_string_lengths(schema)),
+                                                     any_whitespace=any_whitespace)
+        if kind == "json_object":
+            return xgrammar.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+        if kind == "regex":
+            return xgrammar.Grammar.from_regex(params.regex)
+        if kind == "choice":
+            return xgrammar.Grammar.from_ebnf(choice_ebnf(params.choice or []))
+        return xgrammar.Grammar.from_ebnf(params.grammar)
+    except (RuntimeError, ValueError) as exc:
+        message = _CPP_PREFIX.sub("", str(exc)).strip()
+        raise ValueError(f"structured_outputs.{kind} is invalid: {message}") from None
+
+
+# JSON string characters that need no escape: anything but '"', '\\' and the control characters.
+_PLAIN_JSON_CHAR = r'[^"\\\x00-\x1f]'
+_MAX_REWRITTEN_LENGTH = 100
+
+
+def _strict_string_lengths(schema: Any) -> Any:
+    r"""``schema`` with every length-bounded string rewritten as an equivalent pattern.
+
+    xgrammar (0.2.x) turns ``{"type": "string", "maxLength": n}`` into ``n`` characters of
+    ``[^"\\\r\n]``, which lets raw control characters (a vertical tab, say) into the string:
+    invalid JSON that ``json.loads`` and pydantic reject. A pattern of plain JSON characters with
+    the same bounds keeps the output valid (escape sequences are then not generated). Bounds past
+    ``_MAX_REWRITTEN_LENGTH`` are left as they are (xgrammar cannot compile that pattern)."""
+    if isinstance(schema, list):
+        return [_strict_string_lengths(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rewritten = {key: _strict_string_lengths(value) for key, value in schema.items()}
+    if rewritten.get("type") != "string" or {"pattern", "format", "enum", "const"} & set(rewritten):
+        return rewritten
+    if not {"minLength", "maxLength"} & set(rewritten):
+        return rewritten  # unbounded strings are xgrammar's strict JSON strings already
+    low, high = rewritten.get("minLength", 0), rewritten.get("maxLength")
+    bounds = [low] if high is None else [low, high]
+    # Small integer bounds only: xgrammar fails to compile counted repetitions much past 100, and
+    # leaves other values for xgrammar to report.
+    if all(type(bound) is int and 0 <= bound <= _MAX_REWRITTEN_LENGTH for bound in bounds):
+        rewritten.pop("minLength", None)
+        rewritten.pop("maxLength", None)
+        rewritten["pattern"] = f"^{_PLAIN_JSON_CHAR}{{{low},{'' if high is None else high}}}$"
+    return rewritten
+
+
+def check_structured_outputs(params: StructuredOutputsParams | None) -> None:
+    """Raise ValueError naming the field when ``params`` holds a grammar xgrammar cannot parse."""
+    if params is not None:
+        build_grammar(params)

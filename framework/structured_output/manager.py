@@ -1,0 +1,162 @@
+"""The engine core's side of structured outputs: compile grammars off the step loop, keep one
+matcher per request, and fill the step's token bitmask.
+
+Shape of one step (``EngineCore.step``)::
+
+    schedule()                      requests still compiling (WAITING_FOR_GRAMMAR) are skipped
+    fill_bitmask(scheduled rows)    one pass: one int32 row per constrained request that samples
+    execute_model(...)              the sampler masks those rows (sparrow.sample.sampler)
+    update_from_output(...)         the scheduler feeds each accepted token to the matcher
+
+Compiling runs in a thread pool (xgrammar releases the GIL while it compiles), with a cache keyed
+by the grammar (``grammar.grammar_key``): the same schema sent twice compiles once, and two
+requests sent together share one compile. The tokenizer and the compiler are built on the first
+structured request, in the pool too, so an engine that never sees one pays nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from sparrow.sampling_params import StructuredOutputsParams
+from sparrow.structured_output.grammar import build_grammar, grammar_key
+
+logger = logging.getLogger(__name__)
+
+_BITS_PER_WORD = 32
+
+
+class StructuredOutputRequest:
+    """One request's grammar: its compile (a shared future) and, once compiled, its own matcher.
+
+    The scheduler sees it as ``request.structured_output`` and calls only :meth:`is_ready`,
+    :meth:`accept_tokens` and :meth:`is_terminated`. A resumed request (preempted and recomputed)
+    keeps its matcher: recomputing rebuilds KV for tokens the matcher has already accepted, and no
+    token is sampled twice, so nothing rolls back.
+    """
+
+    __slots__ = ("key", "_compiled", "_matcher")
+
+    def __init__(self, key: str, compiled: Future) -> None:
+        self.key = key
+        self._compiled = compiled
+        self._matcher: Any = None
+
+    def is_ready(self) -> bool:
+        """True once the grammar compiled (the matcher is then built); False while compiling or
+        when compiling failed (the engine core fails the request, see :meth:`error`)."""
+        if self._matcher is not None:
+            return True
+        if not self._compiled.done() or self._compiled.exception() is not None:
+            return False
+        import xgrammar
+
+        self._matcher = xgrammar.GrammarMatcher(self._compiled.result())
+        return True
+
+    def done(self) -> bool:
+        return self._compiled.done()
+
+    def error(self) -> str | None:
+        """Why compiling failed, once it has; None while compiling or after a success."""
+        if not self._compiled.done():
+            return None
+        exc = self._compiled.exception()
+        return None if exc is None else str(exc)
+
+    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
+        for token_id in token_ids:
+            if not self._matcher.accept_token(token_id):
+                return False
+        return True
+
+    def is_terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+    def fill(self, bitmask: Any, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class StructuredOutputManager:
+    """Owned by the engine core: the compile pool, the compiled-grammar cache and the bitmask.
+
+    ``tokenizer_path``: loaded on first use; ``vocab_size``: the logits' width (the model's, which
+    may exceed the tokenizer's: the extra ids are never allowed); ``stop_token_ids``: the ids a
+    grammar may end with (EOS and the generation config's); ``any_whitespace``: let JSON grammars
+    put any whitespace between tokens (off: compact JSON only).
+    """
+
+    def __init__(self, tokenizer_path: str, *, vocab_size: int, stop_token_ids: list[int],
+                 any_whitespace: bool = False, max_workers: int = 2, cache_size: int = 256,
+                 max_num_reqs: int = 256) -> None:
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size
+        self.stop_token_ids = stop_token_ids
+        self.any_whitespace = any_whitespace
+        self.cache_size = cache_size
+        self.max_num_reqs = max_num_reqs
+        self.num_words = -(-vocab_size // _BITS_PER_WORD)
+        self._pool: ThreadPoolExecutor | None = None
+        self._max_workers = max_workers
+        self._lock = threading.Lock()  # guards the cache; never held while compiling
+        self._compiler_lock = threading.Lock()  # the first compile builds the compiler under it
+        self._compiler: Any = None
+        self._cache: OrderedDict[str, Future] = OrderedDict()  # grammar key -> compiled grammar
+        self._bitmask: Any = None  # int32 [max_num_reqs, num_words], reused every step
+
+    # -- compiling --------------------------------------------------------------------------
+    def new_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
+        """Start compiling ``params``' grammar (or reuse the cached compile); never blocks."""
+        key = grammar_key(params)
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is None:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="GrammarCompile")
+                compiled = self._pool.submit(self._compile, params)
+                self._cache[key] = compiled
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+        return StructuredOutputRequest(key, compiled)
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        grammar = build_grammar(params, any_whitespace=self.any_whitespace)
+        return self._get_compiler().compile_grammar(grammar)
+
+    def _get_compiler(self) -> Any:
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar
+
+                from sparrow.engine.setup import load_tokenizer
+
+                tokenizer = load_tokenizer(self.tokenizer_path)
+                stop_token_ids = list(self.stop_token_ids)
+                if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stop_token_ids:
+                    stop_token_ids.insert(0, tokenizer.eos_token_id)
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop_token_ids or None)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=self._max_workers)
+            return self._compiler
+
+    # -- every step -------------------------------------------------------------------------
+    def fill_bitmask(self, grammars: list[StructuredOutputRequest]) -> bytes:
+        """The allowed-token bitmask of ``grammars`` (ready ones), one int32 row each in this
+        order, as the bytes ``SchedulerOutput.grammar_bitmask`` carries."""
+        import xgrammar
+
+        if self._bitmask is None or self._bitmask.shape[0] < len(grammars):
+            self._bitmask = xgrammar.allocate_token_bitmask(max(self.max_num_reqs, len(grammars)), self.vocab_size)
+        for row, grammar in enumerate(grammars):
+            grammar.fill(self._bitmask, row)
+        return self._bitmask[: len(grammars)].numpy().tobytes()
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

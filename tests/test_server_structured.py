@@ -1,0 +1,136 @@
+"""Structured outputs through `sparrow serve`: the real `openai` client with response_format
+(json_schema, json_object), the SDK's parse() with a pydantic model, vLLM's structured_outputs
+field and the legacy guided_* fields, streamed and not; every bad input is a 400 naming its field.
+One server on 127.0.0.1 with the random-weight test model; schemas are bounded so every output
+fits in max_tokens and must end with "stop"."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.test_server import MODEL_NAME, PROMPT, Server
+
+MESSAGES = [{"role": "user", "content": "Describe a pet as JSON."}]
+MAX_TOKENS = 120
+PET_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "age": {"type": "integer", "minimum": 0, "maximum": 30},
+    "kind": {"enum": ["cat", "dog", "fish"]},
+    "toys": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2}},
+    "required": ["name", "age", "kind", "toys"], "additionalProperties": False}
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=6)
+    age: int = Field(ge=0, le=30)
+    kind: Literal["cat", "dog", "fish"]
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, tmp_path_factory):
+    srv = Server(qwen3_dir, tmp_path_factory.mktemp("structured-logs") / "server.log")
+    yield srv
+    srv.stop()
+    assert srv.proc.returncode == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return server.client()
+
+
+def json_schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema, "strict": True}}
+
+
+def test_chat_json_schema_streamed_and_not(client):
+    for temperature in (0.0, 1.0):
+        response = client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, temperature=temperature, seed=3, max_completion_tokens=MAX_TOKENS,
+            n=2, response_format=json_schema_format(PET_SCHEMA))
+        for choice in response.choices:
+            assert choice.finish_reason == "stop", choice.message.content
+            jsonschema.validate(json.loads(choice.message.content), PET_SCHEMA)
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, temperature=1.0, seed=4, max_completion_tokens=MAX_TOKENS, stream=True,
+        response_format=json_schema_format(PET_SCHEMA))
+    text, finish = "", None
+    for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    assert finish == "stop"
+    jsonschema.validate(json.loads(text), PET_SCHEMA)
+
+
+def test_sdk_parse_returns_a_pydantic_object(client):
+    parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+    for seed in (1, 2, 3):
+        completion = parse(model=MODEL_NAME, messages=MESSAGES, temperature=1.0, seed=seed,
+                           max_completion_tokens=MAX_TOKENS, response_format=Pet)
+        pet = completion.choices[0].message.parsed
+        assert isinstance(pet, Pet) and 0 <= pet.age <= 30 and len(pet.name) <= 6
+        assert completion.choices[0].finish_reason == "stop"
+
+
+def test_json_object_is_a_json_object(client, qwen3_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
+    # A random model rarely closes an open-ended object by itself: biasing the braces makes the
+    # shortest object likely, and the grammar makes anything else still valid JSON.
+    braces = {str(tokenizer.convert_tokens_to_ids(token)): 100 for token in ("{", "}") if token in tokenizer.get_vocab()}
+    assert braces
+    response = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=0.0,
+                                              max_completion_tokens=MAX_TOKENS, logit_bias=braces,
+                                              response_format={"type": "json_object"})
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(json.loads(choice.message.content), dict)
+
+
+@pytest.mark.parametrize("extra, check", [
+    ({"guided_regex": r"[a-z]{1,6}@(foo|bar)\.com"}, lambda text: re.fullmatch(r"[a-z]{1,6}@(foo|bar)\.com", text)),
+    ({"guided_choice": ["yes", "no"]}, lambda text: text in ("yes", "no")),
+    ({"guided_grammar": 'root ::= "(" [0-9] [0-9]? ")"'}, lambda text: re.fullmatch(r"\(\d\d?\)", text)),
+    ({"guided_json": PET_SCHEMA}, lambda text: jsonschema.validate(json.loads(text), PET_SCHEMA) is None),
+    ({"structured_outputs": {"choice": ["left", "right"]}}, lambda text: text in ("left", "right")),
+    ({"structured_outputs": {"regex": "[0-9]{3}"}}, lambda text: re.fullmatch("[0-9]{3}", text)),
+    ({"response_format": json_schema_format(PET_SCHEMA)},
+     lambda text: jsonschema.validate(json.loads(text), PET_SCHEMA) is None),
+])
+def test_completions_honour_every_way_to_ask(client, extra, check):
+    for stream in (False, True):
+        response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, temperature=1.0, seed=5,
+                                             max_tokens=MAX_TOKENS, stream=stream, extra_body=extra)
+        chunks = list(response) if stream else [response]
+        text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+        finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1]
+        assert finish == "stop" and check(text), text
+
+
+@pytest.mark.parametrize("extra, param, phrase", [
+    ({"response_format": json_schema_format({"type": "no-such-type"})}, "response_format", "invalid"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
+    ({"guided_regex": "([a-z]"}, "guided_regex", "invalid"),
+    ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar", "invalid"),
+    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"guided_choice": []}, "guided_choice", "non-empty"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs", "not supported"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "only one"),
+])
+def test_bad_structured_outputs_are_400_naming_the_field(client, extra, param, phrase):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=4, extra_body=extra)
+    error = info.value.body
+    assert error["param"] == param and phrase in error["message"], error
+    # The server carries on.
+    ok = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 2

@@ -1,0 +1,278 @@
+"""Structured outputs offline: every constrained output is valid and ends with "stop", under a
+random-weight model, at temperature 1.0 and greedy, in a batch that forces preemption and chunked
+prefill; unconstrained neighbours are untouched. One module-scoped engine with a small KV cache.
+
+Schemas are bounded (maxLength, maxItems, enums, integer ranges, small patterns), so every output
+the grammar allows fits in max_tokens: a request that does not finish with "stop" is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from sparrow import LLM
+from sparrow.core.request import Request, RequestStatus
+from sparrow.sample.sampler import apply_grammar_bitmask
+from sparrow.sampling_params import SamplingParams, StructuredOutputsParams
+from sparrow.structured_output.grammar import build_grammar, check_structured_outputs, grammar_key
+from sparrow.worker.outputs import ModelRunnerOutput
+from tests.test_scheduler import make_engine, make_request
+
+MAX_TOKENS = 160  # above the longest output any grammar below allows
+SCHEMAS = {
+    "nested": {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "id": {"type": "integer", "minimum": 0, "maximum": 999}},
+            "required": ["name", "id"], "additionalProperties": False},
+        "ok": {"type": "boolean"}}, "required": ["user", "ok"], "additionalProperties": False},
+    "array": {"type": "object", "properties": {
+        "xs": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5},
+               "minItems": 1, "maxItems": 4}}, "required": ["xs"], "additionalProperties": False},
+    "enum": {"type": "object", "properties": {
+        "color": {"enum": ["red", "green", "blue"]}, "size": {"type": "string", "enum": ["S", "M", "L"]}},
+        "required": ["color", "size"], "additionalProperties": False},
+    "pattern": {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2}$"}},
+                "required": ["code"], "additionalProperties": False},
+}
+REGEX = r"[a-z]{1,8}@(foo|bar)\.(com|org)"
+CHOICES = ["yes", "no", "maybe so"]
+GRAMMAR = '''root ::= "(" expr ")"
+expr ::= num | num op num
+op ::= "+" | "-"
+num ::= [0-9] | [0-9] [0-9]'''
+GRAMMAR_REGEX = r"\((\d{1,2}|\d{1,2}[+-]\d{1,2})\)"
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    # 20 blocks of 16 tokens for a batch needing several times that: requests are preempted and
+    # recomputed; a 48-token budget splits the longer prompts into chunks.
+    engine = LLM(qwen3_dir, multiprocess=False, dtype="float32", max_model_len=256, num_kv_blocks=20,
+                 max_num_batched_tokens=48)
+    yield engine
+    engine.shutdown()
+
+
+def run(llm: LLM, prompts: list, params: list[SamplingParams]) -> tuple[list, int]:
+    """Step the engine by hand (to read the preemption counter): final outputs in order, preemptions."""
+    engine = llm.llm_engine
+    finals, num_preemptions = {}, 0
+    for index, (prompt, sampling) in enumerate(zip(prompts, params)):
+        engine.add_request(str(index), prompt, sampling)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+        num_preemptions += engine.last_stats.num_preemptions if engine.last_stats else 0
+    return [finals[str(index)] for index in range(len(prompts))], num_preemptions
+
+
+def constrained(seed: int | None, **kind) -> SamplingParams:
+    return SamplingParams(temperature=0.0 if seed is None else 1.0, seed=seed, max_tokens=MAX_TOKENS,
+                          structured_outputs=StructuredOutputsParams(**kind))
+
+
+def prompt_of(rng: random.Random, length: int) -> dict:
+    return {"prompt_token_ids": [rng.randrange(3, 4000) for _ in range(length)]}
+
+
+def check_valid(kind: str, spec, text: str) -> None:
+    if kind == "json":
+        jsonschema.validate(json.loads(text), spec)
+    elif kind == "regex":
+        assert re.fullmatch(spec, text), text
+    elif kind == "choice":
+        assert text in spec, text
+    else:
+        assert re.fullmatch(GRAMMAR_REGEX, text), text
+
+
+# -- parameters -------------------------------------------------------------------------------
+def test_exactly_one_kind_and_bad_grammars_are_value_errors_naming_the_field():
+    with pytest.raises(ValueError, match="exactly one of json, json_object, regex, choice, grammar.*got none"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="got regex and choice"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="structured_outputs.json is not valid JSON"):
+        StructuredOutputsParams(json="{not json")
+    with pytest.raises(ValueError, match=r"structured_outputs.choice\[1\]"):
+        StructuredOutputsParams(choice=["a", ""])
+    for kind, value in (("json", {"type": "no-such-type"}), ("regex", "([a-z"), ("grammar", "root ::= missing")):
+        with pytest.raises(ValueError, match=f"structured_outputs.{kind} is invalid"):
+            check_structured_outputs(StructuredOutputsParams(**{kind: value}))
+    # The cache key does not depend on a dict's key order.
+    assert grammar_key(StructuredOutputsParams(json={"a": 1, "b": 2})) == \
+        grammar_key(StructuredOutputsParams(json={"b": 2, "a": 1}))
+
+
+def test_json_grammars_allow_no_free_whitespace_unless_asked():
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    compact = build_grammar(StructuredOutputsParams(json=SCHEMAS["array"]))
+    loose = build_grammar(StructuredOutputsParams(json=SCHEMAS["array"]), any_whitespace=True)
+    assert accepts(compact, '{"xs": [1, -2]}') and accepts(loose, '{"xs": [1, -2]}')
+    for spaced in ('{ "xs": [1, -2]}', '{"xs":  [1, -2]}', '{"xs": [1,\n -2]}'):
+        assert not accepts(compact, spaced) and accepts(loose, spaced)
+    # A length-bounded string holds no raw control character (invalid JSON), however short.
+    bounded = build_grammar(StructuredOutputsParams(json=SCHEMAS["nested"]))
+    assert accepts(bounded, '{"user": {"name": "ab", "id": 7}, "ok": true}')
+    assert not accepts(bounded, '{"user": {"name": "a\x0b", "id": 7}, "ok": true}')
+    assert not accepts(bounded, '{"user": {"name": "abcdefg", "id": 7}, "ok": true}')
+
+
+# -- the scheduler's side (real scheduler, fake grammar and model output) -----------------------
+class FakeGrammar:
+    """The duck-typed interface the scheduler sees: ready when told, ends after ``length`` tokens."""
+
+    def __init__(self, length: int) -> None:
+        self.ready, self.length, self.accepted = False, length, []
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
+        self.accepted += token_ids
+        return True
+
+    def is_terminated(self) -> bool:
+        return len(self.accepted) >= self.length
+
+
+def test_request_waiting_for_its_grammar_blocks_nobody_and_finishes_when_the_grammar_ends():
+    engine, _ = make_engine()
+    scheduler = engine.scheduler
+    slow = Request("slow", list(range(1, 9)), SamplingParams(max_tokens=10, ignore_eos=True), max_tokens=10)
+    slow.structured_output, slow.status = FakeGrammar(length=2), RequestStatus.WAITING_FOR_GRAMMAR
+    scheduler.add_request(slow)
+    plain = make_request("plain", 8)
+    engine.add_request(plain)
+    first = scheduler.schedule()
+    assert list(first.num_scheduled_tokens) == ["plain"]
+    assert scheduler.waiting[0] is slow and slow.status == RequestStatus.WAITING_FOR_GRAMMAR
+    scheduler.update_from_output(first, ModelRunnerOutput(req_ids=["plain"], sampled_token_ids=[[5]]))
+    slow.structured_output.ready = True
+    second = scheduler.schedule()
+    assert set(second.num_scheduled_tokens) == {"plain", "slow"}
+    scheduler.update_from_output(second, ModelRunnerOutput(req_ids=["plain", "slow"], sampled_token_ids=[[6], [7]]))
+    third = scheduler.schedule()
+    outputs = scheduler.update_from_output(third, ModelRunnerOutput(req_ids=["plain", "slow"],
+                                                                    sampled_token_ids=[[8], [9]]))
+    done = {out.request_id: out for out in outputs if out.finished}
+    assert done["slow"].finish_reason.name == "STOP" and slow.structured_output.accepted == [7, 9]
+    assert "plain" not in done  # max_tokens 4: still running
+
+
+def test_bitmask_forbids_exactly_the_cleared_bits_of_listed_rows():
+    logits = torch.randn(3, 70)
+    allowed = torch.zeros(2, 70, dtype=torch.bool)
+    allowed[0, [0, 31, 32, 69]] = True
+    allowed[1, [5, 33]] = True
+    words = torch.zeros(2, 3, dtype=torch.int64)
+    for row in range(2):
+        for token in allowed[row].nonzero().flatten().tolist():
+            words[row, token // 32] |= 1 << (token % 32)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # bit 31 is the sign
+    masked = apply_grammar_bitmask(logits, torch.tensor([2, 0]), words)
+    assert torch.equal(masked[1], logits[1])  # not listed: untouched
+    assert torch.equal(torch.isfinite(masked[2]), allowed[0]) and torch.equal(torch.isfinite(masked[0]), allowed[1])
+    assert torch.equal(masked[2][allowed[0]], logits[2][allowed[0]])
+
+
+# -- end to end -------------------------------------------------------------------------------
+def test_every_constrained_output_is_valid_and_stops_under_preemption_and_chunking(llm):
+    rng = random.Random(0)
+    cases = [("json", schema) for schema in SCHEMAS.values()]
+    cases += [("regex", REGEX), ("choice", CHOICES), ("grammar", GRAMMAR)]
+    prompts, params, kinds = [], [], []
+    for kind, spec in cases:
+        for seed in (None, 11, 12, 13):  # greedy, then temperature 1.0
+            prompts.append(prompt_of(rng, rng.randrange(5, 90)))
+            params.append(constrained(seed, **{kind: spec}))
+            kinds.append((kind, spec))
+    # Unconstrained greedy neighbours must get exactly the tokens they get alone.
+    free_prompts = [prompt_of(rng, 30) for _ in range(3)]
+    free = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    alone = [llm.generate(p, free, use_tqdm=False)[0].outputs[0].token_ids for p in free_prompts]
+    outputs, num_preemptions = run(llm, prompts + free_prompts, params + [free] * 3)
+    assert num_preemptions > 0  # the KV cache is too small for the batch
+    for output, (kind, spec) in zip(outputs, kinds):
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", (kind, completion.text)
+        check_valid(kind, spec, completion.text)
+    assert [output.outputs[0].token_ids for output in outputs[len(prompts):]] == alone
+
+
+def test_n_logprobs_stop_strings_and_a_shared_cached_prompt(llm):
+    prompt = prompt_of(random.Random(3), 40)
+    schema = SCHEMAS["nested"]
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=MAX_TOKENS, logprobs=2,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    first = llm.generate(prompt, params, use_tqdm=False)[0]
+    again = llm.generate(prompt, params, use_tqdm=False)[0]  # same prompt: served from the prefix cache
+    assert again.num_cached_tokens > 0
+    for output in (first, again):
+        assert len(output.outputs) == 3
+        for completion in output.outputs:  # each child has its own matcher
+            assert completion.finish_reason == "stop"
+            jsonschema.validate(json.loads(completion.text), schema)
+            assert len(completion.logprobs) == len(completion.token_ids)
+            for token_id, position in zip(completion.token_ids, completion.logprobs):
+                assert token_id in position and position[token_id].logprob <= 0.0
+    assert [c.text for c in first.outputs] == [c.text for c in again.outputs]
+    # A stop string inside the grammar's language ends the request there, with "stop".
+    stopped = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40, stop=["@"],
+                                                  structured_outputs=StructuredOutputsParams(regex=REGEX)),
+                           use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and re.fullmatch(r"[a-z]{1,8}", stopped.text), stopped.text
+
+
+def test_invalid_grammar_fails_in_the_caller_and_the_engine_carries_on(llm):
+    prompt = prompt_of(random.Random(4), 10)
+    with pytest.raises(ValueError, match="structured_outputs.regex is invalid"):
+        llm.generate(prompt, SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed")),
+                     use_tqdm=False)
+    out = llm.generate(prompt, constrained(None, choice=CHOICES), use_tqdm=False)[0].outputs[0]
+    assert out.text in CHOICES and out.finish_reason == "stop"
+
+
+def test_a_grammar_that_fails_to_compile_in_the_engine_core_fails_only_its_request(qwen3_dir):
+    # A client that skips the frontend's parse (EngineCoreRequest built by hand): the core's
+    # compile fails, that request ends with an error output, the other one runs.
+    from sparrow.engine.messages import EngineCoreRequest
+
+    engine, _ = make_engine(model=qwen3_dir, tokenizer=qwen3_dir, max_model_len=256)
+
+    def request(req_id: str, **kind) -> EngineCoreRequest:
+        params = SamplingParams(max_tokens=4, ignore_eos=True, structured_outputs=StructuredOutputsParams(**kind))
+        return EngineCoreRequest(request_id=req_id, prompt_token_ids=[5, 6, 7], sampling_params=params, max_tokens=4)
+
+    engine.add_request(request("bad", regex="(unclosed"))
+    engine.add_request(request("good", choice=["yes", "no"]))
+    finished = {}
+    for _ in range(2000):
+        if not engine.has_unfinished_requests():
+            break
+        for output in engine.step().outputs:
+            if output.finished:
+                finished[output.request_id] = output
+    assert "structured_outputs.regex is invalid" in (finished["bad"].error_message or "")
+    assert finished["good"].error_message is None
+    engine.shutdown()
+
+
+def test_bitmask_kernel_and_tensor_ops_agree():
+    # The CPU path (xgrammar's kernel) against the device-agnostic one (run here on the "meta"-free
+    # CPU by calling it with float64 logits, which the kernel path does not take).
+    logits = torch.randn(5, 100)
+    words = torch.randint(-2**31, 2**31 - 1, (3, 3), dtype=torch.int32)  # 96 tokens: the last 4 are past it
+    rows = torch.tensor([4, 1, 2])
+    fast = apply_grammar_bitmask(logits, rows, words)
+    portable = apply_grammar_bitmask(logits.double(), rows, words).float()
+    assert torch.equal(fast, portable) and torch.isinf(fast[rows, 96:]).all()

@@ -226,16 +226,23 @@ def _setup_logging(rank: int) -> None:
 
 def _limit_cpu_threads(local_world_size: int) -> None:
     """Share the machine's cores between its ranks unless ``SPARROW_CPU_THREADS`` says otherwise:
-    ranks each using every core would oversubscribe the CPU and slow every collective down."""
+    ranks each using every core would oversubscribe the CPU and slow every collective down.
+
+    Through ``OMP_NUM_THREADS`` while torch is not loaded yet: importing torch here would load
+    OpenMP before the platform's worker module chooses how its threads wait (``sparrow_cpu.threads``:
+    libgomp reads that once, at load). A platform worker may set its own count later.
+    """
     if os.environ.get(ENV_CPU_THREADS):
         return
-    import torch
-
     try:
         num_cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         num_cpus = os.cpu_count() or 1
-    torch.set_num_threads(max(1, num_cpus // max(1, local_world_size)))
+    count = max(1, num_cpus // max(1, local_world_size))
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(count)
+    else:
+        os.environ.setdefault("OMP_NUM_THREADS", str(count))
 
 
 def _watch_parent(death_pipe: Connection | None) -> None:

@@ -4,10 +4,11 @@
 * element-wise layers (``native_elementwise.py``): RMSNorm, residual add + RMSNorm, rotary
   embedding and SiLU-and-mul, each one pass over memory instead of several torch ops.
 
-They are built with ``torch.utils.cpp_extension.load_inline`` (gcc, ninja) as one extension in
-torch's extension cache, keyed by the source, so a machine compiles them once (about 40 s). Each
-accessor returns None when the build is impossible (no compiler) or when its switch is off, and
-the callers then use plain torch:
+They are built with ``torch.utils.cpp_extension.load_inline`` (gcc, ninja) as one extension, in a
+directory keyed by torch, compiler, Python, CPU and source (``sparrow_cpu.kernel_build``), so each
+combination compiles them once (about 40 s) and later loads skip the build tools. Each accessor
+returns None when the build is impossible (no compiler) or when its switch is off, and the callers
+then use plain torch:
 
 * ``SPARROW_CPU_NATIVE=0``: no C++ at all;
 * ``SPARROW_CPU_NATIVE_ATTENTION=0``: torch decode attention;
@@ -21,6 +22,8 @@ import logging
 import os
 from typing import Any, Callable
 
+from sparrow_cpu.kernel_build import KernelBuild, load_kernels
+
 logger = logging.getLogger(__name__)
 
 FUNCTIONS = ["paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_neox", "silu_and_mul"]
@@ -30,24 +33,22 @@ def _enabled(variable: str) -> bool:
     return os.environ.get("SPARROW_CPU_NATIVE", "1") != "0" and os.environ.get(variable, "1") != "0"
 
 
+def kernel_build() -> KernelBuild:
+    from sparrow_cpu import native_attention, native_elementwise
+
+    return KernelBuild(name="sparrow_cpu_kernels",
+                       sources=(native_attention.SOURCE, native_elementwise.SOURCE),
+                       functions=tuple(FUNCTIONS),
+                       cflags=("-O3", "-march=native", "-fopenmp", "-ffast-math"),
+                       ldflags=("-fopenmp",))
+
+
 @functools.lru_cache(maxsize=1)
 def _load() -> Any:
     if os.environ.get("SPARROW_CPU_NATIVE", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load_inline
-
-        from sparrow_cpu import native_attention, native_elementwise
-
-        logger.info("loading the CPU C++ kernels (the first use on a machine compiles them, about 40 s)")
-        return load_inline(
-            name="sparrow_cpu_kernels",
-            cpp_sources=[native_attention.SOURCE, native_elementwise.SOURCE],
-            functions=FUNCTIONS,
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        return load_kernels(kernel_build())
     except Exception as exc:  # noqa: BLE001 - any build failure falls back to plain torch
         logger.warning("CPU C++ kernels unavailable, using plain torch: %s", exc)
         return None

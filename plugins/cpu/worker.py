@@ -1,17 +1,24 @@
-"""The CPU worker: KV cache sized from kv_cache_memory_bytes or from free RAM."""
+"""The CPU worker: thread count and OpenMP waiting (``sparrow_cpu.threads``), KV cache sized from
+kv_cache_memory_bytes or from free RAM."""
 
 from __future__ import annotations
 
 import logging
 import os
 
-import torch
+from sparrow_cpu import threads
 
-from sparrow.worker.model_runner import ModelRunner
-from sparrow.worker.worker_base import WorkerBase
+# Before torch loads in this process (the engine core imports torch here first): libgomp reads its
+# wait policy once, when it is loaded.
+OPENMP_CONFIGURED = threads.configure_openmp()
 
-from sparrow_cpu.fused import install_fused_ops
-from sparrow_cpu.gemm import pack_linear_weights
+import torch  # noqa: E402
+
+from sparrow.worker.model_runner import ModelRunner  # noqa: E402
+from sparrow.worker.worker_base import WorkerBase  # noqa: E402
+
+from sparrow_cpu.fused import install_fused_ops  # noqa: E402
+from sparrow_cpu.gemm import pack_linear_weights  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +61,23 @@ class CpuWorker(WorkerBase):
         logger.info("CPU kernels: %d linear layers packed for oneDNN, %d element-wise layers in C++", packed, fused)
 
     def init_device(self) -> None:
-        threads = os.environ.get("SPARROW_CPU_THREADS")
-        if threads:
-            torch.set_num_threads(int(threads))
+        count, source = threads.num_threads(self.engine_processes_on_machine())
+        torch.set_num_threads(count)
+        if self.rank == 0:
+            waiting = threads.wait_policy() if OPENMP_CONFIGURED else "as the caller set it before importing torch"
+            logger.info("CPU threads: %d per engine process (%s); OpenMP threads wait: %s", count, source, waiting)
         super().init_device()
+
+    def engine_processes_on_machine(self) -> int:
+        """Processes computing on this machine: data-parallel engines times local tensor-parallel ranks."""
+        parallel = self.config.parallel
+        nnodes = parallel.nnodes or int(os.environ.get("SPARROW_NNODES") or os.environ.get("NNODES") or 1)
+        return parallel.data_parallel_size * max(1, self.world_size // max(1, nnodes))
+
+    def thread_settings(self) -> dict[str, object]:
+        """What this process computes with (for tests and ``collective_rpc``)."""
+        return {"num_threads": torch.get_num_threads(), "openmp_configured_before_load": OPENMP_CONFIGURED,
+                **{name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", threads.ENV_CPU_THREADS)}}
 
     def available_kv_cache_bytes(self) -> int:
         if self.config.cache.kv_cache_memory_bytes is not None:

@@ -76,8 +76,9 @@ class CpuWorker(WorkerBase):
 
     def thread_settings(self) -> dict[str, object]:
         """What this process computes with (for tests and ``collective_rpc``)."""
+        variables = (*threads.USER_WAIT_SETTINGS, threads.ENV_CPU_THREADS)
         return {"num_threads": torch.get_num_threads(), "openmp_configured_before_load": OPENMP_CONFIGURED,
-                **{name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", threads.ENV_CPU_THREADS)}}
+                **{name: os.environ.get(name) for name in variables}}
 
     def available_kv_cache_bytes(self) -> int:
         if self.config.cache.kv_cache_memory_bytes is not None:

@@ -35,6 +35,25 @@ def _read_int(env: Mapping[str, str], names: tuple[str, ...], default: int | Non
     return default
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, on Linux)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def core_share(processes_on_machine: int) -> int:
+    """Cores per process when ``processes_on_machine`` processes compute on this machine at once:
+    each using every core would oversubscribe the CPU and slow every collective down."""
+    return max(1, usable_cores() // max(1, processes_on_machine))
+
+
+def nnodes_from_env(env: Mapping[str, str] | None = None) -> int:
+    """Machines in the tensor-parallel group as the environment says (1 when unset)."""
+    return _read_int(os.environ if env is None else env, ENV_NNODES, 1) or 1
+
+
 @dataclass(slots=True, frozen=True)
 class NodeTopology:
     nnodes: int = 1

@@ -37,6 +37,7 @@ import zmq
 
 from sparrow.config import EngineConfig
 from sparrow.engine.launch import ChildProcess, start_process
+from sparrow.executor.topology import core_share
 
 logger = logging.getLogger(__name__)
 
@@ -234,11 +235,7 @@ def _limit_cpu_threads(local_world_size: int) -> None:
     """
     if os.environ.get(ENV_CPU_THREADS):
         return
-    try:
-        num_cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        num_cpus = os.cpu_count() or 1
-    count = max(1, num_cpus // max(1, local_world_size))
+    count = core_share(local_world_size)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(count)
     else:

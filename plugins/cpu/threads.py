@@ -27,6 +27,8 @@ from __future__ import annotations
 import os
 import sys
 
+from sparrow.executor.topology import core_share, usable_cores  # torch-free: safe before torch loads
+
 ENV_CPU_THREADS = "SPARROW_CPU_THREADS"
 # Set in the engine's processes unless the user chose how OpenMP waits (any of USER_WAIT_SETTINGS).
 # libgomp: PASSIVE, then GOMP_SPINCOUNT spins before sleeping (0 when it counts more threads than
@@ -58,13 +60,6 @@ def configure_openmp() -> bool:
     return True
 
 
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def num_threads(processes_on_machine: int = 1) -> tuple[int, str]:
     """The torch thread count for one engine process, and where it comes from (for the log)."""
     value = os.environ.get(ENV_CPU_THREADS, "").strip()
@@ -74,7 +69,7 @@ def num_threads(processes_on_machine: int = 1) -> tuple[int, str]:
         return int(value), ENV_CPU_THREADS
     cores, processes = usable_cores(), max(1, processes_on_machine)
     share = f"{cores} cores" if processes == 1 else f"{cores} cores / {processes} engine processes"
-    return max(1, cores // processes), f"default: {share}; set {ENV_CPU_THREADS} to change"
+    return core_share(processes), f"default: {share}; set {ENV_CPU_THREADS} to change"
 
 
 def wait_policy() -> str:

@@ -14,6 +14,7 @@ OPENMP_CONFIGURED = threads.configure_openmp()
 
 import torch  # noqa: E402
 
+from sparrow.executor.topology import nnodes_from_env  # noqa: E402
 from sparrow.worker.model_runner import ModelRunner  # noqa: E402
 from sparrow.worker.worker_base import WorkerBase  # noqa: E402
 
@@ -71,7 +72,7 @@ class CpuWorker(WorkerBase):
     def engine_processes_on_machine(self) -> int:
         """Processes computing on this machine: data-parallel engines times local tensor-parallel ranks."""
         parallel = self.config.parallel
-        nnodes = parallel.nnodes or int(os.environ.get("SPARROW_NNODES") or os.environ.get("NNODES") or 1)
+        nnodes = parallel.nnodes or nnodes_from_env()
         return parallel.data_parallel_size * max(1, self.world_size // max(1, nnodes))
 
     def thread_settings(self) -> dict[str, object]:

@@ -149,18 +149,23 @@ def run_engine(model_path: str, workload, args, engine_args: dict) -> dict[str, 
         structured = StructuredOutputsParams(json={"type": "array", "items": {"type": "string"}, "minItems": 1000})
     params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=args.temperature, seed=args.seed + i,
                              detokenize=detokenize, structured_outputs=structured) for i, (_, m) in enumerate(workload)]
+    from sparrow.bench.machine_load import LoadMeter
+
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-    times = []
+    times, loads, meter = [], [], LoadMeter()
     for _ in range(args.repeats):
         llm.reset_prefix_cache()  # random prompts share nothing, but runs must not share either
+        meter.start()
         started = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=True)  # the bar goes to stderr
         times.append(time.perf_counter() - started)
+        loads.append(meter.stop())
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_params = llm.num_parameters()
     llm.shutdown()
     elapsed = sorted(times)[len(times) // 2]
-    return {"elapsed_s": elapsed, "all_elapsed_s": times, "output_tokens": num_output, "num_params": num_params}
+    return {"elapsed_s": elapsed, "all_elapsed_s": times, "output_tokens": num_output, "num_params": num_params,
+            "machine_load": loads}
 
 
 def run_hf(model_path: str, workload, device: str = "cpu", dtype_name: str = "float32",
@@ -249,6 +254,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "sparrow_env": {name: value for name, value in sorted(os.environ.items()) if name.startswith("SPARROW_")},
         "prompt_tokens": num_prompt_tokens, "output_tokens": engine["output_tokens"],
         "engine_elapsed_s": engine["elapsed_s"], "engine_all_elapsed_s": engine["all_elapsed_s"],
+        # Per run: cores' worth of CPU other processes and the hypervisor took (0.0 on a quiet machine).
+        "engine_machine_load": engine["machine_load"],
         "engine_output_tok_s": engine["output_tokens"] / engine["elapsed_s"],
         "engine_total_tok_s": total_tokens / engine["elapsed_s"],
         "num_params": engine["num_params"], "matmul_flops": flops,
@@ -323,6 +330,15 @@ def print_table(result: dict[str, Any]) -> None:
             rows.append(("speed-up vs HF (same workload)", f"{result['speedup_vs_hf']:.2f}x"))
         else:
             rows.append(("vs HF", "not compared: HF ran a subset (drop --hf-num-prompts for a ratio)"))
+    loads = [load for load in result.get("engine_machine_load") or [] if load is not None]
+    if loads:
+        busiest = max(loads, key=lambda load: load["others_cores"] + load["steal_cores"])
+        rows.insert(3, ("other load (cores, busiest run)",
+                        f"{busiest['others_cores']:.2f} other processes, {busiest['steal_cores']:.2f} stolen"))
+    if len(result.get("engine_all_elapsed_s") or []) > 1:
+        times = result["engine_all_elapsed_s"]
+        rows.insert(3, ("runs (s)", f"{len(times)}: {min(times):.2f}-{max(times):.2f}, "
+                                    f"slowest/fastest {max(times) / min(times):.2f}"))
     width = max(len(name) for name, _ in rows)
     print(f"machine: {result['machine']} {result.get('device_name', '')}  torch {result['torch']}  {result['date']}")
     for name, value in rows:

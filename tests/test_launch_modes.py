@@ -194,3 +194,40 @@ def test_start_process_refuses_what_a_child_could_not_import():
         start_process(local_target, name="Nope")
     with pytest.raises(TypeError, match="picklable"):  # fails in the caller, not in the child
         start_process(report_surroundings, name="Nope", args=(lambda: None,))
+
+
+def test_readme_quickstart_in_a_jupyter_kernel(builtin_model, tmp_path):
+    """A notebook cell: the kernel's ``__main__`` is no file at all, and the LLM outlives the cell."""
+    jupyter_client = pytest.importorskip("jupyter_client")
+    pytest.importorskip("ipykernel")
+    manager = jupyter_client.KernelManager(kernel_name="python3")
+    # The kernel runs this interpreter (the test's environment), in a scratch directory.
+    manager.kernel_spec.argv[0] = sys.executable
+    manager.start_kernel(cwd=str(tmp_path), env=dict(os.environ))
+    client = manager.client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=120)
+        printed: list[str] = []
+        errors: list[str] = []
+
+        def run_cell(code: str) -> None:
+            def on_output(msg: dict) -> None:
+                content = msg["content"]
+                if msg["msg_type"] == "stream" and content["name"] == "stdout":
+                    printed.append(content["text"])
+                elif msg["msg_type"] == "error":
+                    errors.append("\n".join(content["traceback"]))
+
+            reply = client.execute_interactive(code, timeout=_RUN_TIMEOUT_S, output_hook=on_output)
+            assert reply["content"]["status"] == "ok", "\n".join(errors)
+
+        run_cell(readme_quickstart())
+        assert "".join(printed).strip(), "the cell printed no generated text"
+        # A second cell reuses the engine the first one built.
+        printed.clear()
+        run_cell("print(len(llm.generate('Hello', SamplingParams(max_tokens=4))[0].outputs[0].token_ids))")
+        assert "".join(printed).strip() == "4"
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=False)

@@ -37,14 +37,17 @@ class TokenDecoder:
     tokenizer: Any
     # Ids that skip_special_tokens drops.
     special_ids: frozenset[int]
-    # Ids of added tokens (special or not): decoded verbatim, and separated by a space from their
-    # neighbours under spaces_between_special_tokens, as Hugging Face's Python tokenizers do.
+    # Ids of added tokens (special or not): decoded verbatim. A slow (Python) tokenizer separates
+    # them from their neighbours by a space under spaces_between_special_tokens; a fast one (and
+    # vLLM V1's detokenizer for it) never does, so the option applies to slow tokenizers only.
     added_ids: frozenset[int]
     # token strings -> text. For a fast tokenizer, its Rust decoder called directly: this runs
     # twice per token per request, and the transformers wrapper costs more than the decode.
     _tokens_to_string: Callable[[list[str]], str]
     # token id -> the token decoded on its own; filled on demand, bounded by the vocabulary.
     _single_token_texts: dict[int, str] = field(default_factory=dict)
+    # Whether spaces_between_special_tokens can apply (a slow tokenizer).
+    spaces_between_added: bool = False
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any) -> TokenDecoder:
@@ -57,7 +60,8 @@ class TokenDecoder:
             tokens_to_string = backend.decoder.decode
         else:
             tokens_to_string = tokenizer.convert_tokens_to_string
-        return cls(tokenizer, frozenset(tokenizer.all_special_ids) | flagged, added_ids, tokens_to_string)
+        return cls(tokenizer, frozenset(tokenizer.all_special_ids) | flagged, added_ids, tokens_to_string,
+                   spaces_between_added=not getattr(tokenizer, "is_fast", False))
 
     def id_to_token(self, token_id: int) -> str:
         token = self.tokenizer.convert_ids_to_tokens(token_id)
@@ -125,7 +129,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._decoder = decoder
         self._skip_special_tokens = skip_special_tokens
-        self._spaces_between_special_tokens = spaces_between_special_tokens
+        self._spaces_between_special_tokens = spaces_between_special_tokens and decoder.spaces_between_added
         self._stop = list(stop or [])
         self._include_stop_str_in_output = include_stop_str_in_output
         self._min_tokens = min_tokens

@@ -39,6 +39,34 @@ class ModelConfig(_Section):
         False, description="Structured outputs: let JSON grammars put any whitespace between tokens (the "
         "default allows only compact JSON, so that a weak model cannot emit whitespace until max_tokens; "
         "vLLM's disable_any_whitespace, inverted).")
+    reasoning_parser: str | None = Field(
+        None, description="How the model marks its reasoning: qwen3, deepseek_r1 (<think>...</think>) or a "
+        "plugin's. The server splits reasoning_content from content, and structured outputs apply only after "
+        "the reasoning ends (default: none).")
+    logits_processors: list[str] | None = Field(
+        None, description="Logits processors to enable besides the built-ins: names registered by plugins "
+        "(`sparrow plugins` lists them) or qualified names package.module:Class (default: the built-ins only).")
+
+    @field_validator("logits_processors", mode="before")
+    @classmethod
+    def _processor_names(cls, value: Any) -> Any:
+        # vLLM also takes classes: they travel to the engine's processes as "module:QualName",
+        # which must be importable there (the name is checked before any process starts).
+        if value is None:
+            return None
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise ValueError("must be a list of names or 'package.module:Class' strings (or classes)")
+        names = []
+        for item in value:
+            if isinstance(item, type):
+                if "<locals>" in item.__qualname__:
+                    raise ValueError(f"{item.__qualname__} is defined inside a function, so no other process can "
+                                     "import it; define it at module level")
+                item = f"{item.__module__}:{item.__qualname__}"
+            if not isinstance(item, str) or not item.strip():
+                raise ValueError(f"every entry must be a non-empty name or class, got {item!r}")
+            names.append(item.strip())
+        return names
 
     @field_validator("dtype")
     @classmethod

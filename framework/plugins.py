@@ -25,7 +25,8 @@ from sparrow.hookspecs import PROJECT_NAME
 logger = logging.getLogger(__name__)
 
 # The kernel's own hook implementations (default allocation, built-in architectures, connectors).
-KERNEL_PLUGINS = ("sparrow.core.default_hooks", "sparrow.models.registry", "sparrow.kv_transfer.shared_storage")
+KERNEL_PLUGINS = ("sparrow.core.default_hooks", "sparrow.models.registry", "sparrow.kv_transfer.shared_storage",
+                  "sparrow.sample.logits_processor.registration", "sparrow.entrypoints.openai.parser_hooks")
 
 
 class PluginError(RuntimeError):
@@ -97,6 +98,9 @@ class Registry:
     schedulers: dict[str, type] = field(default_factory=dict)
     kv_connectors: dict[str, type] = field(default_factory=dict)
     architectures: dict[str, str] = field(default_factory=dict)
+    logits_processors: dict[str, Any] = field(default_factory=dict)  # name -> class or "module:Class"
+    tool_parsers: dict[str, Any] = field(default_factory=dict)  # name -> class or "module:Class"
+    reasoning_parsers: dict[str, Any] = field(default_factory=dict)  # name -> class or "module:Class"
 
 
 def _collect(pm: pluggy.PluginManager, hook_name: str, make_register: Callable) -> None:
@@ -141,10 +145,26 @@ def build_registry(pm: pluggy.PluginManager) -> Registry:
             reg.architectures[architecture] = import_path
         return register
 
+    def logits_processors(plugin: str):
+        def register(name: str, processor: Any, override: bool = False) -> None:
+            claim("logits processor", name, plugin, override)
+            reg.logits_processors[name] = processor
+        return register
+
+    def parsers(kind: str, table: dict[str, Any], plugin: str):
+        def register(name: str, parser_cls: Any, override: bool = False) -> None:
+            claim(kind, name, plugin, override)
+            table[name] = parser_cls
+        return register
+
     _collect(pm, "sparrow_register_platforms", platforms)
     _collect(pm, "sparrow_register_schedulers", schedulers)
     _collect(pm, "sparrow_register_kv_connectors", connectors)
     _collect(pm, "sparrow_register_model_architectures", architectures)
+    _collect(pm, "sparrow_register_logits_processors", logits_processors)
+    _collect(pm, "sparrow_register_tool_parsers", lambda plugin: parsers("tool parser", reg.tool_parsers, plugin))
+    _collect(pm, "sparrow_register_reasoning_parsers",
+             lambda plugin: parsers("reasoning parser", reg.reasoning_parsers, plugin))
     return reg
 
 

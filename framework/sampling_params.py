@@ -177,6 +177,15 @@ class SamplingParams(
     all_stop_token_ids: list[int] | None = None
     # Constrained decoding (JSON schema, regex, choice, grammar); appended after the fields above.
     structured_outputs: StructuredOutputsParams | None = None
+    # Words that may not be generated (vLLM's semantics, see sparrow.sample.logits_processor.words);
+    # appended after the fields above, like the two that follow.
+    bad_words: list[str] | None = None
+    # bad_words as token-id sequences: filled in by the input processor from bad_words (each word
+    # with and without a leading space); ids given here directly are banned too.
+    bad_words_token_ids: list[list[int]] | None = None
+    # Per-request arguments for custom logits processors (vLLM's extra_args; the server's
+    # vllm_xargs): JSON-like values, str keys.
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -217,6 +226,20 @@ class SamplingParams(
             self._check_logit_bias()
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             _fail("structured_outputs", "must be a StructuredOutputsParams", self.structured_outputs)
+        if self.bad_words is not None:
+            self._check_bad_words()
+        if self.bad_words_token_ids is not None:
+            if isinstance(self.bad_words_token_ids, (str, bytes, Mapping)) or not isinstance(
+                    self.bad_words_token_ids, Iterable):
+                _fail("bad_words_token_ids", "must be a list of token-id lists", self.bad_words_token_ids)
+            checked = [_token_ids(f"bad_words_token_ids[{index}]", ids)
+                       for index, ids in enumerate(self.bad_words_token_ids)]
+            for index, ids in enumerate(checked):
+                if not ids:
+                    _fail(f"bad_words_token_ids[{index}]", "must hold at least one token id", ids)
+            self.bad_words_token_ids = checked
+        if self.extra_args is not None:
+            self._check_extra_args()
 
     def _check_stop(self) -> None:
         stop = self.stop
@@ -230,6 +253,31 @@ class SamplingParams(
             if not isinstance(text, str) or text == "":
                 _fail(f"stop[{index}]", "must be a non-empty string", text)
         self.stop = list(stop)
+
+    def _check_bad_words(self) -> None:
+        words = self.bad_words
+        if isinstance(words, (str, bytes, Mapping)) or not isinstance(words, Iterable):
+            _fail("bad_words", "must be a list of strings", words)
+        words = list(words)
+        for index, word in enumerate(words):
+            if not isinstance(word, str) or not word.strip():
+                _fail(f"bad_words[{index}]", "must be a string with a non-space character", word)
+        self.bad_words = words
+
+    def _check_extra_args(self) -> None:
+        if not isinstance(self.extra_args, Mapping):
+            _fail("extra_args", "must be a dict with string keys", self.extra_args)
+        for key in self.extra_args:
+            if not isinstance(key, str):
+                _fail("extra_args", "must have string keys", key)
+        # The dict travels to the engine core inside the request: what msgpack cannot carry is
+        # refused here, in the caller, rather than failing the request in the engine.
+        try:
+            msgspec.msgpack.encode(self.extra_args)
+        except (TypeError, OverflowError) as exc:
+            raise ValueError(f"SamplingParams.extra_args must hold only JSON-like values (str, int, float, "
+                             f"bool, None, lists and dicts of them): {exc}") from None
+        self.extra_args = dict(self.extra_args)
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, Mapping):

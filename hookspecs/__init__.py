@@ -102,6 +102,65 @@ def sparrow_register_model_architectures(register: Callable[..., None]) -> None:
     """
 
 
+@hookspec
+def sparrow_register_logits_processors(register: Callable[..., None]) -> None:
+    """Register logits processors by name.
+
+    When: once per process that resolves logits processors: the frontend, before any engine
+        process starts (``logits_processors`` names are checked, and enabled processors'
+        ``validate_params`` run there for each request), and every worker at start-up, where
+        each enabled processor is built once.
+    Args:
+        register: ``register(name, processor, override=False)``; ``processor`` is a class
+            implementing :class:`sparrow.sample.logits_processor.LogitsProcessor`, or its import
+            path ``"package.module:Class"`` (imported only when enabled). The built-ins
+            (allowed_token_ids, bad_words, min_tokens, logit_bias) register through this hook
+            and are always enabled; any other runs only in engines that list its name in the
+            ``logits_processors`` engine argument.
+    Returns: nothing.
+    Semantics: collecting; a name registered twice is an error naming both plugins, unless the
+        later registration passes ``override=True`` (how a plugin replaces a built-in).
+    """
+
+
+@hookspec
+def sparrow_register_tool_parsers(register: Callable[..., None]) -> None:
+    """Register tool-call parsers by name (the names ``--tool-call-parser`` accepts).
+
+    When: once per server process, when ``sparrow serve`` starts (the name is checked before the
+        model loads) and when its app is built; the chosen parser then runs in the server process
+        for every ``tool_choice: "auto"`` request.
+    Args:
+        register: ``register(name, parser_cls, override=False)``; ``parser_cls`` subclasses
+            :class:`sparrow.entrypoints.openai.tool_parsers.ToolParser` (or its import path
+            ``"package.module:Class"``). The server builds one per choice of a request,
+            ``parser_cls(tokenizer, request)``. The built-ins (hermes, llama3_json) register
+            through this hook.
+    Returns: nothing.
+    Semantics: collecting; a name registered twice is an error naming both plugins, unless the
+        later registration passes ``override=True`` (how a plugin replaces a built-in).
+    """
+
+
+@hookspec
+def sparrow_register_reasoning_parsers(register: Callable[..., None]) -> None:
+    """Register reasoning parsers by name (the names the ``reasoning_parser`` engine argument accepts).
+
+    When: once per process that resolves one: the frontend (``reasoning_parser`` is checked before
+        any engine process starts; the server builds the parser to split ``reasoning_content``)
+        and the engine core, on its first structured-output request (the parser says where the
+        reasoning ends, so the grammar applies only after it).
+    Args:
+        register: ``register(name, parser_cls, override=False)``; ``parser_cls`` subclasses
+            :class:`sparrow.entrypoints.openai.reasoning.ReasoningParser` (or its import path
+            ``"package.module:Class"``) and is built once per process as ``parser_cls(tokenizer)``.
+            The built-ins (qwen3, deepseek_r1) register through this hook.
+    Returns: nothing.
+    Semantics: collecting; a name registered twice is an error naming both plugins, unless the
+        later registration passes ``override=True``.
+    """
+
+
 # --------------------------------------------------------------------------------------------
 # Core decision hooks: called on the hot path.
 # --------------------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ MISTAKES = {
     "unknown-device": (["--device", "nosuch"], ["device", "nosuch"]),
     "zero-max-num-seqs": (["--max-num-seqs", "0"], ["max_num_seqs"]),
     "empty-prompt": (["--prompt", ""], ["prompt"]),
+    "unknown-logits-processor": (["--logits-processors", "nope"], ["logits_processors", "nope"]),
 }
 
 

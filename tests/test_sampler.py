@@ -210,10 +210,8 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
         SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[5], all_stop_token_ids=[7])
     ]
     short = metadata_for(params, output_token_ids=[[1]])
-    assert short.stop_token_ids_to_mask == {0: {5, 7}}
-    assert Sampler()(logits, short).sampled_token_ids.item() == 2
+    assert Sampler()(logits, short).sampled_token_ids.item() == 2  # 7 and 5 masked
     reached = metadata_for(params, output_token_ids=[[1, 1, 1]])
-    assert reached.stop_token_ids_to_mask == {}
     assert Sampler()(logits, reached).sampled_token_ids.item() == 7
 
     # Random rows too: the masked ids are never drawn.
@@ -323,7 +321,9 @@ def test_cached_tensors_match_a_fresh_build():
                  "frequency_penalties", "repetition_penalties", "prompt_token_ids"):
         a, b = getattr(cached, name), getattr(fresh, name)
         assert (a is None and b is None) or torch.equal(a, b), name
-    assert cached.stop_token_ids_to_mask == fresh.stop_token_ids_to_mask == {0: {2}}
+    for metadata in (cached, fresh):  # min_tokens: row 0's EOS (2) is masked, nothing else
+        masked = metadata.logits_processors.apply_non_argmax_invariant(torch.zeros(3, 50), owned=False)
+        assert torch.isinf(masked).nonzero().tolist() == [[0, 2]]
     assert cached.seeded_rows.tolist() == fresh.seeded_rows.tolist() == [2]
     assert torch.equal(cached.seeded_uniforms, fresh.seeded_uniforms)
     assert cached.num_logprobs == [None, 2, None] and cached.max_num_logprobs == 2

@@ -123,7 +123,8 @@ COMPLETION_REFUSED = [
     ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend", "not supported yet"),
     ({"structural_tag": "{}"}, "structural_tag", "not supported yet"),
     ({"response_format": {"type": "structural_tag"}}, "response_format", "not supported yet"),
-    ({"bad_words": ["the"]}, "bad_words", "not supported yet"),
+    ({"bad_words": [" "]}, "bad_words", "non-space character"),
+    ({"vllm_xargs": {"a": {"b": 1}}}, "vllm_xargs", "vllm_xargs"),
     ({"best_of": 3}, "best_of", "not supported yet"),
     ({"suffix": "The end."}, "suffix", "not supported yet"),
     ({"use_beam_search": True}, "use_beam_search", "not supported yet"),
@@ -131,9 +132,10 @@ COMPLETION_REFUSED = [
 ]
 CHAT_REFUSED = [
     ({"response_format": {"type": "xml"}}, "response_format", "not supported yet"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported yet"),
+    # tool_choice "auto" (the default with tools) needs the server's tool-parser flags, as in vLLM.
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "--enable-auto-tool-choice"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice",
-     "not supported yet"),
+     "--tool-call-parser"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"functions": [{"name": "f"}]}, "functions", "not supported yet"),
     ({"documents": [{"title": "a", "text": "b"}]}, "documents", "not supported yet"),

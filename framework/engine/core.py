@@ -68,7 +68,7 @@ class EngineCore:
         )
         if request.sampling_params.structured_outputs is not None:
             core_request.structured_output = self.structured_output_manager().new_request(
-                request.sampling_params.structured_outputs)
+                request.sampling_params.structured_outputs, request.prompt_token_ids)
             core_request.status = RequestStatus.WAITING_FOR_GRAMMAR
         try:
             self.scheduler.add_request(core_request)
@@ -127,7 +127,7 @@ class EngineCore:
                 model.tokenizer, vocab_size=self.vocab_size,
                 stop_token_ids=model_eos_token_ids(model.model) if model.model else [],
                 any_whitespace=model.structured_outputs_any_whitespace,
-                max_num_reqs=self.config.scheduler.max_num_seqs)
+                max_num_reqs=self.config.scheduler.max_num_seqs, reasoning_parser=model.reasoning_parser)
         return self._structured_output
 
     def _fail_uncompiled_grammars(self) -> list[EngineCoreOutput]:

@@ -130,6 +130,7 @@ class InputProcessor:
         vocab_size: int,
         eos_token_ids: int | Sequence[int] | None = None,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        logits_processor_classes: Sequence[type] = (),
     ) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (one prompt and one output token), got {max_model_len}")
@@ -139,6 +140,8 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
+        # The enabled logits processors: each checks every request's params (validate_params).
+        self.logits_processor_classes = list(logits_processor_classes)
         if isinstance(eos_token_ids, int):
             eos_token_ids = [eos_token_ids]
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
@@ -353,8 +356,32 @@ class InputProcessor:
             check_structured_outputs(params.structured_outputs)
         eos_ids = [] if params.ignore_eos else self.eos_token_ids
         stop_token_ids = _dedupe(stop_token_ids + eos_ids[1:])
-        return params.clone(
+        resolved = params.clone(
             max_tokens=max_tokens,
             stop_token_ids=stop_token_ids,
             all_stop_token_ids=_dedupe(eos_ids[:1] + stop_token_ids),
+            bad_words_token_ids=self._bad_words_token_ids(name, params),
         )
+        for processor_cls in self.logits_processor_classes:
+            processor_cls.validate_params(resolved)
+        return resolved
+
+    def _bad_words_token_ids(self, name: str, params: SamplingParams) -> list[list[int]] | None:
+        """The token-id sequences to ban: ``bad_words`` tokenized (vLLM's rule), then any ids given."""
+        sequences: list[list[int]] = []
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError(f"bad_words need a tokenizer, and this engine has none; pass bad_words_token_ids "
+                                 f"({name})")
+            from sparrow.sample.logits_processor.words import bad_words_token_ids
+
+            check_text("bad_words", params.bad_words)
+            sequences = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size)
+        for index, ids in enumerate(params.bad_words_token_ids or []):
+            for token_id in ids:
+                if token_id >= self.vocab_size:
+                    raise ValueError(f"bad_words_token_ids[{index}]: token id {token_id} is outside the vocabulary "
+                                     f"[0, {self.vocab_size}) ({name})")
+            if ids not in sequences:
+                sequences.append(list(ids))
+        return sequences or None

@@ -12,6 +12,9 @@ What is checked:
                            file its index names) and tokenizer files
     scheduler, device,     names the plugin registry knows (the device present on this machine);
     kv_connector           kv_role set with a connector
+    reasoning_parser       a registered reasoning parser
+    logits_processors      registered names, or 'package.module:Class' names that import here and
+                           name a logits processor class
     attention_backend      offered by the platform (its ``sparrow_attention_backend`` hook answers)
     dtype                  supported by the platform
     budgets                chunked prefill off needs max_num_batched_tokens >= max_model_len (a
@@ -90,6 +93,17 @@ def check_plugin_names(config: EngineConfig, registry: Registry) -> None:
                          f"{_registered(registry.kv_connectors)}")
         if kv.kv_role is None:
             raise _error("kv_role", "must be set (kv_producer, kv_consumer or kv_both) when kv_connector is set")
+    reasoning_parser = config.model.reasoning_parser
+    if reasoning_parser is not None and reasoning_parser not in registry.reasoning_parsers:
+        raise _error("reasoning_parser", f"unknown reasoning parser {reasoning_parser!r}; registered: "
+                     f"{_registered(registry.reasoning_parsers)}")
+    if config.model.logits_processors:
+        from sparrow.sample.logits_processor.load import LogitsProcessorLookupError, enabled_classes
+
+        try:
+            enabled_classes(config.model.logits_processors, registry)
+        except LogitsProcessorLookupError as exc:
+            raise _error("logits_processors", str(exc)) from None
 
 
 def resolve_configured_platform(device: str, registry: Registry | None = None) -> Any:

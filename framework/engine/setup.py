@@ -108,6 +108,12 @@ def build_frontend(config: EngineConfig) -> Frontend:
     model_dir = config.model.model
     tokenizer = load_tokenizer(config.model.tokenizer)
     hf_config = get_hf_config(model_dir)
+    processor_classes = []
+    if config.model.logits_processors:  # checked by the pre-flight; the built-ins need no validation
+        from sparrow.sample.logits_processor.load import enabled_classes
+
+        processor_classes = enabled_classes(config.model.logits_processors)
     input_processor = InputProcessor(tokenizer, max_model_len=config.model.max_model_len,
-                                     vocab_size=hf_config.vocab_size, eos_token_ids=model_eos_token_ids(model_dir))
+                                     vocab_size=hf_config.vocab_size, eos_token_ids=model_eos_token_ids(model_dir),
+                                     logits_processor_classes=processor_classes)
     return Frontend(tokenizer, hf_config, input_processor, OutputProcessor(tokenizer))

@@ -76,6 +76,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
                 group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
             elif get_origin(kinds[0]) is Literal:
                 group.add_argument(flag, dest=name, choices=list(get_args(kinds[0])), default=None, help=help_text)
+            elif get_origin(kinds[0]) is list:
+                group.add_argument(flag, dest=name, nargs="+", default=None, metavar="NAME", help=help_text)
             elif dict in kinds or get_origin(kinds[0]) is dict:
                 group.add_argument(flag, dest=name, type=_json_object, default=None, metavar="JSON", help=help_text)
             elif int in kinds:
@@ -181,6 +183,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     print("schedulers:", ", ".join(sorted(registry.schedulers)))
     print("kv connectors:", ", ".join(sorted(registry.kv_connectors)) or "none")
     print("architectures:", ", ".join(sorted(registry.architectures)))
+    print("logits processors:", ", ".join(sorted(registry.logits_processors)))
+    print("tool parsers:", ", ".join(sorted(registry.tool_parsers)) or "none")
+    print("reasoning parsers:", ", ".join(sorted(registry.reasoning_parsers)) or "none")
     return 0
 
 

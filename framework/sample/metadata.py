@@ -6,8 +6,9 @@ the ``Sampler`` with the step's logits. Two ways to build it:
 * ``build_sampling_metadata(...)``: from scratch, every step (simple, always correct);
 * ``SamplingTensors``: for a persistent batch. ``update_batch`` is called when the set or order of
   requests changes and rebuilds the per-request tensors; ``metadata`` is called every step and only
-  refreshes what moves with each generated token (output tokens, the min_tokens mask, the seeded
-  rows' uniforms).
+  refreshes what moves with each generated token (output tokens, the seeded rows' uniforms) and
+  passes the batch's changes to the logits processors (``sparrow.sample.logits_processor``: the
+  built-ins allowed_token_ids, bad_words, min_tokens, logit_bias, and any a plugin enables).
 
 Seeding: a seeded request must sample the same tokens whatever else is in the batch and however
 often it was preempted and recomputed. So nothing carries state from one step to the next: the
@@ -24,6 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sparrow.sample.logits_processor.interface import BatchUpdate
+from sparrow.sample.logits_processor.load import builtin_logits_processors
+from sparrow.sample.logits_processor.state import LogitsProcessors, full_update
 from sparrow.sampling_params import SamplingParams
 
 _SAMPLING_EPS = 1e-5
@@ -55,17 +59,12 @@ class SamplingMetadata:
     prompt_token_ids: torch.Tensor | None
     # Logits width; token id ``vocab_size`` is the padding of the padded id tensors.
     vocab_size: int
-    # row -> token ids that get -inf this step (EOS and stop ids of rows still below min_tokens).
-    stop_token_ids_to_mask: dict[int, set[int]] = field(default_factory=dict)
     # Seeded, non-greedy rows: [S] int64 row indices and [S] uniforms in [0, 1) (float64, see sum_dtype), one per
     # row from step_seed(seed, position) (see step_uniform); None when no row is seeded.
     seeded_rows: torch.Tensor | None = None
     seeded_uniforms: torch.Tensor | None = None
-    # logit_bias of every row as (rows [N] int64, token ids [N] int64, biases [N] float32); None
-    # when no row has one.
-    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # [B, V] bool, True where a row with allowed_token_ids may not sample; None when no row has them.
-    disallowed: torch.Tensor | None = None
+    # The worker's logits processors, already told this step's batch changes; None: none run.
+    logits_processors: LogitsProcessors | None = None
     # Per row, how many top logprobs it asked for (None = no logprobs); max over rows or None.
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None
@@ -113,12 +112,6 @@ def pad_token_ids(
     return padded.to(device, non_blocking=True)
 
 
-def _stop_ids(params: SamplingParams, vocab_size: int) -> frozenset[int]:
-    ids = set(params.stop_token_ids or ()) | set(params.all_stop_token_ids or ())
-    # Ids past the logits' width cannot be sampled anyway; dropping them keeps indexing safe.
-    return frozenset(token_id for token_id in ids if 0 <= token_id < vocab_size)
-
-
 def _static_metadata(
     params: list[SamplingParams],
     prompt_token_ids: list[list[int]],
@@ -164,45 +157,15 @@ def _static_metadata(
             else None
         ),
         vocab_size=vocab_size,
-        logit_bias=_logit_bias(params, device),
-        disallowed=_disallowed(params, vocab_size, device),
         num_logprobs=num_logprobs,
         max_num_logprobs=max(asked) if asked else None,
     )
 
 
-def _disallowed(params: list[SamplingParams], vocab_size: int, device: torch.device | str) -> torch.Tensor | None:
-    if all(p.allowed_token_ids is None for p in params):
-        return None
-    mask = torch.zeros(len(params), vocab_size, dtype=torch.bool)
-    for row, p in enumerate(params):
-        if p.allowed_token_ids is not None:
-            mask[row] = True
-            mask[row, torch.tensor(p.allowed_token_ids, dtype=torch.int64)] = False
-    return mask.to(device)
-
-
-def _logit_bias(params: list[SamplingParams], device: torch.device | str):
-    rows, token_ids, biases = [], [], []
-    for row, p in enumerate(params):
-        for token_id, bias in (p.logit_bias or {}).items():
-            rows.append(row)
-            token_ids.append(token_id)
-            biases.append(float(bias))
-    if not rows:
-        return None
-    return (torch.tensor(rows, dtype=torch.int64).to(device), torch.tensor(token_ids, dtype=torch.int64).to(device),
-            torch.tensor(biases, dtype=torch.float32).to(device))
-
-
 @dataclass(slots=True)
-class _RowStepInfo:
-    """Per-row facts the per-step refresh needs, precomputed so the refresh is a short loop."""
-
+class _SeededRow:
     row: int
-    seed: int | None  # only for non-greedy seeded rows
-    min_tokens: int
-    stop_ids: frozenset[int]
+    seed: int
 
 
 class SamplingTensors:
@@ -210,22 +173,35 @@ class SamplingTensors:
 
     Usage by a model runner::
 
-        tensors = SamplingTensors(vocab_size, device)
+        tensors = SamplingTensors(vocab_size, device, logits_processors)
         # whenever requests were added, removed or reordered:
-        tensors.update_batch(params_in_row_order, prompt_ids_in_row_order)
+        tensors.update_batch(params_in_row_order, prompt_ids_in_row_order, batch_update)
         # every step, with each row's output token list (the same list objects may be reused):
         metadata = tensors.metadata(output_ids_in_row_order)
+
+    ``batch_update`` tells the logits processors what changed (see
+    ``sparrow.sample.logits_processor.interface``); without it they are told that every row was
+    replaced, with the output lists of the next ``metadata`` call as the rows' live lists. The
+    default processors are the built-ins.
     """
 
-    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+    def __init__(self, vocab_size: int, device: torch.device | str,
+                 logits_processors: LogitsProcessors | None = None) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.logits_processors = logits_processors if logits_processors is not None else builtin_logits_processors(device)
         self._static: SamplingMetadata | None = None
-        self._rows: list[_RowStepInfo] = []
+        self._params: list[SamplingParams] = []
+        self._prompt_token_ids: list[list[int]] = []
+        self._seeded: list[_SeededRow] = []
         self._seeded_rows: torch.Tensor | None = None  # [S] int64 on the device
+        # What the processors have not been told yet: a BatchUpdate, "everything" (True) or nothing.
+        self._pending_update: BatchUpdate | bool | None = None
+        self._processor_rows = 0  # batch size the processors last saw
 
     def update_batch(
-        self, params: list[SamplingParams], prompt_token_ids: list[list[int]]
+        self, params: list[SamplingParams], prompt_token_ids: list[list[int]],
+        batch_update: BatchUpdate | None = None,
     ) -> None:
         """Rebuild the per-request tensors; call when requests join, leave or change rows."""
         if len(params) != len(prompt_token_ids):
@@ -234,16 +210,15 @@ class SamplingTensors:
                 f"{len(params)} and {len(prompt_token_ids)}"
             )
         self._static = _static_metadata(params, prompt_token_ids, self.vocab_size, self.device)
-        self._rows = []
-        for row, p in enumerate(params):
-            seed = p.seed if p.seed is not None and p.temperature >= _SAMPLING_EPS else None
-            # A grammar decides where a constrained output ends: masking EOS below min_tokens
-            # where the grammar allows only EOS would leave the row nothing to sample.
-            enforce_min_tokens = p.min_tokens > 0 and p.structured_outputs is None
-            stop_ids = _stop_ids(p, self.vocab_size) if enforce_min_tokens else frozenset()
-            if seed is not None or stop_ids:
-                self._rows.append(_RowStepInfo(row, seed, p.min_tokens, stop_ids))
-        seeded = [info.row for info in self._rows if info.seed is not None]
+        self._params, self._prompt_token_ids = list(params), list(prompt_token_ids)
+        # Two updates the processors have not seen cannot be chained: replace every row instead.
+        if batch_update is None or self._pending_update is not None:
+            self._pending_update = True
+        else:
+            self._pending_update = batch_update
+        self._seeded = [_SeededRow(row, p.seed) for row, p in enumerate(params)
+                        if p.seed is not None and p.temperature >= _SAMPLING_EPS]
+        seeded = [info.row for info in self._seeded]
         self._seeded_rows = torch.tensor(seeded, dtype=torch.int64).to(self.device) if seeded else None
 
     def metadata(self, output_token_ids: list[list[int]]) -> SamplingMetadata:
@@ -255,23 +230,23 @@ class SamplingTensors:
                 f"output_token_ids has {len(output_token_ids)} rows, the batch has "
                 f"{self._static.temperature.shape[0]}"
             )
-        stop_token_ids_to_mask: dict[int, set[int]] = {}
-        uniforms: list[float] = []
-        for info in self._rows:
-            num_output_tokens = len(output_token_ids[info.row])
-            if info.stop_ids and num_output_tokens < info.min_tokens:
-                stop_token_ids_to_mask[info.row] = set(info.stop_ids)
-            if info.seed is not None:
-                uniforms.append(step_uniform(info.seed, num_output_tokens))
+        update = self._pending_update
+        if update is True:
+            update = full_update(self._processor_rows, self._params, self._prompt_token_ids, output_token_ids)
+        self._pending_update = None
+        if update is not None:
+            self._processor_rows = update.batch_size
+        self.logits_processors.update_state(update)
+        uniforms = [step_uniform(info.seed, len(output_token_ids[info.row])) for info in self._seeded]
         seeded_uniforms = None
         if uniforms:
             seeded_uniforms = torch.tensor(uniforms, dtype=sum_dtype(self.device)).to(self.device, non_blocking=True)
         return dataclasses.replace(
             self._static,
             output_token_ids=output_token_ids,
-            stop_token_ids_to_mask=stop_token_ids_to_mask,
             seeded_rows=self._seeded_rows if uniforms else None,
             seeded_uniforms=seeded_uniforms,
+            logits_processors=self.logits_processors,
         )
 
 

@@ -3,16 +3,19 @@
 The order follows vLLM V1:
 
 1. logprobs for the output come from the raw logits (the model's own distribution);
-2. logit_bias is added, tokens outside allowed_token_ids and tokens a row's grammar forbids
-   (structured outputs) get -inf; min_tokens: EOS and stop ids of rows still short of min_tokens get -inf;
-3. penalties: repetition (prompt and output tokens), frequency and presence (output tokens only);
-4. greedy rows take the argmax of the penalised logits;
-5. random rows: temperature, min-p, top-k, top-p, then a draw from the resulting probs by
-   inverting each row's cumulative distribution at one uniform number per row: from the shared
-   generator for unseeded rows, derived from (seed, position) alone for seeded rows, so that a
-   seeded row's token depends on nothing else in the batch.
+2. tokens a row's grammar forbids (structured outputs) get -inf;
+3. the logits processors that can change the argmax (``sparrow.sample.logits_processor``): the
+   built-ins allowed_token_ids, bad_words, min_tokens (EOS and stop ids of rows short of it get
+   -inf) and logit_bias, then those a plugin enabled;
+4. penalties: repetition (prompt and output tokens), frequency and presence (output tokens only);
+5. greedy rows take the argmax of the penalised logits;
+6. random rows: temperature, the argmax-invariant logits processors, min-p, top-k, top-p, then a
+   draw from the resulting probs by inverting each row's cumulative distribution at one uniform
+   number per row: from the shared generator for unseeded rows, derived from (seed, position)
+   alone for seeded rows, so that a seeded row's token depends on nothing else in the batch.
 
-Everything is batched torch and device-agnostic, with no per-row loop or kernel launch.
+Everything but the processors is batched torch and device-agnostic, with no per-row loop or
+kernel launch; the built-in processors rebuild their index tensors only when the batch changes.
 """
 
 from __future__ import annotations
@@ -64,18 +67,18 @@ class Sampler:
                 f"logits have {logits.shape[1]} columns, metadata was built for vocab_size "
                 f"{metadata.vocab_size}"
             )
+        caller_logits = logits
         logits = logits.to(torch.float32)
         raw_logprobs = (
             logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
         )  # [B, V]
 
-        if metadata.logit_bias is not None:  # a copy: the raw logits above stay untouched
-            logits = logits.index_put(metadata.logit_bias[:2], metadata.logit_bias[2], accumulate=True)
-        if metadata.disallowed is not None:
-            logits = logits.masked_fill(metadata.disallowed, float("-inf"))
+        # Every step below returns a new tensor or works on one the sampler owns: the caller's
+        # logits (and the raw logprobs) stay untouched.
         if metadata.grammar_bitmask is not None:
             logits = apply_grammar_bitmask(logits, *metadata.grammar_bitmask)
-        logits = apply_min_tokens(logits, metadata)
+        if metadata.logits_processors is not None:
+            logits = metadata.logits_processors.apply_non_argmax_invariant(logits, owned=logits is not caller_logits)
         logits = apply_penalties(logits, metadata)
         sampled = self._sample(logits, metadata)
 
@@ -95,6 +98,8 @@ class Sampler:
         # Greedy rows divide by 1 so their (discarded) random branch stays finite.
         temperature = torch.where(greedy_rows, 1.0, metadata.temperature)
         logits = logits / temperature.unsqueeze(1)
+        if metadata.logits_processors is not None and metadata.logits_processors.argmax_invariant:
+            logits = metadata.logits_processors.apply_argmax_invariant(logits, owned=True)
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
         if metadata.top_k is not None or metadata.top_p is not None:
@@ -132,24 +137,6 @@ def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: tor
     constrained = logits.index_select(0, rows)  # [G, V]
     constrained = constrained.masked_fill(~allowed[:, :vocab_size], float("-inf"))
     return logits.index_copy(0, rows, constrained)
-
-
-def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """-inf for the EOS/stop ids of rows below min_tokens (returns a copy when it changes any)."""
-    if not metadata.stop_token_ids_to_mask:
-        return logits
-    rows: list[int] = []
-    token_ids: list[int] = []
-    for row, stop_ids in metadata.stop_token_ids_to_mask.items():
-        rows.extend([row] * len(stop_ids))
-        token_ids.extend(stop_ids)
-    logits = logits.clone()
-    index = (
-        torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True),
-        torch.tensor(token_ids, dtype=torch.int64).to(logits.device, non_blocking=True),
-    )
-    logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
-    return logits
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -37,14 +37,23 @@ class StructuredOutputRequest:
     :meth:`accept_tokens` and :meth:`is_terminated`. A resumed request (preempted and recomputed)
     keeps its matcher: recomputing rebuilds KV for tokens the matcher has already accepted, and no
     token is sampled twice, so nothing rolls back.
+
+    With a reasoning parser the grammar constrains the answer only: until the token that ends
+    the reasoning is sampled (or from the start, when the prompt already ended it), every token
+    is allowed and none is fed to the matcher. That state lives here too, so it survives
+    preemption like the matcher's.
     """
 
-    __slots__ = ("key", "_compiled", "_matcher")
+    __slots__ = ("key", "_compiled", "_matcher", "_manager", "_prompt_token_ids", "_reasoning")
 
-    def __init__(self, key: str, compiled: Future) -> None:
+    def __init__(self, key: str, compiled: Future, manager: StructuredOutputManager | None = None,
+                 prompt_token_ids: list[int] | None = None) -> None:
         self.key = key
         self._compiled = compiled
         self._matcher: Any = None
+        self._manager = manager
+        self._prompt_token_ids = prompt_token_ids  # read once, when the matcher is built
+        self._reasoning = False  # True while the model reasons: no mask, nothing fed to the matcher
 
     def is_ready(self) -> bool:
         """True once the grammar compiled (the matcher is then built); False while compiling or
@@ -56,6 +65,11 @@ class StructuredOutputRequest:
         import xgrammar
 
         self._matcher = xgrammar.GrammarMatcher(self._compiled.result())
+        # The compile loaded the tokenizer, so the reasoning parser exists by now.
+        reasoner = self._manager.reasoner if self._manager is not None else None
+        if reasoner is not None:
+            self._reasoning = not reasoner.reasoning_ended(self._prompt_token_ids or [])
+        self._prompt_token_ids = None
         return True
 
     def done(self) -> bool:
@@ -68,17 +82,29 @@ class StructuredOutputRequest:
         exc = self._compiled.exception()
         return None if exc is None else str(exc)
 
+    @property
+    def reasoning(self) -> bool:
+        """Whether the model is still reasoning (the grammar does not apply yet)."""
+        return self._reasoning
+
     def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
         for token_id in token_ids:
+            if self._reasoning:
+                # The end token itself is the reasoning's; the grammar starts with the next one.
+                self._reasoning = not self._manager.reasoner.ends_reasoning(token_id)
+                continue
             if not self._matcher.accept_token(token_id):
                 return False
         return True
 
     def is_terminated(self) -> bool:
-        return self._matcher.is_terminated()
+        return not self._reasoning and self._matcher.is_terminated()
 
     def fill(self, bitmask: Any, row: int) -> None:
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._reasoning:
+            bitmask[row].fill_(-1)  # every bit set: any token
+        else:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
 class StructuredOutputManager:
@@ -87,13 +113,17 @@ class StructuredOutputManager:
     ``tokenizer_path``: loaded on first use; ``vocab_size``: the logits' width (the model's, which
     may exceed the tokenizer's: the extra ids are never allowed); ``stop_token_ids``: the ids a
     grammar may end with (EOS and the generation config's); ``any_whitespace``: let JSON grammars
-    put any whitespace between tokens (off: compact JSON only).
+    put any whitespace between tokens (off: compact JSON only); ``reasoning_parser``: the name
+    of a registered reasoning parser, whose end-of-reasoning token starts each grammar (None:
+    grammars apply from the first token).
     """
 
     def __init__(self, tokenizer_path: str, *, vocab_size: int, stop_token_ids: list[int],
                  any_whitespace: bool = False, max_workers: int = 2, cache_size: int = 256,
-                 max_num_reqs: int = 256) -> None:
+                 max_num_reqs: int = 256, reasoning_parser: str | None = None) -> None:
         self.tokenizer_path = tokenizer_path
+        self.reasoning_parser = reasoning_parser
+        self.reasoner: Any = None  # the reasoning parser, built with the compiler
         self.vocab_size = vocab_size
         self.stop_token_ids = stop_token_ids
         self.any_whitespace = any_whitespace
@@ -109,8 +139,10 @@ class StructuredOutputManager:
         self._bitmask: Any = None  # int32 [max_num_reqs, num_words], reused every step
 
     # -- compiling --------------------------------------------------------------------------
-    def new_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
-        """Start compiling ``params``' grammar (or reuse the cached compile); never blocks."""
+    def new_request(self, params: StructuredOutputsParams,
+                    prompt_token_ids: list[int] | None = None) -> StructuredOutputRequest:
+        """Start compiling ``params``' grammar (or reuse the cached compile); never blocks.
+        ``prompt_token_ids`` tell a reasoning parser whether the prompt already ended the reasoning."""
         key = grammar_key(params)
         with self._lock:
             compiled = self._cache.get(key)
@@ -123,7 +155,7 @@ class StructuredOutputManager:
                     self._cache.popitem(last=False)
             else:
                 self._cache.move_to_end(key)
-        return StructuredOutputRequest(key, compiled)
+        return StructuredOutputRequest(key, compiled, self, prompt_token_ids)
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
         grammar = build_grammar(params, any_whitespace=self.any_whitespace)
@@ -142,6 +174,8 @@ class StructuredOutputManager:
                     stop_token_ids.insert(0, tokenizer.eos_token_id)
                 info = xgrammar.TokenizerInfo.from_huggingface(
                     tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop_token_ids or None)
+                if self.reasoning_parser is not None:
+                    self.reasoner = _build_reasoner(self.reasoning_parser, tokenizer)
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=self._max_workers)
             return self._compiler
 
@@ -160,3 +194,11 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _build_reasoner(name: str, tokenizer: Any) -> Any:
+    """The registered reasoning parser ``name``, built with the engine core's tokenizer."""
+    from sparrow.entrypoints.openai.parser_hooks import resolve_parser
+    from sparrow.plugins import get_registry
+
+    return resolve_parser("reasoning_parser", name, get_registry().reasoning_parsers)(tokenizer)

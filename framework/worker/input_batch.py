@@ -2,7 +2,9 @@
 
 Rows change only when requests join, leave, or are not scheduled in a step; each step then
 reads its inputs from these arrays with vectorised numpy indexing instead of rebuilding them from
-Python lists. Removing a row moves the last row into the hole, so rows stay dense.
+Python lists. Removing a row moves the last row into the hole, so rows stay dense; a request that
+joins is appended. ``take_batch_update`` reports the net change since its previous call to the
+logits processors (``sparrow.sample.logits_processor.interface``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sparrow.sample.logits_processor.interface import AddedRequest, BatchUpdate
+from sparrow.sample.logits_processor.state import layout_update
 from sparrow.sampling_params import SamplingParams
 
 
@@ -46,6 +50,7 @@ class InputBatch:
         self.states: list[CachedRequestState] = []  # row -> state
         # Bumped whenever rows change, so the sampling tensors know to rebuild.
         self.version = 0
+        self._reported_states: list[CachedRequestState] = []  # the layout take_batch_update last saw
 
     @property
     def num_reqs(self) -> int:
@@ -103,3 +108,15 @@ class InputBatch:
         if n < self.max_model_len:
             self.token_ids[row, n] = token_id
         self.num_tokens[row] = n + 1
+
+    def take_batch_update(self) -> BatchUpdate | None:
+        """The rows' net change since the previous call (None if none). A state object is a
+        request's identity: a request resumed after preemption has a new one, so it is reported
+        as added, with the tokens it had generated."""
+        update = layout_update(self._reported_states, self.states, _describe_added)
+        self._reported_states = list(self.states)
+        return update
+
+
+def _describe_added(row: int, state: CachedRequestState) -> AddedRequest:
+    return (row, state.sampling_params, state.prompt_token_ids, state.output_token_ids)

@@ -15,6 +15,7 @@ import torch
 from sparrow.attention import AttentionMetadata
 from sparrow.config import EngineConfig
 from sparrow.core.sched.output import SchedulerOutput
+from sparrow.sample.logits_processor.load import build_logits_processors
 from sparrow.sample.logprobs import compute_token_logprobs
 from sparrow.sample.metadata import SamplingTensors
 from sparrow.sample.sampler import Sampler
@@ -45,6 +46,9 @@ class StepInputs:
 
 
 class ModelRunner:
+    # Whether host buffers may be pinned for host-to-device copies (the logits processors ask).
+    pin_memory = False
+
     def __init__(self, config: EngineConfig, model: Any, device: torch.device, dtype: torch.dtype,
                  block_size: int, tp_rank: int = 0) -> None:
         self.config = config
@@ -59,7 +63,9 @@ class ModelRunner:
         self.vocab_size = model.vocab_size
         self.requests: dict[str, CachedRequestState] = {}  # req_id -> state, scheduled or not
         self.batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_blocks_per_req)
-        self.sampling_tensors = SamplingTensors(self.vocab_size, device)
+        # The built-in logits processors and those the configuration enables, built once.
+        self.logits_processors = build_logits_processors(config, device, self.pin_memory)
+        self.sampling_tensors = SamplingTensors(self.vocab_size, device, self.logits_processors)
         self._sampling_version = -1
         generator = torch.Generator(device=device)
         generator.manual_seed(config.model.seed)
@@ -200,8 +206,12 @@ class ModelRunner:
         num_reqs = batch.num_reqs
         logits = self.model.compute_logits(hidden_states[inputs.logits_indices])  # [num_reqs, vocab]
         if self._sampling_version != batch.version:
-            self.sampling_tensors.update_batch([s.sampling_params for s in batch.states],
-                                               [s.prompt_token_ids for s in batch.states])
+            # None: the rows changed and changed back (a request unscheduled for a step and
+            # scheduled again into its old row), so the tensors are still right.
+            batch_update = batch.take_batch_update()
+            if batch_update is not None:
+                self.sampling_tensors.update_batch([s.sampling_params for s in batch.states],
+                                                   [s.prompt_token_ids for s in batch.states], batch_update)
             self._sampling_version = batch.version
         sampling_metadata = self.sampling_tensors.metadata([s.output_token_ids for s in batch.states])
         sampling_metadata.grammar_bitmask = inputs.grammar_bitmask

@@ -26,6 +26,8 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CudaModelRunner(ModelRunner):
+    pin_memory = True
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # batch size -> captured decode forward

@@ -4,8 +4,14 @@
     GET  /metrics              Prometheus text (sparrow:* metrics)
     GET  /version              {"version": ...}
     GET  /v1/models            the served model
+    GET  /v1/models/{id}       its model card (404 model_not_found for another id)
     POST /v1/completions       text or token-id prompts; stream: true for SSE
     POST /v1/chat/completions  chat messages through the tokenizer's chat template
+    POST /tokenize             text or chat messages -> token ids, as the endpoints above tokenize them
+    POST /detokenize           token ids -> text
+    GET  /tokenizer_info       the tokenizer's configuration (special tokens, chat template, ...)
+
+Every route answers CORS preflight requests (--allowed-origins, --allowed-methods, ...).
 
 ``build_app(engine, args)`` makes the FastAPI app (tests drive it directly); ``run_server(args)``
 binds the port, builds the engine from the engine flags and serves it with uvicorn until a signal
@@ -17,14 +23,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import secrets
 import signal
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -44,10 +52,21 @@ from sparrow.entrypoints.openai.protocol import (
 from sparrow.entrypoints.openai.serving_chat import OpenAIServingChat
 from sparrow.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from sparrow.entrypoints.openai.serving_engine import APIError, engine_dead
+from sparrow.entrypoints.openai.serving_tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    OpenAIServingTokenization,
+    TokenizeResponse,
+    TokenizerInfoResponse,
+    parse_tokenize_request,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 10 * 1024 * 1024
+# Paths the API key guards besides /v1/*: the tokenizer endpoints cost input-thread time and show
+# the chat template.
+_GUARDED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 ENV_API_KEY = "SPARROW_API_KEY"
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)
@@ -65,7 +84,9 @@ class _BodyTooLarge(StarletteHTTPException):
 
 
 class RequestLimitsMiddleware:
-    """Bearer auth on /v1/* and a cap on the request body, before any route reads the body.
+    """Bearer auth on /v1/* and the tokenizer endpoints, and a cap on the request body, before
+    any route reads the body. (CORS preflight requests never get here: CORSMiddleware, outside
+    this one, answers them, as browsers send them without credentials.)
 
     The cap is checked against Content-Length up front and against the bytes actually received
     (a chunked body has no Content-Length).
@@ -81,7 +102,8 @@ class RequestLimitsMiddleware:
             await self.app(scope, receive, send)
             return
         headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
-        if self.api_key is not None and scope["path"].startswith("/v1") and not self._authorized(headers):
+        guarded = scope["path"].startswith("/v1") or scope["path"] in _GUARDED_PATHS
+        if self.api_key is not None and guarded and not self._authorized(headers):
             response = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                                       "AuthenticationError", code="invalid_api_key")
             await response(scope, receive, send)
@@ -148,8 +170,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine``. ``args`` may carry ``api_key`` and
-    ``max_request_body_bytes``; missing attributes take their defaults."""
+    """The FastAPI app serving ``engine``. ``args`` may carry ``api_key``, ``max_request_body_bytes``
+    and the CORS flags; missing attributes take their defaults."""
     from sparrow import __version__
 
     api_key = getattr(args, "api_key", None) or os.environ.get(ENV_API_KEY) or None
@@ -157,10 +179,21 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     model_names = [engine.served_model_name]
     app = FastAPI(title="Sparrow OpenAI-compatible API", version=__version__)
     app.add_middleware(RequestLimitsMiddleware, api_key=api_key, max_body_bytes=max_body)
+    # Added last, so outermost: preflights are answered before auth, and every response (a 401
+    # too) carries the CORS headers a browser needs to read it.
+    cors = {name: ["*"] if getattr(args, name, None) is None else getattr(args, name)
+            for name in ("allowed_origins", "allowed_methods", "allowed_headers")}
+    app.add_middleware(CORSMiddleware, allow_origins=cors["allowed_origins"], allow_methods=cors["allowed_methods"],
+                       allow_headers=cors["allowed_headers"],
+                       allow_credentials=bool(getattr(args, "allow_credentials", False)))
     _install_error_handlers(app)
     app.state.engine = engine
     completions = OpenAIServingCompletion(engine, model_names)
-    chat = OpenAIServingChat(engine, model_names)
+    chat = OpenAIServingChat(engine, model_names, **chat_parsers(engine, args))
+    tokenization = OpenAIServingTokenization(engine, model_names)
+
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=engine.model_config.model, max_model_len=engine.model_config.max_model_len)
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
@@ -178,8 +211,15 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERROR_RESPONSES)
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=engine.model_config.model,
-                                         max_model_len=engine.model_config.max_model_len) for name in model_names])
+        return ModelList(data=[model_card(name) for name in model_names])
+
+    # ":path": a served name may hold slashes (a model directory, "Qwen/Qwen3-0.6B").
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERROR_RESPONSES)
+    async def retrieve_model(model_id: str) -> ModelCard:
+        if model_id not in model_names:
+            raise APIError(404, f"the model {model_id!r} does not exist; served: {', '.join(model_names)}",
+                           "NotFoundError", param="model", code="model_not_found")
+        return model_card(model_id)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERROR_RESPONSES)
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -189,7 +229,55 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(request, raw_request)
 
+    # The body is one of two shapes (text or chat), told apart by its "messages" key.
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
+    async def tokenize(body: Any = Body(..., description="{prompt, add_special_tokens, return_token_strs} or "
+                                                         "{messages, add_generation_prompt, tools, ...}")
+                       ) -> TokenizeResponse:
+        return await tokenization.create_tokenize(parse_tokenize_request(body))
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        return await tokenization.create_detokenize(request)
+
+    @app.get("/tokenizer_info", response_model=TokenizerInfoResponse, responses=_ERROR_RESPONSES)
+    async def get_tokenizer_info() -> TokenizerInfoResponse:
+        return await tokenization.get_tokenizer_info()
+
     return app
+
+
+def tool_parser_class(args: argparse.Namespace | None) -> type | None:
+    """The --tool-call-parser's class (None when not set); ValueError naming the flag when the
+    name is not registered or --enable-auto-tool-choice lacks a parser."""
+    from sparrow.entrypoints.openai.parser_hooks import resolve_parser
+    from sparrow.plugins import get_registry
+
+    name = getattr(args, "tool_call_parser", None)
+    if name is None:
+        if getattr(args, "enable_auto_tool_choice", False):
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (registered: "
+                             f"{', '.join(sorted(get_registry().tool_parsers))})")
+        return None
+    try:
+        return resolve_parser("tool parser", name, get_registry().tool_parsers)
+    except ValueError as exc:
+        raise ValueError(f"--tool-call-parser: {exc}") from None
+
+
+def chat_parsers(engine: AsyncLLM, args: argparse.Namespace | None) -> dict[str, Any]:
+    """The chat endpoint's tool and reasoning parsers, from the flags and the engine's
+    reasoning_parser (built with its tokenizer, so a tokenizer without the parser's tokens
+    fails here, at start-up)."""
+    from sparrow.entrypoints.openai.parser_hooks import resolve_parser
+    from sparrow.plugins import get_registry
+
+    reasoner = None
+    name = getattr(engine.model_config, "reasoning_parser", None)
+    if name is not None:
+        reasoner = resolve_parser("reasoning_parser", name, get_registry().reasoning_parsers)(engine.tokenizer)
+    return {"tool_parser_cls": tool_parser_class(args), "reasoner": reasoner,
+            "enable_auto_tools": bool(getattr(args, "enable_auto_tool_choice", False))}
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -199,6 +287,7 @@ def run_server(args: argparse.Namespace) -> int:
     from sparrow.entrypoints.cli import engine_kwargs
     from sparrow.entrypoints.openai.lifecycle import RequestTracker, Server, bind_listeners
 
+    tool_parser_class(args)  # a wrong parser name is reported before the model loads
     kwargs = engine_kwargs(args)
     model_pos = getattr(args, "model_pos", None)
     if model_pos is not None:
@@ -241,6 +330,17 @@ def _shutdown_timeout(value: str) -> float:
     return seconds
 
 
+def _json_list(value: str) -> list[str]:
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, list) or not all(isinstance(item, str) for item in parsed):
+        raise argparse.ArgumentTypeError(f'must be a JSON list of strings, e.g. \'["https://example.com"]\', '
+                                         f'got {value!r}')
+    return parsed
+
+
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``sparrow serve [MODEL]`` with server flags and every engine argument."""
     from sparrow.entrypoints.cli import add_engine_args
@@ -269,11 +369,26 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="on SIGTERM or Ctrl+C, refuse new requests and let those in flight run this long; "
                              "then end the rest with an error (streams: an error event and [DONE]). 0 ends "
                              f"them at once, as vLLM does (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
+    server.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
+                        help='CORS: origins a browser page may call the API from, a JSON list '
+                             '(default: ["*"], any origin, as vLLM)')
+    server.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON",
+                        help='CORS: HTTP methods allowed from those origins, a JSON list (default: ["*"])')
+    server.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON",
+                        help='CORS: request headers allowed from those origins, a JSON list (default: ["*"])')
+    server.add_argument("--allow-credentials", action="store_true",
+                        help="CORS: let those origins send cookies and HTTP auth (default: off)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="log level of the HTTP server's own messages (default: info)")
     server.add_argument("--disable-access-log", action="store_true",
                         help="do not log one line per HTTP request (default: off, every request is logged)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="answer tool_choice \"auto\" (the default when a request has tools) by parsing the "
+                             "model's tool calls with --tool-call-parser (default: off, such requests are a 400)")
+    server.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                        help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json "
+                             "(Llama 3.x), or a plugin's (`sparrow plugins` lists them) (default: none)")
     add_engine_args(parser)
     parser.set_defaults(func=run_server)
     return parser

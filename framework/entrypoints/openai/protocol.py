@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -109,6 +109,12 @@ class SamplingFields(OpenAIBaseModel):
     guided_regex: str | None = Field(None, description="vLLM's older form: the output matches this regex.")
     guided_choice: list[str] | None = Field(None, description="vLLM's older form: the output is one of these.")
     guided_grammar: str | None = Field(None, description="vLLM's older form: an EBNF grammar.")
+    bad_words: list[str] | None = Field(
+        None, description="vLLM's: words never generated (each also after a space; a word of several tokens "
+        "bans its last token once the output ends with the others).")
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = Field(
+        None, description="vLLM's: per-request arguments for the engine's custom logits processors "
+        "(SamplingParams.extra_args).")
 
 
 # -- completions ------------------------------------------------------------------------------
@@ -187,6 +193,8 @@ class ChatMessage(OpenAIBaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="An assistant turn's tool calls, for the template.")
     tool_call_id: str | None = Field(None, description="A tool message's answer to this call id, for the template.")
+    reasoning_content: str | None = Field(
+        None, description="An assistant turn's reasoning as this server returned it, for templates that show it.")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -195,9 +203,14 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Tool] | None = Field(None, description="Shown to the chat template; calling them is not supported yet.")
+    tools: list[Tool] | None = Field(None, description="Functions the model may call; shown to the chat template.")
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = Field(
-        None, description="Only 'none' (tools reach the template, the reply is text) until tool calling is supported.")
+        None, description="none: a text reply; auto (the default with tools): the tool parser finds calls in the "
+        "output (needs --enable-auto-tool-choice and --tool-call-parser); required: at least one call; "
+        "{'type': 'function', 'function': {'name': ...}}: a call to that function. required and named calls are "
+        "generated under a JSON grammar, so their arguments match the tool's parameters schema.")
+    parallel_tool_calls: bool | None = Field(
+        True, description="false: at most one call per reply (required: exactly one).")
     # vLLM's chat extras
     echo: bool = Field(False, description="Put the last message's content in front of the reply when it is "
                                           "the replying role's (continuing a message).")
@@ -208,6 +221,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = Field(
         None, description="A Jinja chat template for this request instead of the tokenizer's.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra variables for the chat template.")
+    include_reasoning: bool = Field(True, description="vLLM's: with a reasoning parser, return reasoning_content "
+                                                      "(false: drop it, keep only the answer).")
 
 
 class ChatCompletionTopLogprob(OpenAIBaseModel):
@@ -227,6 +242,8 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -246,9 +263,33 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
+class _WithoutNones(OpenAIBaseModel):
+    """Serialized without its unset (None) fields: a tool-call delta after the first carries only
+    its index and argument text, so that clients which concatenate every string they get (the
+    openai SDK's stream helpers) do not add a null id or name to the call."""
+
+    @model_serializer(mode="wrap")
+    def _drop_nones(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(_WithoutNones):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_WithoutNones):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

@@ -25,9 +25,8 @@ from pydantic import BaseModel
 
 from sparrow.engine.input_processor import check_text, find_unencodable
 
-# Accepted and ignored: OpenAI bookkeeping (metadata, store, service_tier) and
-# parallel_tool_calls, which only matters once tool calls are generated.
-IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls"})
+# Accepted and ignored: OpenAI bookkeeping (metadata, store, service_tier).
+IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier"})
 # Keys of assistant messages as OpenAI returns them; clients send those turns back verbatim.
 IGNORED_MESSAGE_FIELDS = frozenset({"refusal", "annotations", "audio", "function_call"})
 
@@ -36,7 +35,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "structural_tag": "structural tags (structured outputs with tags)",
     "functions": "function calling (the deprecated form of tools)",
     "function_call": "function calling (the deprecated form of tool_choice)",
-    "bad_words": "bad_words",
     "logits_processors": "custom logits processors",
     "use_beam_search": "beam search",
     "length_penalty": "beam search",
@@ -50,7 +48,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "mm_processor_kwargs": "multimodal inputs",
     "kv_transfer_params": "KV cache transfer",
     "cache_salt": "cache_salt",
-    "vllm_xargs": "vllm_xargs",
 }
 _GUIDED_PREFIX = "guided_"  # guided_decoding_backend, guided_whitespace_pattern, ... (the four are fields)
 _MESSAGE_KEY = re.compile(r"messages\[\d+\](?:\.[^.\[]+)?")

@@ -2,8 +2,9 @@
 
 The messages reach the template as transformers' ``apply_chat_template`` expects them: ``name``,
 an assistant turn's ``tool_calls`` (their JSON ``arguments`` parsed to objects, as tool-use
-templates want them) and a tool turn's ``tool_call_id``, with the request's ``tools``. Generating
-tool calls is not supported yet, so ``tools`` are accepted only with ``tool_choice: "none"``.
+templates want them) and ``reasoning_content``, and a tool turn's ``tool_call_id``, with the
+request's ``tools``. What tool_choice asks for is resolved in ``tool_calling``; how the generated
+text becomes reasoning, answer and tool calls (whole or streamed) is ``chat_output``'s.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sparrow.engine.exceptions import EngineDeadError
+from sparrow.entrypoints.openai.chat_output import ChoiceStream, ReplyParsers
 from sparrow.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -29,11 +31,11 @@ from sparrow.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     ChatCompletionTopLogprob,
     ChatMessage,
-    ChatResponseMessage,
     DeltaMessage,
     ToolCall,
 )
-from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_unicode, not_supported
+from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_unicode
+from sparrow.entrypoints.openai.tool_calling import resolve_tool_choice, tool_structured_outputs
 from sparrow.entrypoints.openai.serving_engine import (
     APIError,
     OpenAIServing,
@@ -89,21 +91,10 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 entry["content"] = None  # a turn that only called tools, as templates expect it
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content is not None:
+            entry["reasoning_content"] = message.reasoning_content
         rendered.append(entry)
     return rendered
-
-
-def check_tools(request: ChatCompletionRequest) -> None:
-    """Tools may reach the template (tool_choice "none"); generating tool calls is not built yet."""
-    choice = request.tool_choice
-    if request.tools:
-        if choice is None:
-            raise not_supported("tools", "tool calling (tool_choice 'auto', the default when tools are given)",
-                                "; send tool_choice: 'none' to show the tools to the model and get a text reply")
-        if choice != "none":
-            raise not_supported("tool_choice", f"tool_choice {choice!r}", "; only 'none' is")
-    elif choice not in (None, "none"):
-        raise RequestFieldError(f"tool_choice: {choice!r} needs tools", "tool_choice")
 
 
 def render_prompt(input_processor: Any, request: ChatCompletionRequest) -> dict[str, Any]:
@@ -162,19 +153,33 @@ class Reply:
 
 
 class OpenAIServingChat(OpenAIServing):
+    """``tool_parser_cls``: the --tool-call-parser's class; ``enable_auto_tools``: the server runs
+    with --enable-auto-tool-choice (tool_choice "auto" needs both); ``reasoner``: the reasoning
+    parser (the engine's reasoning_parser), built with the tokenizer."""
+
     request_id_prefix = "chatcmpl"
+
+    def __init__(self, engine: Any, served_model_names: list[str], *, tool_parser_cls: type | None = None,
+                 enable_auto_tools: bool = False, reasoner: Any = None) -> None:
+        super().__init__(engine, served_model_names)
+        self.tool_parser_cls = tool_parser_cls
+        self.enable_auto_tools = enable_auto_tools and tool_parser_cls is not None
+        self.reasoner = reasoner
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         model = self.check_model(request.model)
         self.check_common(request)
         try:
-            check_tools(request)
+            tool_choice = resolve_tool_choice(request, auto_enabled=self.enable_auto_tools)
         except RequestFieldError as exc:
             raise field_error(exc) from None
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", "BadRequestError",
                            param="top_logprobs", code="invalid_value")
-        structured_outputs = await self.structured_outputs(request)
+        if tool_choice.forced:
+            structured_outputs = await self.off_loop(tool_structured_outputs, request, tool_choice)
+        else:
+            structured_outputs = await self.structured_outputs(request)
         prompt = await self.off_loop(render_prompt, self.engine.input_processor, request, default_param="messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
@@ -183,13 +188,15 @@ class OpenAIServingChat(OpenAIServing):
         request_id = self.new_request_id()
         streams = await self.submit(request_id, [prompt], params, request.priority)
         reply = Reply.of(request, len(prompt["prompt_token_ids"]))
+        parsers = ReplyParsers(request, tool_choice, prompt["prompt_token_ids"], self.engine.tokenizer,
+                               self.reasoner, self.tool_parser_cls)
         if request.stream:
-            return StreamingResponse(self._stream(request_id, model, request.n, streams[0], reply),
+            return StreamingResponse(self._stream(request_id, model, request.n, streams[0], reply, parsers),
                                      media_type="text/event-stream")
         final = await cancel_on_disconnect(raw_request, self._collect(streams[0]))
         if final is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        return JSONResponse(self._response(request_id, model, final, reply).model_dump(mode="json"))
+        return JSONResponse(self._response(request_id, model, final, reply, parsers).model_dump(mode="json"))
 
     @staticmethod
     async def _collect(stream: Any) -> RequestOutput:
@@ -226,26 +233,35 @@ class OpenAIServingChat(OpenAIServing):
             ))
         return ChatCompletionLogProbs(content=content)
 
-    def _response(self, request_id: str, model: str, final: RequestOutput, reply: Reply) -> ChatCompletionResponse:
-        choices = [
-            ChatCompletionResponseChoice(
-                index=completion.index,
-                message=ChatResponseMessage(role=reply.role, content=reply.echo + completion.text),
+    def _response(self, request_id: str, model: str, final: RequestOutput, reply: Reply,
+                  parsers: ReplyParsers) -> ChatCompletionResponse:
+        choices = []
+        for completion in final.outputs:
+            message, called = parsers.message(reply.role, reply.echo, completion.text)
+            choices.append(ChatCompletionResponseChoice(
+                index=completion.index, message=message,
                 logprobs=self._logprobs(completion.token_ids, completion.logprobs, reply),
-                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
-            for completion in final.outputs
-        ]
+                finish_reason=parsers.finish_reason(completion.finish_reason, called),
+                stop_reason=completion.stop_reason))
         completion_tokens = sum(len(completion.token_ids) for completion in final.outputs)
         return ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                       usage=usage(len(final.prompt_token_ids or []), completion_tokens))
 
-    def _stream_choice(self, completion: CompletionOutput, reply: Reply) -> ChatCompletionResponseStreamChoice:
+    def _stream_choice(self, completion: CompletionOutput, reply: Reply,
+                       choice: ChoiceStream) -> ChatCompletionResponseStreamChoice | None:
+        """The chunk's entry for this choice; None when it has nothing to send yet."""
+        finished = completion.finish_reason is not None
+        delta = choice.feed(completion.text, final=finished)
+        if delta is None and not (completion.logprobs or finished):
+            return None
         return ChatCompletionResponseStreamChoice(
-            index=completion.index, delta=DeltaMessage(content=completion.text),
+            index=completion.index, delta=delta or DeltaMessage(content=""),
             logprobs=self._logprobs(completion.token_ids, completion.logprobs, reply),
-            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+            finish_reason=choice.parsers.finish_reason(completion.finish_reason, choice.called),
+            stop_reason=completion.stop_reason)
 
-    async def _stream(self, request_id: str, model: str, n: int, stream: Any, reply: Reply) -> AsyncIterator[str]:
+    async def _stream(self, request_id: str, model: str, n: int, stream: Any, reply: Reply,
+                      parsers: ReplyParsers) -> AsyncIterator[str]:
         prompt_tokens, completion_tokens = reply.prompt_tokens, 0
         so_far = usage(prompt_tokens, 0) if reply.continuous_usage else None
         # OpenAI opens every choice with the role; an echoed message follows in the same delta.
@@ -253,14 +269,16 @@ class OpenAIServingChat(OpenAIServing):
             ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(role=reply.role, content=reply.echo))
             for index in range(n)])
         yield f"data: {first.model_dump_json()}\n\n"
+        choice_streams = [parsers.stream() for _ in range(n)]
         try:
             async for _, output in merge_streams([stream]):
                 prompt_tokens = len(output.prompt_token_ids or []) or prompt_tokens
                 choices = []
                 for completion in output.outputs:
                     completion_tokens += len(completion.token_ids)
-                    if completion.text or completion.logprobs or completion.finish_reason is not None:
-                        choices.append(self._stream_choice(completion, reply))
+                    choice = self._stream_choice(completion, reply, choice_streams[completion.index])
+                    if choice is not None:
+                        choices.append(choice)
                 if choices:
                     so_far = usage(prompt_tokens, completion_tokens) if reply.continuous_usage else None
                     chunk = ChatCompletionStreamResponse(id=request_id, model=model, choices=choices, usage=so_far)

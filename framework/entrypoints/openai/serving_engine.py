@@ -32,7 +32,7 @@ _PARAM_NAMES = {
     "repetition_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
     "prompt_logprobs", "logit_bias", "allowed_token_ids", "prompt", "prompt_token_ids", "messages", "chat_template",
     "priority", "truncate_prompt_tokens", "chat_template_kwargs", "continue_final_message", "add_generation_prompt",
-    "tools", "tool_choice", "model", "user",
+    "tools", "tool_choice", "model", "user", "bad_words", "vllm_xargs",
 }
 # A leading field name, and inside messages the message and key: "messages[1].content: ...".
 _LEADING_NAME = re.compile(r"^(?:SamplingParams\.)?([a-z_]+)(\[\d+\](?:\.[a-z_]+)?)?")
@@ -71,6 +71,8 @@ def bad_request(exc: ValueError, default_param: str | None = None) -> APIError:
         param += match.group(2)
     if param == "prompt_token_ids":
         param = "prompt"
+    elif message.startswith(("extra_args", "SamplingParams.extra_args")):  # SamplingParams' name for it
+        param = "vllm_xargs"
     return APIError(400, message, "BadRequestError", param=param, code="invalid_value")
 
 
@@ -193,6 +195,8 @@ class OpenAIServing:
                 # A stream sends what is new; a full response needs only the end.
                 output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
                 structured_outputs=structured_outputs,
+                bad_words=request.bad_words,
+                extra_args=request.vllm_xargs,
             )
         except ValueError as exc:
             raise bad_request(exc) from None

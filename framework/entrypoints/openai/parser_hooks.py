@@ -1,0 +1,38 @@
+"""The built-in tool and reasoning parsers, registered through the same hooks a plugin uses.
+
+Registered by the kernel (``sparrow.plugins.KERNEL_PLUGINS``); the parser modules are imported
+only when the registry is built, and they import neither torch nor the HTTP stack.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from sparrow.hookspecs import hookimpl
+
+
+@hookimpl
+def sparrow_register_tool_parsers(register: Callable[..., None]) -> None:
+    from sparrow.entrypoints.openai.tool_parsers import HermesToolParser, Llama3JsonToolParser
+
+    register("hermes", HermesToolParser)
+    register("llama3_json", Llama3JsonToolParser)
+
+
+@hookimpl
+def sparrow_register_reasoning_parsers(register: Callable[..., None]) -> None:
+    from sparrow.entrypoints.openai.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+
+    register("qwen3", Qwen3ReasoningParser)
+    register("deepseek_r1", DeepSeekR1ReasoningParser)
+
+
+def resolve_parser(kind: str, name: str, table: dict[str, Any]) -> type:
+    """The class registered as ``name`` in ``table`` (importing an ``"module:Class"`` entry);
+    ValueError naming ``kind`` and the registered names when there is none."""
+    from sparrow.plugins import import_object
+
+    if name not in table:
+        raise ValueError(f"unknown {kind} {name!r}; registered: {', '.join(sorted(table)) or 'none'}")
+    entry = table[name]
+    return import_object(entry) if isinstance(entry, str) else entry

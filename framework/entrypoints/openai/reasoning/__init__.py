@@ -1,0 +1,15 @@
+"""Reasoning parsers: split a model's reasoning (``reasoning_content``) from its answer.
+
+The built-in ones (``qwen3``, ``deepseek_r1``) register through ``sparrow_register_reasoning_parsers``
+like a plugin's (``sparrow.entrypoints.openai.parser_hooks``).
+"""
+
+from sparrow.entrypoints.openai.reasoning.base import ReasoningDelta, ReasoningParser, ReasoningStream
+from sparrow.entrypoints.openai.reasoning.think import (
+    DeepSeekR1ReasoningParser,
+    Qwen3ReasoningParser,
+    ThinkReasoningParser,
+)
+
+__all__ = ["DeepSeekR1ReasoningParser", "Qwen3ReasoningParser", "ReasoningDelta", "ReasoningParser",
+           "ReasoningStream", "ThinkReasoningParser"]

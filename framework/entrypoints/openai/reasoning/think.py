@@ -1,0 +1,125 @@
+"""``<think>...</think>`` reasoning, as Qwen3 and DeepSeek-R1 write it (vLLM's ``qwen3`` and
+``deepseek_r1`` parsers).
+
+Where the reasoning starts depends on the chat template, so each request looks at its prompt:
+
+    prompt's last think tag   the output starts
+    ``<think>``               inside the reasoning (DeepSeek-R1's template, Qwen3 thinking models)
+    ``</think>``              after it (Qwen3 with enable_thinking=False): all content
+    none                      with an optional ``<think>``; without one, Qwen3's output is content
+                              and DeepSeek-R1's is reasoning (R1 always reasons first)
+
+The end tag must be one token of the vocabulary (the engine core watches for its id); both tags
+must decode as text (not be skipped as special tokens), as they are in Qwen3's and R1's tokenizers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import Enum
+from typing import Any
+
+from sparrow.entrypoints.openai.markers import opens_with, partial_marker_len
+from sparrow.entrypoints.openai.reasoning.base import ReasoningDelta, ReasoningParser, ReasoningStream
+
+
+class _State(Enum):
+    OPEN = "open"  # nothing seen yet: an opening tag may come
+    REASONING = "reasoning"
+    CONTENT = "content"
+
+
+class ThinkStream(ReasoningStream):
+    """One choice's split. Text is buffered only while it may be (the start of) a tag."""
+
+    def __init__(self, start_tag: str, end_tag: str, state: _State, reasoning_first: bool) -> None:
+        self.start_tag = start_tag
+        self.end_tag = end_tag
+        self.reasoning_first = reasoning_first
+        self._state = state
+        self._buffer = ""
+        self.saw_reasoning = state is _State.REASONING
+
+    def feed(self, text: str) -> ReasoningDelta:
+        self._buffer += text
+        return self._drain(final=False)
+
+    def finish(self) -> ReasoningDelta:
+        return self._drain(final=True)
+
+    def _drain(self, final: bool) -> ReasoningDelta:
+        out = ReasoningDelta()
+        while True:
+            if self._state is _State.OPEN:
+                opened = opens_with(self._buffer, self.start_tag, final=final)
+                if opened is None:
+                    return out
+                if opened:
+                    self._buffer = self._buffer.lstrip()[len(self.start_tag):]
+                    self._state = _State.REASONING
+                else:
+                    self._state = _State.REASONING if self.reasoning_first else _State.CONTENT
+                self.saw_reasoning = self.saw_reasoning or self._state is _State.REASONING
+                continue
+            if self._state is _State.REASONING:
+                found = self._buffer.find(self.end_tag)
+                if found >= 0:
+                    out.reasoning += self._buffer[:found]
+                    self._buffer = self._buffer[found + len(self.end_tag):]
+                    self._state = _State.CONTENT
+                    continue
+                keep = 0 if final else partial_marker_len(self._buffer, self.end_tag)
+                out.reasoning += self._buffer[: len(self._buffer) - keep]
+                self._buffer = self._buffer[len(self._buffer) - keep:]
+                return out
+            out.content += self._buffer
+            self._buffer = ""
+            return out
+
+
+class ThinkReasoningParser(ReasoningParser):
+    """``<think>`` reasoning ``</think>`` answer."""
+
+    start_tag = "<think>"
+    end_tag = "</think>"
+    reasoning_first = False  # an output without tags is content (Qwen3) or reasoning (DeepSeek-R1)
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer)
+        vocab = tokenizer.get_vocab()
+        if self.end_tag not in vocab:
+            raise ValueError(f"reasoning_parser: this parser needs {self.end_tag!r} as one token of the "
+                             "tokenizer's vocabulary, and the tokenizer has no such token")
+        self.end_token_id: int = vocab[self.end_tag]
+        self.start_token_id: int | None = vocab.get(self.start_tag)
+
+    def _last_tag(self, token_ids: Sequence[int]) -> str | None:
+        """"start" or "end", whichever tag comes last in ``token_ids``; None when neither does."""
+        for token_id in reversed(token_ids):
+            if token_id == self.end_token_id:
+                return "end"
+            if token_id == self.start_token_id:
+                return "start"
+        return None
+
+    def reasoning_ended(self, prompt_token_ids: Sequence[int]) -> bool:
+        return self._last_tag(prompt_token_ids) == "end"
+
+    def ends_reasoning(self, token_id: int) -> bool:
+        return token_id == self.end_token_id
+
+    def new_stream(self, prompt_token_ids: Sequence[int]) -> ThinkStream:
+        state = {"start": _State.REASONING, "end": _State.CONTENT, None: _State.OPEN}[self._last_tag(prompt_token_ids)]
+        return ThinkStream(self.start_tag, self.end_tag, state, self.reasoning_first)
+
+
+class Qwen3ReasoningParser(ThinkReasoningParser):
+    """Qwen3: reasons in ``<think>`` tags when thinking is on; an untagged output is the answer."""
+
+    reasoning_first = False
+
+
+class DeepSeekR1ReasoningParser(ThinkReasoningParser):
+    """DeepSeek-R1: always reasons first; its template may already have opened ``<think>``."""
+
+    reasoning_first = True

@@ -180,3 +180,12 @@ def import_object(import_path: str) -> Any:
     module_name, _, attr = import_path.partition(":")
     module = importlib.import_module(module_name)
     return getattr(module, attr) if attr else module
+
+
+def resolve_parser(kind: str, name: str, table: dict[str, Any]) -> type:
+    """The class registered as ``name`` in ``table`` (importing an ``"module:Class"`` entry);
+    ValueError naming ``kind`` and the registered names when there is none."""
+    if name not in table:
+        raise ValueError(f"unknown {kind} {name!r}; registered: {', '.join(sorted(table)) or 'none'}")
+    entry = table[name]
+    return import_object(entry) if isinstance(entry, str) else entry

@@ -152,7 +152,7 @@ def sparrow_register_reasoning_parsers(register: Callable[..., None]) -> None:
         reasoning ends, so the grammar applies only after it).
     Args:
         register: ``register(name, parser_cls, override=False)``; ``parser_cls`` subclasses
-            :class:`sparrow.entrypoints.openai.reasoning.ReasoningParser` (or its import path
+            :class:`sparrow.reasoning.ReasoningParser` (or its import path
             ``"package.module:Class"``) and is built once per process as ``parser_cls(tokenizer)``.
             The built-ins (qwen3, deepseek_r1) register through this hook.
     Returns: nothing.

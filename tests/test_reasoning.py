@@ -26,7 +26,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from sparrow import LLM
-from sparrow.entrypoints.openai.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+from sparrow.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 from sparrow.hookspecs import hookimpl
 from sparrow.plugins import get_registry
 from sparrow.sampling_params import SamplingParams, StructuredOutputsParams

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from sparrow.entrypoints.openai.api_server import tool_parser_class
 from sparrow.entrypoints.openai.chat_output import ReplyParsers
-from sparrow.entrypoints.openai.parser_hooks import resolve_parser
+from sparrow.plugins import resolve_parser
 from sparrow.entrypoints.openai.protocol import ChatCompletionRequest
 from sparrow.entrypoints.openai.tool_calling import MAX_PARALLEL_TOOL_CALLS, ToolChoice
 from sparrow.entrypoints.openai.tool_parsers import HermesToolParser

@@ -6,7 +6,7 @@ only when the registry is built, and they import neither torch nor the HTTP stac
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from sparrow.hookspecs import hookimpl
 
@@ -21,18 +21,7 @@ def sparrow_register_tool_parsers(register: Callable[..., None]) -> None:
 
 @hookimpl
 def sparrow_register_reasoning_parsers(register: Callable[..., None]) -> None:
-    from sparrow.entrypoints.openai.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+    from sparrow.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 
     register("qwen3", Qwen3ReasoningParser)
     register("deepseek_r1", DeepSeekR1ReasoningParser)
-
-
-def resolve_parser(kind: str, name: str, table: dict[str, Any]) -> type:
-    """The class registered as ``name`` in ``table`` (importing an ``"module:Class"`` entry);
-    ValueError naming ``kind`` and the registered names when there is none."""
-    from sparrow.plugins import import_object
-
-    if name not in table:
-        raise ValueError(f"unknown {kind} {name!r}; registered: {', '.join(sorted(table)) or 'none'}")
-    entry = table[name]
-    return import_object(entry) if isinstance(entry, str) else entry

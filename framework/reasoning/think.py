@@ -20,7 +20,7 @@ from enum import Enum
 from typing import Any
 
 from sparrow.entrypoints.openai.markers import opens_with, partial_marker_len
-from sparrow.entrypoints.openai.reasoning.base import ReasoningDelta, ReasoningParser, ReasoningStream
+from sparrow.reasoning.base import ReasoningDelta, ReasoningParser, ReasoningStream
 
 
 class _State(Enum):

@@ -4,8 +4,8 @@ The built-in ones (``qwen3``, ``deepseek_r1``) register through ``sparrow_regist
 like a plugin's (``sparrow.entrypoints.openai.parser_hooks``).
 """
 
-from sparrow.entrypoints.openai.reasoning.base import ReasoningDelta, ReasoningParser, ReasoningStream
-from sparrow.entrypoints.openai.reasoning.think import (
+from sparrow.reasoning.base import ReasoningDelta, ReasoningParser, ReasoningStream
+from sparrow.reasoning.think import (
     DeepSeekR1ReasoningParser,
     Qwen3ReasoningParser,
     ThinkReasoningParser,

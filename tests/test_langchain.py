@@ -11,7 +11,7 @@ import langchain_openai  # the dev extra's; a missing install fails here rather 
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.test_server import API_KEY, MODEL_NAME, Server
+from tests.test_server import API_KEY, MODEL_NAME, serve_for_module
 
 
 class Pet(BaseModel):
@@ -36,11 +36,8 @@ class GetTime(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir, tmp_path_factory):
-    srv = Server(qwen3_dir, tmp_path_factory.mktemp("langchain-logs") / "server.log",
-                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    yield srv
-    srv.stop()
-    assert srv.proc.returncode == 0, srv.log()
+    yield from serve_for_module(qwen3_dir, tmp_path_factory, "langchain-logs",
+                                "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
 
 def chat_model(server, seed: int):

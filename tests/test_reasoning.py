@@ -32,7 +32,7 @@ from sparrow.plugins import get_registry
 from sparrow.sampling_params import SamplingParams, StructuredOutputsParams
 from sparrow.tiny.tokenizer import CHAT_TEMPLATE
 from tests.test_hooks import registered
-from tests.test_server import MODEL_NAME, Server, free_port
+from tests.test_server import MODEL_NAME, free_port, serve_for_module
 from tests.test_structured_outputs import run
 
 SCHEMA = {"type": "object", "properties": {
@@ -213,10 +213,7 @@ def test_sparrow_register_reasoning_parsers(think_dir, tokenizer):
 # -- through the server --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(think_dir, tmp_path_factory):
-    srv = Server(think_dir, tmp_path_factory.mktemp("reasoning-logs") / "server.log", "--reasoning-parser", "qwen3")
-    yield srv
-    srv.stop()
-    assert srv.proc.returncode == 0, srv.log()
+    yield from serve_for_module(think_dir, tmp_path_factory, "reasoning-logs", "--reasoning-parser", "qwen3")
 
 
 @pytest.fixture(scope="module")

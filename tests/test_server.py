@@ -115,6 +115,15 @@ class Server:
         self._log.close()
 
 
+def serve_for_module(model_dir: str, tmp_path_factory, name: str, *extra: str, server_cls: type | None = None):
+    """The body of a module-scoped server fixture (``yield from`` it): a real ``sparrow serve``
+    with ``extra`` flags, stopped at the end, which must exit cleanly."""
+    srv = (server_cls or Server)(model_dir, tmp_path_factory.mktemp(name) / "server.log", *extra)
+    yield srv
+    srv.stop()
+    assert srv.proc.returncode == 0, srv.log()
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     from sparrow.tiny.model import build_model_dir

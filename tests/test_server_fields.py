@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.test_server import API_KEY, MODEL_NAME, PROMPT, Server
+from tests.test_server import API_KEY, MODEL_NAME, PROMPT, Server, serve_for_module
 
 MAX_MODEL_LEN = 512  # what tests.test_server.Server passes
 BOS_ID = 0  # <|endoftext|>, made the BOS token below
@@ -63,10 +63,7 @@ class FieldsServer(Server):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    srv = FieldsServer(model_dir, tmp_path_factory.mktemp("fields-logs") / "server.log")
-    yield srv
-    srv.stop()
-    assert srv.proc.returncode == 0, srv.log()
+    yield from serve_for_module(model_dir, tmp_path_factory, "fields-logs", server_cls=FieldsServer)
 
 
 @pytest.fixture(scope="module")

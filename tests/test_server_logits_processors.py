@@ -10,7 +10,7 @@ import pytest
 from sparrow.sample.logits_processor.words import bad_words_token_ids
 from tests.test_logits_processors import (  # noqa: F401 - hf_model and tokenizer are fixtures
     MAX_TOKENS, PROMPTS, hf_greedy, hf_model, one_token_word, tokenizer)
-from tests.test_server import MODEL_NAME, Server
+from tests.test_server import MODEL_NAME, serve_for_module
 
 
 def token_ids_of(labels: list[str]) -> list[int]:
@@ -19,11 +19,8 @@ def token_ids_of(labels: list[str]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir, tmp_path_factory):
-    srv = Server(qwen3_dir, tmp_path_factory.mktemp("logits-processor-logs") / "server.log",
-                 "--logits-processors", "tests.test_logits_processors:TargetTokenProcessor")
-    yield srv
-    srv.stop()
-    assert srv.proc.returncode == 0, srv.log()
+    yield from serve_for_module(qwen3_dir, tmp_path_factory, "logits-processor-logs",
+                                "--logits-processors", "tests.test_logits_processors:TargetTokenProcessor")
 
 
 def test_bad_words_and_vllm_xargs_through_completions_and_chat(server, hf_model, tokenizer):

@@ -15,7 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.test_server import MODEL_NAME, PROMPT, Server
+from tests.test_server import MODEL_NAME, PROMPT, serve_for_module
 
 MESSAGES = [{"role": "user", "content": "Describe a pet as JSON."}]
 MAX_TOKENS = 120
@@ -35,10 +35,7 @@ class Pet(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir, tmp_path_factory):
-    srv = Server(qwen3_dir, tmp_path_factory.mktemp("structured-logs") / "server.log")
-    yield srv
-    srv.stop()
-    assert srv.proc.returncode == 0, srv.log()
+    yield from serve_for_module(qwen3_dir, tmp_path_factory, "structured-logs")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.test_server import API_KEY, MODEL_NAME, PROMPT, Server
+from tests.test_server import API_KEY, MODEL_NAME, PROMPT, serve_for_module
 
 ALLOWED_ORIGIN = "https://app.example"
 OTHER_ORIGIN = "https://evil.example"
@@ -28,12 +28,9 @@ TOOLS_TEMPLATE = ("{{ greeting | default('') }}{% for tool in tools or [] %}<{{ 
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir, tmp_path_factory):
-    srv = Server(qwen3_dir, tmp_path_factory.mktemp("tokenization-logs") / "server.log",
-                 "--allowed-origins", json.dumps([ALLOWED_ORIGIN]), "--allowed-methods", '["GET", "POST"]',
-                 "--allow-credentials")
-    yield srv
-    srv.stop()
-    assert srv.proc.returncode == 0, srv.log()
+    yield from serve_for_module(qwen3_dir, tmp_path_factory, "tokenization-logs",
+                                "--allowed-origins", json.dumps([ALLOWED_ORIGIN]), "--allowed-methods",
+                                '["GET", "POST"]', "--allow-credentials")
 
 
 @pytest.fixture(scope="module")

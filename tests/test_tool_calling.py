@@ -28,7 +28,7 @@ from sparrow.entrypoints.openai.tool_parsers import HermesToolParser
 from sparrow.hookspecs import hookimpl
 from sparrow.plugins import PluginError, get_registry
 from tests.test_hooks import registered
-from tests.test_server import MODEL_NAME, Server
+from tests.test_server import MODEL_NAME, serve_for_module
 
 WEATHER = {"type": "object", "properties": {
     "city": {"enum": ["Paris", "Rome", "Oslo"]},
@@ -177,11 +177,8 @@ def test_bad_parser_flags_are_one_cli_line_before_the_model_loads(tmp_path):
 # -- through the server --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(qwen3_dir, tmp_path_factory):
-    srv = Server(qwen3_dir, tmp_path_factory.mktemp("tool-logs") / "server.log",
-                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    yield srv
-    srv.stop()
-    assert srv.proc.returncode == 0, srv.log()
+    yield from serve_for_module(qwen3_dir, tmp_path_factory, "tool-logs",
+                                "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,11 @@ from pydantic import BaseModel
 
 from sparrow.entrypoints.openai.api_server import tool_parser_class
 from sparrow.entrypoints.openai.chat_output import ReplyParsers
-from sparrow.plugins import resolve_parser
 from sparrow.entrypoints.openai.protocol import ChatCompletionRequest
 from sparrow.entrypoints.openai.tool_calling import MAX_PARALLEL_TOOL_CALLS, ToolChoice
 from sparrow.entrypoints.openai.tool_parsers import HermesToolParser
 from sparrow.hookspecs import hookimpl
-from sparrow.plugins import PluginError, get_registry
+from sparrow.plugins import PluginError, get_registry, resolve_parser
 from tests.test_hooks import registered
 from tests.test_server import MODEL_NAME, serve_for_module
 

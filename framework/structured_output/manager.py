@@ -198,7 +198,6 @@ class StructuredOutputManager:
 
 def _build_reasoner(name: str, tokenizer: Any) -> Any:
     """The registered reasoning parser ``name``, built with the engine core's tokenizer."""
-    from sparrow.plugins import resolve_parser
-    from sparrow.plugins import get_registry
+    from sparrow.plugins import get_registry, resolve_parser
 
     return resolve_parser("reasoning_parser", name, get_registry().reasoning_parsers)(tokenizer)

@@ -250,8 +250,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
 def tool_parser_class(args: argparse.Namespace | None) -> type | None:
     """The --tool-call-parser's class (None when not set); ValueError naming the flag when the
     name is not registered or --enable-auto-tool-choice lacks a parser."""
-    from sparrow.plugins import resolve_parser
-    from sparrow.plugins import get_registry
+    from sparrow.plugins import get_registry, resolve_parser
 
     name = getattr(args, "tool_call_parser", None)
     if name is None:
@@ -269,8 +268,7 @@ def chat_parsers(engine: AsyncLLM, args: argparse.Namespace | None) -> dict[str,
     """The chat endpoint's tool and reasoning parsers, from the flags and the engine's
     reasoning_parser (built with its tokenizer, so a tokenizer without the parser's tokens
     fails here, at start-up)."""
-    from sparrow.plugins import resolve_parser
-    from sparrow.plugins import get_registry
+    from sparrow.plugins import get_registry, resolve_parser
 
     reasoner = None
     name = getattr(engine.model_config, "reasoning_parser", None)

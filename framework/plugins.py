@@ -9,15 +9,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from importlib.metadata import entry_points
+
 import pluggy
-if sys.version_info >= (3, 10):
-    from importlib.metadata import entry_points
-else:  # pragma: no cover - the backport for older interpreters
-    from importlib_metadata import entry_points
 
 from sparrow import hookspecs
 from sparrow.hookspecs import PROJECT_NAME
@@ -101,6 +98,10 @@ class Registry:
     logits_processors: dict[str, Any] = field(default_factory=dict)  # name -> class or "module:Class"
     tool_parsers: dict[str, Any] = field(default_factory=dict)  # name -> class or "module:Class"
     reasoning_parsers: dict[str, Any] = field(default_factory=dict)  # name -> class or "module:Class"
+    ops: dict[str, dict[str, Any]] = field(default_factory=dict)  # op -> {platform: impl or "module:Name"}
+    device_communicators: dict[str, Any] = field(default_factory=dict)  # name -> class or "module:Class"
+    quantization_methods: dict[str, Any] = field(default_factory=dict)  # name -> class or "module:Class"
+    model_loaders: dict[str, Any] = field(default_factory=dict)  # name -> class or "module:Class"
 
 
 def _collect(pm: pluggy.PluginManager, hook_name: str, make_register: Callable) -> None:
@@ -157,6 +158,19 @@ def build_registry(pm: pluggy.PluginManager) -> Registry:
             table[name] = parser_cls
         return register
 
+    def ops(plugin: str):
+        def register(op: str, platform: str, impl: Any, override: bool = False) -> None:
+            from sparrow.ops import KERNEL_OPS
+
+            if op not in KERNEL_OPS:
+                raise PluginError(f"plugin {plugin!r} registered an implementation of unknown op {op!r}; "
+                                  f"ops: {', '.join(KERNEL_OPS)}")
+            if not isinstance(platform, str) or not platform:
+                raise PluginError(f"plugin {plugin!r} registered op {op!r} for an invalid platform {platform!r}")
+            claim("op", f"{op} on {platform}", plugin, override)
+            reg.ops.setdefault(op, {})[platform] = impl
+        return register
+
     _collect(pm, "sparrow_register_platforms", platforms)
     _collect(pm, "sparrow_register_schedulers", schedulers)
     _collect(pm, "sparrow_register_kv_connectors", connectors)
@@ -165,6 +179,12 @@ def build_registry(pm: pluggy.PluginManager) -> Registry:
     _collect(pm, "sparrow_register_tool_parsers", lambda plugin: parsers("tool parser", reg.tool_parsers, plugin))
     _collect(pm, "sparrow_register_reasoning_parsers",
              lambda plugin: parsers("reasoning parser", reg.reasoning_parsers, plugin))
+    _collect(pm, "sparrow_register_ops", ops)
+    _collect(pm, "sparrow_register_device_communicators",
+             lambda plugin: parsers("device communicator", reg.device_communicators, plugin))
+    _collect(pm, "sparrow_register_quantization_methods",
+             lambda plugin: parsers("quantization method", reg.quantization_methods, plugin))
+    _collect(pm, "sparrow_register_model_loaders", lambda plugin: parsers("model loader", reg.model_loaders, plugin))
     return reg
 
 

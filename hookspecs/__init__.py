@@ -161,6 +161,69 @@ def sparrow_register_reasoning_parsers(register: Callable[..., None]) -> None:
     """
 
 
+@hookspec
+def sparrow_register_ops(register: Callable[..., None]) -> None:
+    """Register a platform's implementations of the kernel's ops (``sparrow.ops.KERNEL_OPS``).
+
+    When: once per process that builds a model or a sampler (every worker, at start-up, before the
+        model is built), and in ``sparrow plugins`` (which lists them, importing nothing).
+    Args:
+        register: ``register(op, platform, impl, override=False)``. ``op`` is a kernel op name
+            (``linear``, ``rms_norm``, ``top_k_top_p``...); ``platform`` the platform name the
+            implementation serves; ``impl`` is, for a layer op, a subclass of
+            :class:`sparrow.ops.OpImpl` built once per layer after the weights load (where it may
+            repack them), and for a function op a function with the reference's signature; either
+            may be given as its import path ``"package.module:Name"``, imported only when used.
+    Returns: nothing.
+    Semantics: collecting; one implementation per (op, platform): a second is an error naming both
+        plugins, unless it passes ``override=True`` (how a plugin replaces a built-in kernel).
+    """
+
+
+@hookspec
+def sparrow_register_device_communicators(register: Callable[..., None]) -> None:
+    """Register device communicators: the collective backends tensor parallelism uses.
+
+    When: once per worker process of an engine with ``tensor_parallel_size > 1``, when the
+        worker joins its group; the communicator is chosen by the platform's ``communicator``
+        attribute (default ``"torch_distributed"``, built in).
+    Args:
+        register: ``register(name, communicator_cls, override=False)``; the class implements
+            :class:`sparrow.distributed.DeviceCommunicator` (or is its import path).
+    Returns: nothing.
+    Semantics: collecting; duplicate names are an error unless ``override=True``.
+    """
+
+
+@hookspec
+def sparrow_register_quantization_methods(register: Callable[..., None]) -> None:
+    """Register quantization methods by the name the ``quantization`` engine argument takes.
+
+    When: once per process that resolves one: the frontend (the name is checked before any engine
+        process starts) and each worker, before the model is built.
+    Args:
+        register: ``register(name, method_cls, override=False)``; the class implements
+            :class:`sparrow.quantization.QuantizationMethod` (or is its import path).
+    Returns: nothing.
+    Semantics: collecting; duplicate names are an error unless ``override=True``.
+    """
+
+
+@hookspec
+def sparrow_register_model_loaders(register: Callable[..., None]) -> None:
+    """Register model loaders by the name the ``load_format`` engine argument takes.
+
+    When: once per process that resolves one: the frontend (the name is checked before any engine
+        process starts) and each worker, when it loads the model.
+    Args:
+        register: ``register(name, loader_cls, override=False)``; the class implements
+            :class:`sparrow.model_loader.ModelLoader` (or is its import path). The built-ins are
+            ``safetensors`` (``auto``) and ``dummy`` (random weights).
+    Returns: nothing.
+    Semantics: collecting; duplicate names are an error unless ``override=True``.
+    """
+
+
 # --------------------------------------------------------------------------------------------
 # Core decision hooks: called on the hot path.
 # --------------------------------------------------------------------------------------------

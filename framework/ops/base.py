@@ -1,0 +1,92 @@
+"""Registered ops: a layer with a torch reference and one implementation chosen per platform.
+
+A :class:`CustomOp` is an ``nn.Module`` whose ``forward`` calls the implementation the kernel
+bound to it when the model was built (:func:`sparrow.ops.bind_ops`), or ``forward_native`` (the
+torch reference) when no platform implementation serves it. An :class:`OpImpl` is one platform's
+implementation of one op for one layer instance: built once, after the weights load, where it may
+post-process (pack) the layer's weights; then called on every forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+
+class OpImpl:
+    """One platform's implementation of a registered op, bound to one layer.
+
+    Subclass it, implement ``__call__`` with the same arguments and semantics as the op's
+    ``forward_native`` (it may work in place on its inputs, never on the layer's weights), and
+    register the class with ``sparrow_register_ops``. ``name`` is what ``sparrow plugins`` shows.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, layer: Any) -> None:
+        self.layer = layer
+
+    @classmethod
+    def supports(cls, layer: Any) -> bool:
+        """Whether this implementation can serve ``layer`` (its dtype, device, shapes); when False
+        the layer keeps the torch reference. Called once per layer at bind time."""
+        return True
+
+    def process_weights(self) -> None:
+        """Called once per layer after its weights loaded, before the first forward. May repack a
+        weight into the implementation's own layout with ``self.layer.replace_parameter``."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name or type(self).__name__})"
+
+
+class CustomOp(nn.Module):
+    """A layer that is a registered op. Subclasses set ``op_name`` and define ``forward_native``."""
+
+    op_name: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._op_impl: OpImpl | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        impl = self._op_impl
+        if impl is not None:
+            return impl(*args, **kwargs)
+        return self.forward_native(*args, **kwargs)
+
+    def forward_native(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    # -- the kernel's side: only sparrow.ops.bind_ops calls these ------------------------------
+    def bind_impl(self, impl: OpImpl | None) -> None:
+        self._op_impl = impl
+
+    @property
+    def op_impl(self) -> OpImpl | None:
+        """The bound platform implementation, or None (the torch reference runs)."""
+        return self._op_impl
+
+    def replace_parameter(self, name: str, tensor: torch.Tensor) -> None:
+        """Swap parameter ``name`` for ``tensor`` (a packed layout). The old one is released unless
+        another module shares it; loading weights into the replaced parameter is refused."""
+        param = nn.Parameter(tensor, requires_grad=False)
+        param.weight_loader = _packed_after_loading  # type: ignore[attr-defined]
+        setattr(self, name, param)
+
+    def extra_repr(self) -> str:
+        base = super().extra_repr()
+        if self._op_impl is None:
+            return base
+        return f"{base}, impl={self._op_impl.name or type(self._op_impl).__name__}" if base else \
+            f"impl={self._op_impl.name}"
+
+
+def _packed_after_loading(*_args: Any, **_kwargs: Any) -> None:
+    raise RuntimeError("this weight was repacked by a platform op after loading; build a new model to load "
+                       "weights again")

@@ -35,12 +35,14 @@ def lookup_impl(op_name: str, platform: str, registry: Any = None) -> Any:
     return entry
 
 
-def bind_ops(model: nn.Module, platform: str, registry: Any = None) -> dict[str, Counter]:
+def bind_ops(model: nn.Module, platform: str, registry: Any = None,
+             overrides: dict[str, type[OpImpl]] | None = None) -> dict[str, Counter]:
     """Give every :class:`CustomOp` layer of ``model`` (weights loaded) the implementation
     ``platform`` registered for its op, running its weight post-processing once; layers no
-    implementation supports keep the torch reference. Returns ``{op: Counter(impl name: layers)}``."""
+    implementation supports keep the torch reference. ``overrides`` (op -> OpImpl class) win over
+    the registry: how a quantization method serves ``linear``. Returns ``{op: Counter(impl name: layers)}``."""
     registry = _registry(registry)
-    chosen: dict[str, type[OpImpl] | None] = {}
+    chosen: dict[str, type[OpImpl] | None] = dict(overrides or {})
     summary: dict[str, Counter] = {}
     for module in model.modules():
         if not isinstance(module, CustomOp) or not module.op_name:

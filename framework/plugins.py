@@ -2,28 +2,37 @@
 
 Built-in plugins (schedulers, cpu, cuda) are found exactly like a pip-installed one, through
 ``[project.entry-points.sparrow]``. ``SPARROW_PLUGINS=a,b`` loads only the named entry points.
+Every entry point declares the hook-contract versions it supports (``SPARROW_CONTRACT``); one whose
+range excludes ``sparrow.hookspecs.CONTRACT_VERSION`` is refused before it is registered.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import Any, Callable
 
-from importlib.metadata import entry_points
-
 import pluggy
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
 
 from sparrow import hookspecs
-from sparrow.hookspecs import PROJECT_NAME
+from sparrow.hookspecs import CONTRACT_VERSION, PROJECT_NAME
 
 logger = logging.getLogger(__name__)
 
 # The kernel's own hook implementations (default allocation, built-in architectures, connectors).
 KERNEL_PLUGINS = ("sparrow.core.default_hooks", "sparrow.models.registry", "sparrow.kv_transfer.shared_storage",
-                  "sparrow.sample.logits_processor.registration", "sparrow.entrypoints.openai.parser_hooks")
+                  "sparrow.sample.logits_processor.registration", "sparrow.entrypoints.openai.parser_hooks",
+                  "sparrow.kernel_components")
+# The module whose hookimpls are the kernel's defaults of the core decision hooks (resolve_hook).
+DEFAULT_HOOKS = "sparrow.core.default_hooks"
+# The attribute (of a plugin's module or object) that declares the contract range it supports.
+CONTRACT_ATTRIBUTE = "SPARROW_CONTRACT"
 
 
 class PluginError(RuntimeError):
@@ -53,7 +62,51 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
                 f"sparrow plugin {ep.name!r} ({ep.value}) failed to load: {exc!r}. "
                 f"Exclude it with SPARROW_PLUGINS or uninstall it."
             ) from exc
+        check_contract(plugin, ep.name)
         register_plugin(pm, plugin, ep.name)
+
+
+def suggested_contract_range() -> str:
+    """The range a plugin written against this Sparrow declares: this minor version and later,
+    up to the next major one (which may remove or change hooks)."""
+    version = Version(CONTRACT_VERSION)
+    return f">={version.major}.{version.minor},<{version.major + 1}"
+
+
+def declared_contract(plugin: Any) -> Any:
+    """The plugin's ``SPARROW_CONTRACT``: on the plugin itself, or else on the module that defines
+    it (an entry point may name an object in a module, as the step tracer's does)."""
+    declared = getattr(plugin, CONTRACT_ATTRIBUTE, None)
+    if declared is None and not inspect.ismodule(plugin):
+        owner = plugin if inspect.isclass(plugin) or inspect.isfunction(plugin) else type(plugin)
+        declared = getattr(inspect.getmodule(owner), CONTRACT_ATTRIBUTE, None)
+    return declared
+
+
+def check_contract(plugin: Any, name: str) -> None:
+    """Refuse ``plugin`` when the contract range it declares excludes this Sparrow's
+    (PluginError naming the plugin, its range and the installed version); warn once, when it
+    loads, if it declares none."""
+    declared = declared_contract(plugin)
+    suggested = suggested_contract_range()
+    if declared is None:
+        logger.warning("sparrow plugin %r does not declare the hook contract versions it supports; add "
+                       "%s = %r to its module so that a Sparrow it does not support refuses it at load "
+                       "(this Sparrow's contract is %s)", name, CONTRACT_ATTRIBUTE, suggested, CONTRACT_VERSION)
+        return
+    try:
+        if not isinstance(declared, str):
+            raise InvalidSpecifier(f"{declared!r} is not a string")
+        supported = SpecifierSet(declared)
+    except InvalidSpecifier as exc:
+        raise PluginError(f"sparrow plugin {name!r} declares {CONTRACT_ATTRIBUTE} = {declared!r}, which is not "
+                          f"a PEP 440 version range such as {suggested!r}: {exc}") from exc
+    if not supported.contains(CONTRACT_VERSION, prereleases=True):
+        raise PluginError(
+            f"sparrow plugin {name!r} supports hook contract {declared!r}, but the installed Sparrow's contract is "
+            f"{CONTRACT_VERSION}: install a version of the plugin made for contract {CONTRACT_VERSION}, or exclude "
+            f"it with SPARROW_PLUGINS."
+        )
 
 
 def register_plugin(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:
@@ -77,6 +130,23 @@ def get_plugin_manager() -> pluggy.PluginManager:
         register_plugin(pm, importlib.import_module(module_name), module_name)
     _load_entry_points(pm)
     return pm
+
+
+def kernel_default_only(pm: pluggy.PluginManager, hook_name: str) -> bool:
+    """Whether the kernel's default (``sparrow.core.default_hooks``) is the only implementation of
+    ``hook_name``: no plugin replaces it and none wraps it, so the caller may skip the dispatch
+    and call the kernel's object itself. Asked once, at start-up, by the hook's caller."""
+    impls = getattr(pm.hook, hook_name).get_hookimpls()
+    return len(impls) == 1 and impls[0].plugin_name == DEFAULT_HOOKS
+
+
+def resolve_hook(pm: pluggy.PluginManager, hook_name: str) -> Callable[..., Any]:
+    """What to call for ``hook_name`` (with the hookspec's keywords): the kernel default's function
+    when it is the only implementation (a direct call), else the hook with its plugins."""
+    hook = getattr(pm.hook, hook_name)
+    if kernel_default_only(pm, hook_name):
+        return hook.get_hookimpls()[0].function
+    return hook
 
 
 @dataclass(slots=True)

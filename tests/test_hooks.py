@@ -72,15 +72,11 @@ class TinyPlatform(Platform):
 
 
 class TinyPlatformPlugin:
+    """A platform needs no step hook: the kernel's default runs its worker's execute_model."""
+
     @hookimpl
     def sparrow_register_platforms(self, register):
         register("tinydev", lambda: "tests.test_hooks:TinyPlatform", priority=-5)
-
-    @hookimpl
-    def sparrow_execute_model(self, worker, scheduler_output):
-        from tests.fake_worker import FakeWorker
-
-        return worker.execute_model(scheduler_output) if isinstance(worker, FakeWorker) else None
 
 
 def test_sparrow_register_platforms():
@@ -236,6 +232,116 @@ def test_sparrow_execute_model():
         outputs = run_to_completion(engine)
     assert len(outputs["a"]) == 3
     assert timings == [1, 1, 1]
+
+
+def test_sparrow_execute_model_can_be_replaced_and_falls_through_on_none():
+    replaced: list[int] = []
+    declined: list[int] = []
+
+    class Replacement:
+        """Runs the step itself for tinydev workers (and records it); None for any other."""
+
+        @hookimpl(tryfirst=True)
+        def sparrow_execute_model(self, worker, scheduler_output):
+            if worker.platform.name != "tinydev":
+                return None
+            replaced.append(scheduler_output.total_num_scheduled_tokens)
+            return worker.execute_model(scheduler_output)
+
+    class Bystander:
+        @hookimpl(tryfirst=True)
+        def sparrow_execute_model(self, worker):
+            declined.append(1)
+            return None  # not its worker: the next implementation (the kernel's default) answers
+
+    with registered(TinyPlatformPlugin(), "tiny-platform"), registered(Replacement(), "replacement"):
+        engine = engine_with(executor=None, device="tinydev")
+        engine.add_request(make_request("a", 6, max_tokens=2))
+        assert len(run_to_completion(engine)["a"]) == 2
+    assert replaced == [6, 1]
+    with registered(TinyPlatformPlugin(), "tiny-platform"), registered(Bystander(), "bystander"):
+        engine = engine_with(executor=None, device="tinydev")
+        engine.add_request(make_request("a", 6, max_tokens=2))
+        assert len(run_to_completion(engine)["a"]) == 2
+    assert declined == [1, 1]
+
+
+# -- the hot path: direct calls while only the kernel's defaults answer ------------------------
+HOT_HOOKS = ("sparrow_schedule", "sparrow_allocate_slots", "sparrow_execute_model")
+
+
+class CountingHook:
+    """Stands in for a hook caller and counts the dispatches that reach it."""
+
+    def __init__(self, hook):
+        self.hook = hook
+        self.calls = 0
+
+    def __call__(self, **kwargs):
+        self.calls += 1
+        return self.hook(**kwargs)
+
+    def __getattr__(self, name):  # the plugin manager's own use: registration, get_hookimpls
+        return getattr(self.hook, name)
+
+
+@pytest.fixture
+def counted_hooks(monkeypatch) -> dict[str, CountingHook]:
+    pm = get_plugin_manager()
+    counters = {name: CountingHook(getattr(pm.hook, name)) for name in HOT_HOOKS}
+    for name, counter in counters.items():
+        monkeypatch.setattr(pm.hook, name, counter)
+    return counters
+
+
+def tiny_engine_run(prompt_len: int = 6, max_tokens: int = 3) -> tuple[EngineCore, list[int]]:
+    engine = engine_with(executor=None, device="tinydev")
+    engine.add_request(make_request("a", prompt_len, max_tokens=max_tokens))
+    return engine, run_to_completion(engine)["a"]
+
+
+def test_with_only_builtins_the_hot_path_skips_the_hooks(counted_hooks):
+    from sparrow.core import default_hooks
+
+    with registered(TinyPlatformPlugin(), "tiny-platform"):
+        engine, tokens = tiny_engine_run()
+    assert len(tokens) == 3
+    assert {name: c.calls for name, c in counted_hooks.items()} == dict.fromkeys(HOT_HOOKS, 0)
+    # Resolved to the kernel's objects themselves.
+    assert engine._schedule == engine.scheduler.schedule
+    assert engine.scheduler._allocate is default_hooks.sparrow_allocate_slots
+    assert engine.executor._execute == engine.executor.worker.execute_model
+
+
+def test_a_wrapper_puts_its_hook_back_on_the_hot_path(counted_hooks):
+    seen = {name: 0 for name in HOT_HOOKS}
+
+    class Observer:
+        @hookimpl(wrapper=True)
+        def sparrow_schedule(self):
+            seen["sparrow_schedule"] += 1
+            return (yield)
+
+        @hookimpl(wrapper=True)
+        def sparrow_allocate_slots(self):
+            seen["sparrow_allocate_slots"] += 1
+            return (yield)
+
+        @hookimpl(wrapper=True)
+        def sparrow_execute_model(self):
+            seen["sparrow_execute_model"] += 1
+            return (yield)
+
+    with registered(TinyPlatformPlugin(), "tiny-platform"), registered(Observer(), "observer"):
+        _, tokens = tiny_engine_run()
+    assert len(tokens) == 3
+    # 3 steps (a prompt, two decodes), each with one allocation; every dispatch reached the wrapper.
+    assert seen == dict.fromkeys(HOT_HOOKS, 3)
+    assert {name: c.calls for name, c in counted_hooks.items()} == seen
+    # Gone with the plugin: the next engine calls directly again.
+    with registered(TinyPlatformPlugin(), "tiny-platform"):
+        tiny_engine_run()
+    assert {name: c.calls for name, c in counted_hooks.items()} == seen
 
 
 def test_sparrow_attention_backend():

@@ -12,9 +12,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
+
+from sparrow.hookspecs import CONTRACT_VERSION
+from sparrow.plugins import PluginError, check_contract, declared_contract, suggested_contract_range
 
 BUILTIN_ENTRY_POINTS = ("schedulers", "cpu", "cuda")
 
@@ -48,11 +52,14 @@ def child_env(path: Path, allow: str | None = None) -> dict[str, str]:
     return env
 
 
-def load_in_child(path: Path, allow: str | None = None) -> dict:
+def load_in_child(path: Path, allow: str | None = None, with_stderr: bool = False) -> dict:
     proc = subprocess.run([sys.executable, "-c", LOAD_PLUGINS], env=child_env(path, allow), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if with_stderr:
+        result["stderr"] = proc.stderr
+    return result
 
 
 def sparrow_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -153,6 +160,85 @@ def test_misspelled_hook_in_an_installed_plugin_is_an_error_naming_it(tmp_path):
     assert "error" not in load_in_child(tmp_path, allow=",".join(BUILTIN_ENTRY_POINTS))
 
 
+# -- the hook contract's version --------------------------------------------------------------
+def declaring(contract: str) -> str:
+    return f"""
+    from sparrow.hookspecs import hookimpl
+
+    SPARROW_CONTRACT = {contract!r}
+
+    @hookimpl
+    def sparrow_register_platforms(register):
+        register("vendordev", lambda: None)
+    """
+
+
+def test_plugin_with_an_incompatible_contract_range_is_refused_naming_it(tmp_path):
+    make_distribution(tmp_path, "sparrow-future-vendor", "future_vendor", "future_vendor_plugin",
+                      declaring(">=2.0,<3"))
+    message = load_in_child(tmp_path).get("error", "")
+    assert message.startswith("sparrow plugin 'future_vendor' supports hook contract '>=2.0,<3', "
+                              f"but the installed Sparrow's contract is {CONTRACT_VERSION}"), message
+    assert "SPARROW_PLUGINS" in message  # and how to get past it
+    # Refused before registration: excluding it leaves a working engine.
+    assert "error" not in load_in_child(tmp_path, allow=",".join(BUILTIN_ENTRY_POINTS))
+
+
+def test_plugin_with_a_compatible_contract_range_loads_without_warning(tmp_path):
+    make_distribution(tmp_path, "sparrow-vendor", "vendor", "vendor_plugin", declaring(suggested_contract_range()))
+    result = load_in_child(tmp_path, with_stderr=True)
+    assert "error" not in result, result
+    assert "vendor" in result["plugins"] and "vendordev" in result["platforms"]
+    assert "SPARROW_CONTRACT" not in result["stderr"], result["stderr"]
+
+
+def test_plugin_without_a_contract_range_loads_with_a_warning_saying_how_to_declare_it(tmp_path):
+    make_distribution(tmp_path, "sparrow-toy", "toy", "toy_sparrow_plugin", THIRD_PARTY)
+    result = load_in_child(tmp_path, with_stderr=True)
+    assert "toy" in result["plugins"] and "toydev" in result["platforms"]
+    warnings = [line for line in result["stderr"].splitlines() if "does not declare" in line]
+    assert len(warnings) == 1, result["stderr"]  # once, and for this plugin only: the built-ins declare theirs
+    assert "'toy'" in warnings[0] and f"SPARROW_CONTRACT = '{suggested_contract_range()}'" in warnings[0]
+
+
+def test_plugin_with_a_malformed_contract_range_is_refused(tmp_path):
+    make_distribution(tmp_path, "sparrow-sloppy", "sloppy", "sloppy_plugin", declaring("version one"))
+    message = load_in_child(tmp_path).get("error", "")
+    assert "sparrow plugin 'sloppy' declares SPARROW_CONTRACT = 'version one'" in message
+    assert "PEP 440" in message
+
+
+def test_contract_declared_on_the_module_of_an_entry_point_object():
+    module = types.ModuleType("vendor_module")
+    module.SPARROW_CONTRACT = ">=1.0,<2"
+
+    class Plugin:
+        pass
+
+    Plugin.__module__ = module.__name__
+    sys.modules[module.__name__] = module
+    try:
+        assert declared_contract(Plugin()) == ">=1.0,<2"  # the step tracer's shape: an instance
+        check_contract(Plugin(), "vendor")
+        module.SPARROW_CONTRACT = ">=0.1,<1"
+        with pytest.raises(PluginError, match="'vendor' supports hook contract '>=0.1,<1'"):
+            check_contract(Plugin(), "vendor")
+    finally:
+        del sys.modules[module.__name__]
+
+
+def test_builtin_plugins_declare_a_range_that_holds_this_contract():
+    from importlib.metadata import entry_points
+
+    from packaging.specifiers import SpecifierSet
+
+    declared = {ep.name: declared_contract(ep.load()) for ep in entry_points(group="sparrow")
+                if ep.name in BUILTIN_ENTRY_POINTS}
+    assert set(declared) == set(BUILTIN_ENTRY_POINTS)
+    for name, contract in declared.items():
+        assert contract is not None and CONTRACT_VERSION in SpecifierSet(contract), (name, contract)
+
+
 # -- `sparrow plugins` ------------------------------------------------------------------------
 def parse_plugins_output(text: str) -> dict[str, list[str] | str]:
     """Section -> its indented lines (plugins, platforms) or its one-line value."""
@@ -179,13 +265,15 @@ def plugins_listing(tmp_path_factory) -> dict:
 
 def test_cli_lists_every_plugin_with_its_hooks(plugins_listing):
     plugins = dict(line.split(": ", 1) for line in plugins_listing["plugins"])
-    assert plugins["schedulers"] == "sparrow_register_schedulers, sparrow_schedule"
-    assert plugins["cpu"] == "sparrow_attention_backend, sparrow_execute_model, sparrow_register_platforms"
+    assert plugins["schedulers"] == "sparrow_register_schedulers"
+    # A platform implements no step hook: the kernel's default runs its worker.
+    assert {"sparrow_attention_backend", "sparrow_register_platforms"} <= set(plugins["cpu"].split(", "))
+    assert "sparrow_execute_model" not in plugins["cpu"] and "sparrow_execute_model" not in plugins["cuda"]
     assert "sparrow_register_platforms" in plugins["cuda"]
     assert plugins["toy"] == ("sparrow_register_kv_connectors, sparrow_register_model_architectures, "
                               "sparrow_register_platforms, sparrow_register_schedulers")
     # the kernel's own implementations are listed too
-    assert plugins["sparrow.core.default_hooks"] == "sparrow_allocate_slots"
+    assert plugins["sparrow.core.default_hooks"] == "sparrow_allocate_slots, sparrow_execute_model, sparrow_schedule"
 
 
 def test_cli_lists_platforms_with_priority_presence_and_owner(plugins_listing):

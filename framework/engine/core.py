@@ -5,18 +5,18 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from sparrow.config import EngineConfig
 from sparrow.core.kv_cache_manager import KVCacheManager
 from sparrow.core.request import FinishReason, Request, RequestStatus
-from sparrow.core.sched.output import SchedulerOutput
 from sparrow.core.sched.interface import SchedulerInterface
+from sparrow.core.sched.output import SchedulerOutput
 from sparrow.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from sparrow.executor import Executor, make_executor
 from sparrow.kv_transfer import KVConnectorRole, build_connector
-from sparrow.plugins import get_plugin_manager, get_registry
+from sparrow.plugins import get_plugin_manager, get_registry, kernel_default_only, resolve_hook
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +38,10 @@ class EngineCore:
         self.block_size = kv_info.block_size
         self.kv_cache_manager = KVCacheManager(
             num_blocks=kv_info.num_blocks, block_size=kv_info.block_size,
-            enable_caching=config.cache.enable_prefix_caching, max_model_len=config.model.max_model_len,
+            enable_caching=config.cache.enable_prefix_caching,
         )
         self.scheduler = build_scheduler(config, self.kv_cache_manager, self.pm)
-        self._schedule = self.pm.hook.sparrow_schedule
+        self._schedule = schedule_step(self.pm, self.scheduler)
         # None when the model directory cannot tell (fake executors in tests): token ids are then
         # checked for sign only.
         self.vocab_size = model_vocab_size(config.model.model)
@@ -63,8 +63,6 @@ class EngineCore:
             arrival_time=request.arrival_time or None,
             priority=request.priority,
             max_tokens=request.max_tokens,
-            kv_transfer_params=request.kv_transfer_params,
-            client_index=request.client_index,
         )
         if request.sampling_params.structured_outputs is not None:
             core_request.structured_output = self.structured_output_manager().new_request(
@@ -97,7 +95,7 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(outputs=failed, scheduler_stats=self.scheduler.make_stats(),
                                      timestamp=time.monotonic())
-        scheduler_output = self._schedule(scheduler=self.scheduler)
+        scheduler_output = self._schedule()
         if scheduler_output is None:
             raise RuntimeError("no plugin answered sparrow_schedule")
         if scheduler_output.total_num_scheduled_tokens == 0:
@@ -229,8 +227,6 @@ def check_request(request: EngineCoreRequest, *, vocab_size: int | None, max_mod
         raise ValueError(f"max_tokens of request {request.request_id!r} must be >= 1, got {request.max_tokens}")
     if not math.isfinite(request.arrival_time):
         raise ValueError(f"arrival_time of request {request.request_id!r} must be finite, got {request.arrival_time}")
-    if request.client_index < 0:
-        raise ValueError(f"client_index of request {request.request_id!r} must be >= 0, got {request.client_index}")
     params = request.sampling_params
     if params.n != 1:
         raise ValueError(f"sampling_params.n of request {request.request_id!r} must be 1 in the engine core "
@@ -243,6 +239,16 @@ def check_request(request: EngineCoreRequest, *, vocab_size: int | None, max_mod
         if value is not None and vocab_size is not None and value > vocab_size:
             raise ValueError(f"sampling_params.{field} of request {request.request_id!r} asks for {value} "
                              f"tokens, more than the vocabulary's {vocab_size}")
+
+
+def schedule_step(pm: Any, scheduler: SchedulerInterface) -> Callable[[], SchedulerOutput | None]:
+    """The step's scheduling call, resolved once: ``scheduler.schedule`` itself while the kernel's
+    default is the only ``sparrow_schedule`` implementation, else the hook (a plugin replaces or
+    wraps the decision)."""
+    if kernel_default_only(pm, "sparrow_schedule"):
+        return scheduler.schedule
+    hook = pm.hook.sparrow_schedule
+    return lambda: hook(scheduler=scheduler)
 
 
 def build_scheduler(config: EngineConfig, kv_cache_manager: KVCacheManager, pm: Any = None) -> SchedulerInterface:
@@ -259,6 +265,6 @@ def build_scheduler(config: EngineConfig, kv_cache_manager: KVCacheManager, pm: 
         max_model_len=config.model.max_model_len,
         enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
         long_prefill_token_threshold=config.scheduler.long_prefill_token_threshold,
-        allocate_slots=pm.hook.sparrow_allocate_slots,
+        allocate_slots=resolve_hook(pm, "sparrow_allocate_slots"),
         kv_connector=build_connector(config, KVConnectorRole.SCHEDULER, kv_cache_manager.block_size),
     )

@@ -151,6 +151,7 @@ class WorkerProc:
     PROC_METHODS = ("process_info",)
 
     def __init__(self, spec: WorkerSpec, sock: zmq.Socket) -> None:
+        from sparrow.executor.uniproc import execute_step
         from sparrow.platforms import resolve_platform
         from sparrow.plugins import get_plugin_manager, import_object
 
@@ -160,7 +161,7 @@ class WorkerProc:
         worker_cls = import_object(platform.worker_cls)
         self.worker = worker_cls(config=spec.config, platform=platform, rank=spec.rank, local_rank=spec.local_rank,
                                  world_size=spec.world_size, distributed_init_method=spec.distributed_init_method)
-        self._execute_hook = get_plugin_manager().hook.sparrow_execute_model
+        self._execute = execute_step(get_plugin_manager(), self.worker)
         self.sock.send_multipart([HELLO, encode_seq(0), msgspec.msgpack.encode(self.process_info())])
 
     def process_info(self) -> dict[str, Any]:
@@ -195,7 +196,7 @@ class WorkerProc:
                 self.sock.send_multipart([FAILURE, seq, encoder.encode([kind.decode(), traceback.format_exc()])])
 
     def execute_model(self, scheduler_output: Any) -> Any:
-        output = self._execute_hook(worker=self.worker, scheduler_output=scheduler_output)
+        output = self._execute(scheduler_output)
         if output is None:
             raise RuntimeError(f"no plugin executed the model for platform {self.worker.platform.name!r}")
         return output

@@ -10,6 +10,10 @@ import os
 import sys
 
 from sparrow.hookspecs import hookimpl
+from sparrow_cuda.ops import sparrow_register_ops  # noqa: F401
+
+# The hook-contract versions this plugin supports (sparrow.hookspecs.CONTRACT_VERSION).
+SPARROW_CONTRACT = ">=1.0,<2"
 
 
 def detect() -> str | None:
@@ -40,10 +44,3 @@ def sparrow_attention_backend(platform, requested: str):
     if requested == "flashinfer":
         return FlashInferAttentionBackend
     raise ValueError(f"attention_backend {requested!r} is not available on cuda; choose auto, triton or flashinfer")
-
-
-@hookimpl
-def sparrow_execute_model(worker, scheduler_output):
-    if worker.platform.name != "cuda":
-        return None
-    return worker.execute_model(scheduler_output)

@@ -1,7 +1,9 @@
 """Trace every engine step as a JSON line in ``$SPARROW_TRACE_FILE``.
 
 Both hooks are observed with ``wrapper=True``: the wrapper runs around the implementations that
-decide (the scheduler plugin, the platform plugin), takes their result and returns it unchanged.
+decide (the kernel's defaults, which run the scheduler and the worker, or a plugin's replacement),
+takes their result and returns it unchanged. A wrapper puts the hook back on the engine's hot
+path: with none, the engine calls the scheduler and the worker directly.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from typing import IO, Any
 
 from sparrow.hookspecs import hookimpl
 
+# The hook-contract versions this plugin supports; the entry point names ``tracer`` below, and
+# the loader reads the declaration from the module that defines it.
+SPARROW_CONTRACT = ">=1.0,<2"
 TRACE_FILE_ENV = "SPARROW_TRACE_FILE"
 
 

@@ -7,6 +7,7 @@ naming the field and what is allowed.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -46,6 +47,9 @@ class ModelConfig(_Section):
     logits_processors: list[str] | None = Field(
         None, description="Logits processors to enable besides the built-ins: names registered by plugins "
         "(`sparrow plugins` lists them) or qualified names package.module:Class (default: the built-ins only).")
+    quantization: str | None = Field(
+        None, description="Quantization method for the weights: a name a plugin registers (`sparrow plugins` "
+        "lists them) (default: none, the weights run in dtype).")
 
     @field_validator("logits_processors", mode="before")
     @classmethod
@@ -71,7 +75,8 @@ class ModelConfig(_Section):
     @field_validator("dtype")
     @classmethod
     def _check_dtype(cls, value: str) -> str:
-        value = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}.get(value, value)
+        aliases = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
+        value = aliases.get(value, value)
         if value not in DTYPES:
             raise ValueError(f"must be one of {', '.join(DTYPES)}")
         return value
@@ -128,6 +133,12 @@ class ParallelConfig(_Section):
         return value
 
 
+class LoadConfig(_Section):
+    load_format: str = Field("auto", min_length=1, description="How the weights are loaded: auto (safetensors), "
+                             "safetensors, dummy (random weights, seeded, no checkpoint read) or a plugin's "
+                             "loader (`sparrow plugins` lists them).")
+
+
 class DeviceConfig(_Section):
     device: str = Field("auto", description="Platform to run on: auto picks the best one present; or a "
                         "registered name (cpu, cuda, a plugin's).")
@@ -145,8 +156,26 @@ class KVTransferConfig(_Section):
         default_factory=dict, description='The connector\'s settings, e.g. {"storage_path": "/dir"}.')
 
 
+class PluginsConfig(_Section):
+    additional_config: dict[str, Any] = Field(
+        default_factory=dict, description='Settings for plugins (a platform\'s, say), passed through untouched '
+        'and read as config.additional_config, e.g. {"my_platform": {"fast_path": true}}; must be JSON.')
+
+    @field_validator("additional_config")
+    @classmethod
+    def _json_only(cls, value: dict[str, Any]) -> dict[str, Any]:
+        # It crosses process boundaries (and machines, as JSON), so it must survive a JSON round trip.
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"must be JSON-serialisable (strings, numbers, booleans, None, lists and "
+                             f"objects with string keys): {exc}") from None
+        return value
+
+
 class EngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    # validate_assignment: a platform's check_and_update_config may replace a whole section.
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), validate_assignment=True)
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
@@ -154,6 +183,18 @@ class EngineConfig(BaseModel):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     device: DeviceConfig = Field(default_factory=DeviceConfig)
     kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
+    load: LoadConfig = Field(default_factory=LoadConfig)
+    plugins: PluginsConfig = Field(default_factory=PluginsConfig)
+
+    @property
+    def additional_config(self) -> dict[str, Any]:
+        """Plugin-specific settings (vLLM's ``additional_config``), from ``LLM(additional_config=...)``
+        or ``--additional-config``; the same dict in every process."""
+        return self.plugins.additional_config
+
+    @additional_config.setter
+    def additional_config(self, value: dict[str, Any]) -> None:
+        self.plugins.additional_config = value
 
     @classmethod
     def sections(cls) -> dict[str, type[_Section]]:

@@ -1,23 +1,30 @@
-"""Build a model from a local Hugging Face directory and stream its safetensors weights into it.
+"""Build a model from a local Hugging Face directory and fill its weights with a model loader.
 
-``load_model(model_dir, attn_backend_cls, dtype, device)`` reads ``config.json``, picks the class
-from the architecture registry, builds the model directly on the device with uninitialised
-parameters (no time spent on random init), then streams tensors file by file. With tensor
-parallelism each tensor is handed over as a lazy safetensors slice, so a rank reads only the rows
-it keeps.
+``load_model(model_dir, attn_backend_cls, dtype, device, config=...)`` reads ``config.json``,
+picks the class from the architecture registry, builds the model directly on the device with
+uninitialised parameters (no time spent on random init), then hands it to the
+:class:`ModelLoader` the ``load_format`` engine argument names (registered through
+``sparrow_register_model_loaders``). The built-ins: ``safetensors`` (``auto``) streams tensors
+file by file (with tensor parallelism each tensor is a lazy safetensors slice, so a rank reads
+only the rows it keeps); ``dummy`` fills random weights from the seed and reads no checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping
 
 import torch
 
 from sparrow.layers.parallel import ParallelContext, resolve_tp
 
+if TYPE_CHECKING:
+    from sparrow.config import EngineConfig
+
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+# load_format "auto" is this loader.
+AUTO_LOAD_FORMAT = "safetensors"
 
 
 class WeightFileError(FileNotFoundError):
@@ -46,6 +53,92 @@ def get_max_model_len(hf_config: Any) -> int:
     return int(max_len)
 
 
+# -- model loaders ----------------------------------------------------------------------------
+class ModelLoader:
+    """How a worker fills the parameters of a model it just built (vLLM's BaseModelLoader).
+
+    Subclass it, register the class with ``sparrow_register_model_loaders`` and select it with
+    the ``load_format`` engine argument. Built once per worker as ``cls(config)``.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config
+
+    @classmethod
+    def check_files(cls, model_dir: Path) -> None:
+        """Pre-flight, in the frontend before any engine process starts: raise
+        :class:`WeightFileError` naming what this loader will miss in ``model_dir``. Must be cheap
+        (headers and names, never tensors). The default needs nothing beyond config.json."""
+
+    def load_weights(self, model: torch.nn.Module, model_dir: Path, tp: ParallelContext | None) -> None:
+        """Fill every parameter of ``model`` (built on its device with uninitialised memory, under
+        ``torch.no_grad``). ``tp`` is this rank's tensor-parallel context: each layer's
+        ``weight_loader`` takes a whole checkpoint tensor and keeps this rank's shard, which is
+        what ``model.load_weights(iter_of_(name, tensor))`` does for Hugging Face names."""
+        raise NotImplementedError
+
+
+class SafetensorsLoader(ModelLoader):
+    """The checkpoint's *.safetensors files (sharded with an index or not), one file open at a time."""
+
+    name = "safetensors"
+
+    @classmethod
+    def check_files(cls, model_dir: Path) -> None:
+        safetensors_files(model_dir)
+
+    def load_weights(self, model: torch.nn.Module, model_dir: Path, tp: ParallelContext | None) -> None:
+        model.load_weights(iter_safetensors(model_dir, tp))  # type: ignore[operator]
+
+
+class DummyLoader(ModelLoader):
+    """Random weights, reproducible from the ``seed`` engine argument; no checkpoint is read (vLLM's
+    ``dummy``): for benchmarks and for bringing up a platform before weights are at hand."""
+
+    name = "dummy"
+    # vLLM's range: small enough that activations stay finite in float16 through any depth.
+    LOW, HIGH = -1e-3, 1e-3
+
+    def load_weights(self, model: torch.nn.Module, model_dir: Path, tp: ParallelContext | None) -> None:
+        seed = self.config.model.seed if self.config is not None else 0
+        generators: dict[torch.device, torch.Generator] = {}
+        for _name, param in model.named_parameters():
+            device = param.device
+            if device not in generators:
+                try:
+                    generators[device] = torch.Generator(device=device).manual_seed(seed)
+                except RuntimeError:  # a device without its own generator: draw on the host
+                    generators[device] = torch.Generator().manual_seed(seed)
+            generator = generators[device]
+            if generator.device == device:
+                param.data.uniform_(self.LOW, self.HIGH, generator=generator)
+            else:
+                values = torch.empty(param.shape, dtype=param.dtype).uniform_(self.LOW, self.HIGH, generator=generator)
+                param.data.copy_(values)
+
+
+def model_loader_class(load_format: str, registry: Any = None) -> type[ModelLoader]:
+    """The loader class ``load_format`` names ("auto": safetensors); ValueError listing the
+    registered names when none is registered under it."""
+    from sparrow.plugins import Registry, get_registry, resolve_parser
+
+    if not isinstance(registry, Registry):  # None, or an architecture mapping (see load_model)
+        registry = get_registry()
+    name = AUTO_LOAD_FORMAT if load_format == "auto" else load_format
+    if name not in registry.model_loaders:
+        raise ValueError(f"unknown load_format {load_format!r}; registered: auto, "
+                         f"{', '.join(sorted(registry.model_loaders)) or 'none'}")
+    return resolve_parser("model loader", name, registry.model_loaders)
+
+
+def get_model_loader(config: EngineConfig | None = None, registry: Any = None) -> ModelLoader:
+    """The loader of ``config.load.load_format`` (no config: safetensors), built for ``config``."""
+    load_format = config.load.load_format if config is not None else "auto"
+    return model_loader_class(load_format, registry)(config)
+
+
 def load_model(
     model_dir: str | Path,
     attn_backend_cls: type,
@@ -53,8 +146,10 @@ def load_model(
     device: torch.device | str,
     tp: ParallelContext | None = None,
     registry: Any = None,
+    config: EngineConfig | None = None,
 ) -> torch.nn.Module:
-    """Build the model of ``model_dir`` on ``device`` in ``dtype`` and load its weights.
+    """Build the model of ``model_dir`` on ``device`` in ``dtype`` and load its weights with the
+    loader ``config.load.load_format`` names (no config: safetensors).
 
     ``registry`` is a ``{architecture: "module:Class"}`` mapping or a ``sparrow.plugins.Registry``;
     by default, the process's plugin registry.
@@ -64,9 +159,10 @@ def load_model(
     model_dir = Path(model_dir)
     hf_config = get_hf_config(model_dir)
     model_cls = resolve_model_class(hf_config, _architectures(registry))
+    loader = get_model_loader(config, registry)
     with torch.no_grad():
         model = model_cls(hf_config, attn_backend_cls, dtype, torch.device(device), tp)
-        model.load_weights(iter_safetensors(model_dir, tp))
+        loader.load_weights(model, model_dir, tp)
     return model.eval()
 
 

@@ -1,22 +1,29 @@
 """Pre-flight checks: configuration errors found in the caller, before any process starts.
 
-``finalize_config`` (which ``LLMEngine`` and ``AsyncLLM`` call first) ends with
-``check_engine_config``, so a wrong name, a missing file or an impossible budget is a
-:class:`~sparrow.config.ConfigError` naming the field within a second, instead of an
-``EngineStartupError`` after the engine process has loaded the model (or, for a budget, a batch
-lost later). Everything here reads files and the plugin registry only: no model, no device.
+``finalize_config`` (which ``LLMEngine`` and ``AsyncLLM`` call first) lets the platform adjust
+the configuration (``apply_platform_config``) and ends with ``check_engine_config``, so a wrong
+name, a missing file or an impossible budget is a :class:`~sparrow.config.ConfigError` naming the
+field within a second, instead of an ``EngineStartupError`` after the engine process has loaded
+the model (or, for a budget, a batch lost later). Everything here reads files and the plugin
+registry only: no model, no device.
 
 What is checked:
 
-    model / tokenizer      the directory exists with config.json, its *.safetensors weights (every
-                           file its index names) and tokenizer files
+    model / tokenizer      the directory exists with config.json, the weights the load_format's
+                           loader reads (auto: *.safetensors, every file its index names) and
+                           tokenizer files
     scheduler, device,     names the plugin registry knows (the device present on this machine);
-    kv_connector           kv_role set with a connector
+    kv_connector,          kv_role set with a connector
+    load_format,
+    quantization
     reasoning_parser       a registered reasoning parser
     logits_processors      registered names, or 'package.module:Class' names that import here and
                            name a logits processor class
     attention_backend      offered by the platform (its ``sparrow_attention_backend`` hook answers)
     dtype                  supported by the platform
+    quantization           the method accepts the configuration (``QuantizationMethod.check_config``)
+    communicator           with tensor_parallel_size > 1, the platform's device communicator is
+                           registered
     budgets                chunked prefill off needs max_num_batched_tokens >= max_model_len (a
                            longer prompt could never be scheduled); max_model_len >= 2
     parallel               the model's heads and MLP split evenly over tensor_parallel_size;
@@ -29,7 +36,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from sparrow.config import ConfigError, EngineConfig
+from pydantic import ValidationError
+
+from sparrow.config import ConfigError, EngineConfig, _describe
 from sparrow.plugins import Registry, get_plugin_manager, get_registry, import_object
 
 logger = logging.getLogger(__name__)
@@ -56,15 +65,22 @@ def check_model_dir(model: str) -> Path:
     return path
 
 
-def check_model_files(model: str, tokenizer: str | None) -> None:
-    """Weights and tokenizer files are where the engine will look for them."""
-    from sparrow.model_loader import WeightFileError, safetensors_files
+def check_model_files(model: str, tokenizer: str | None, load_format: str = "auto",
+                      registry: Registry | None = None) -> None:
+    """Weights (as the ``load_format`` loader reads them) and tokenizer files are where the engine
+    will look for them."""
+    from sparrow.model_loader import WeightFileError, model_loader_class
 
-    check_model_dir(model)
+    path = check_model_dir(model)
     try:
-        safetensors_files(model)
+        loader_cls = model_loader_class(load_format, registry)
+    except ValueError as exc:
+        raise _error("load_format", str(exc)) from None
+    try:
+        loader_cls.check_files(path)
     except WeightFileError as exc:
-        raise _error("model", f"{exc} (Sparrow loads safetensors weights only)") from None
+        hint = " (load_format 'auto' reads *.safetensors files)" if load_format in ("auto", "safetensors") else ""
+        raise _error("model", f"{exc}{hint}") from None
     tokenizer_dir = Path(tokenizer or model).expanduser()
     default_note = " (the tokenizer defaults to the model directory)" if tokenizer in (None, model) else ""
     if not tokenizer_dir.is_dir():
@@ -93,6 +109,14 @@ def check_plugin_names(config: EngineConfig, registry: Registry) -> None:
                          f"{_registered(registry.kv_connectors)}")
         if kv.kv_role is None:
             raise _error("kv_role", "must be set (kv_producer, kv_consumer or kv_both) when kv_connector is set")
+    load_format = config.load.load_format
+    if load_format != "auto" and load_format not in registry.model_loaders:
+        raise _error("load_format", f"unknown load_format {load_format!r}; registered: auto, "
+                     f"{_registered(registry.model_loaders)}")
+    quantization = config.model.quantization
+    if quantization is not None and quantization not in registry.quantization_methods:
+        raise _error("quantization", f"unknown quantization method {quantization!r}; registered: "
+                     f"{_registered(registry.quantization_methods)}")
     reasoning_parser = config.model.reasoning_parser
     if reasoning_parser is not None and reasoning_parser not in registry.reasoning_parsers:
         raise _error("reasoning_parser", f"unknown reasoning parser {reasoning_parser!r}; registered: "
@@ -127,6 +151,70 @@ def resolve_configured_platform(device: str, registry: Registry | None = None) -
     if import_path is None:
         raise _error("device", f"{device!r} is installed but its plugin found no such device on this machine")
     return import_object(import_path)()
+
+
+def apply_platform_config(config: EngineConfig, platform: Any) -> EngineConfig:
+    """Let ``platform`` adjust ``config`` (its ``check_and_update_config``, which changes it in
+    place), then validate the whole configuration again: the returned config is what every engine
+    process receives. A refusal or an invalid value is a ConfigError naming the platform and field."""
+    name = getattr(platform, "name", type(platform).__name__)
+    hook = getattr(platform, "check_and_update_config", None)
+    if hook is None:  # a platform class that does not derive from sparrow.platforms.Platform
+        return config
+    before = config.flat()
+    device = config.device.device
+    try:
+        hook(config)
+    except ConfigError:
+        raise
+    except ValidationError as exc:  # an assignment the field's validation refused
+        raise ConfigError(f"platform {name!r} set an invalid value: {_describe(exc)}") from None
+    except ValueError as exc:
+        raise ConfigError(f"platform {name!r} refused the configuration: {exc}") from None
+    # Assignments inside a section are validated one by one; checks across fields (nnodes and
+    # tensor_parallel_size, say) run only when a section is built, so build them all again.
+    try:
+        checked = EngineConfig.model_validate(config.model_dump())
+    except ValidationError as exc:
+        raise ConfigError(f"platform {name!r} left an invalid configuration: {_describe(exc)}") from None
+    if checked.device.device != device:
+        raise _error("device", f"platform {name!r} changed it to {checked.device.device!r}; a platform "
+                     "configures itself, it cannot hand the engine to another")
+    after = checked.flat()
+    changed = [f"{key}: {before.get(key)!r} -> {value!r}" for key, value in after.items() if before.get(key) != value]
+    if changed:
+        logger.info("platform %s changed the configuration: %s", name, "; ".join(changed))
+    return checked
+
+
+def check_communicator(config: EngineConfig, platform: Any, registry: Registry) -> None:
+    if config.parallel.tensor_parallel_size == 1:
+        return  # a single rank has no collectives
+    name = getattr(platform, "communicator", "torch_distributed")
+    if name not in registry.device_communicators:
+        raise _error("tensor_parallel_size", f"platform {getattr(platform, 'name', platform)!r} uses device "
+                     f"communicator {name!r}, which no plugin registers (registered: "
+                     f"{_registered(registry.device_communicators)}), so its ranks cannot communicate")
+
+
+def check_quantization(config: EngineConfig, hf_config: Any, platform: Any) -> None:
+    if config.model.quantization is None:
+        return
+    from sparrow.quantization import get_quantization_method, op_overrides_for
+
+    try:
+        method = get_quantization_method(config, hf_config)
+    except ValueError as exc:
+        raise _error("quantization", str(exc)) from None
+    assert method is not None  # quantization is set
+    method.check_config(config)
+    # What each worker will ask for, asked here first: a broken method fails before start-up.
+    try:
+        op_overrides_for(config, getattr(platform, "name", str(platform)), hf_config)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise _error("quantization", str(exc)) from None
 
 
 def check_platform_settings(config: EngineConfig, platform: Any, hf_config: Any) -> None:
@@ -197,15 +285,18 @@ def check_engine_config(config: EngineConfig, hf_config: Any = None, platform: A
     model = config.model.model
     if model is None:
         raise _error("model", "is not resolved; call sparrow.engine.setup.finalize_config first")
-    check_model_files(model, config.model.tokenizer)
+    registry = get_registry()
+    check_model_dir(model)
+    check_plugin_names(config, registry)
+    check_model_files(model, config.model.tokenizer, config.load.load_format, registry)
     if hf_config is None:
         from sparrow.model_loader import get_hf_config
 
         hf_config = get_hf_config(model)
-    registry = get_registry()
-    check_plugin_names(config, registry)
     if platform is None:
         platform = resolve_configured_platform(config.device.device, registry)
     check_platform_settings(config, platform, hf_config)
+    check_communicator(config, platform, registry)
+    check_quantization(config, hf_config, platform)
     check_budgets(config)
     check_parallel(config, hf_config)

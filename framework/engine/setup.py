@@ -10,6 +10,7 @@ from typing import Any
 
 from sparrow.config import ConfigError, EngineConfig
 from sparrow.engine.preflight import (
+    apply_platform_config,
     check_engine_config,
     check_model_dir,
     check_plugin_names,
@@ -35,40 +36,58 @@ def resolve_model_path(model: str | None) -> str:
     return str(path.resolve())
 
 
-def finalize_config(config: EngineConfig) -> EngineConfig:
-    """Fill what the user left to defaults (model path, tokenizer, max_model_len, served name, the
-    platform's token budget), then run the pre-flight checks (``check_engine_config``): every
-    configuration error is a ConfigError raised here, before any engine process starts."""
+def _model_limits(model_path: str) -> tuple[Any, int]:
     from sparrow.model_loader import get_hf_config, get_max_model_len
 
-    model_path = resolve_model_path(config.model.model)
     try:
         hf_config = get_hf_config(model_path)
-        model_max = get_max_model_len(hf_config)
+        return hf_config, get_max_model_len(hf_config)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"invalid engine argument 'model': the config.json of {model_path!r} cannot be "
                           f"used: {exc}") from None
-    max_model_len = config.model.max_model_len
-    if max_model_len is None:
-        max_model_len = model_max
-    elif max_model_len > model_max:
+
+
+def _check_max_model_len(max_model_len: int, model_max: int) -> None:
+    if max_model_len > model_max:
         raise ConfigError(
             f"invalid engine argument 'max_model_len': {max_model_len} exceeds the model's maximum {model_max}"
         )
+
+
+def finalize_config(config: EngineConfig) -> EngineConfig:
+    """Fill what the user left to defaults (model path, tokenizer, max_model_len, served name), let
+    the platform adjust the configuration (its ``check_and_update_config``), fill the platform's
+    defaults it left unset (token budget), then run the pre-flight checks (``check_engine_config``):
+    every configuration error is a ConfigError raised here, before any engine process starts. The
+    caller's ``config`` is not changed."""
+    model_path = resolve_model_path(config.model.model)
+    hf_config, model_max = _model_limits(model_path)
+    max_model_len = config.model.max_model_len
+    if max_model_len is None:
+        max_model_len = model_max
+    _check_max_model_len(max_model_len, model_max)
     model = config.model.model_copy(update={
         "model": model_path,
         "tokenizer": config.model.tokenizer or model_path,
         "max_model_len": max_model_len,
         "served_model_name": config.model.served_model_name or (config.model.model or "sparrow-tiny"),
     })
-    update: dict = {"model": model}
+    # Deep: the platform's hook changes sections in place, and the caller's config must stay as given.
+    finalized = config.model_copy(deep=True, update={"model": model})
+    registry = get_registry()
     # Names are checked before the platform is resolved, so a wrong one is reported as itself.
-    check_plugin_names(config, get_registry())
-    platform = resolve_configured_platform(config.device.device)
-    if config.scheduler.max_num_batched_tokens is None:
-        update["scheduler"] = config.scheduler.model_copy(
-            update={"max_num_batched_tokens": platform.default_max_num_batched_tokens})
-    finalized = config.model_copy(update=update)
+    check_plugin_names(finalized, registry)
+    platform = resolve_configured_platform(finalized.device.device, registry)
+    if finalized.device.device == "auto" and getattr(platform, "name", None) in registry.platforms:
+        # Every engine process resolves the platform by this name: the one configured here.
+        finalized.device.device = platform.name
+    finalized = apply_platform_config(finalized, platform)
+    if finalized.model.model != model_path:  # the platform pointed at other weights
+        finalized.model.model = resolve_model_path(finalized.model.model)
+        hf_config, model_max = _model_limits(finalized.model.model)
+    _check_max_model_len(finalized.model.max_model_len or 0, model_max)
+    if finalized.scheduler.max_num_batched_tokens is None:
+        finalized.scheduler.max_num_batched_tokens = platform.default_max_num_batched_tokens
     check_engine_config(finalized, hf_config=hf_config, platform=platform)
     return finalized
 

@@ -2,6 +2,8 @@
 
 A layer that receives ``tp=None`` (or a context of world size 1) runs exactly as a plain torch
 layer: the collective helpers return their input untouched, so a single device pays nothing.
+With several ranks they delegate to the context's device communicator
+(:class:`sparrow.distributed.DeviceCommunicator`, the platform's choice).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ class ParallelContext:
     rank: int = 0
     world_size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup, or None for the default group
+    # A sparrow.distributed.DeviceCommunicator; None with several ranks: the built-in
+    # torch_distributed one over ``group``.
+    communicator: Any = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -27,31 +32,31 @@ class ParallelContext:
             raise ValueError(
                 f"ParallelContext.rank must be in [0, {self.world_size}), got {self.rank}"
             )
+        if self.communicator is None and self.world_size > 1:
+            from sparrow.distributed import TorchDistributedCommunicator
+
+            # frozen: the default is filled once, here
+            object.__setattr__(self, "communicator",
+                               TorchDistributedCommunicator(self.rank, self.world_size, group=self.group))
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the group, in place; a no-op for world size 1."""
         if self.world_size == 1:
             return tensor
-        torch.distributed.all_reduce(tensor, group=self.group)
-        return tensor
+        return self.communicator.all_reduce(tensor)
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` along ``dim`` in rank order; identity for world size 1."""
         if self.world_size == 1:
             return tensor
-        tensor = tensor.contiguous()
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        torch.distributed.all_gather(parts, tensor, group=self.group)
-        return torch.cat(parts, dim=dim)
+        return self.communicator.all_gather(tensor, dim=dim)
 
     def broadcast_from_first(self, tensor: torch.Tensor) -> torch.Tensor:
         """Overwrite ``tensor`` on every rank with the group's first rank's copy, in place;
         a no-op for world size 1."""
         if self.world_size == 1:
             return tensor
-        first = 0 if self.group is None else torch.distributed.get_global_rank(self.group, 0)
-        torch.distributed.broadcast(tensor, src=first, group=self.group)
-        return tensor
+        return self.communicator.broadcast_from_first(tensor)
 
 
 SINGLE_DEVICE = ParallelContext()

@@ -1,8 +1,12 @@
-"""What a platform plugin provides: identity, defaults and its worker class."""
+"""What a platform plugin provides: identity, defaults, its worker class, and its say over the
+engine configuration (``check_and_update_config``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sparrow.config import EngineConfig
 
 
 class Platform:
@@ -18,6 +22,23 @@ class Platform:
     supported_dtypes: tuple[str, ...] = ("float32", "bfloat16")
     # "package.module:WorkerClass"
     worker_cls: str = ""
+    # The device communicator (collectives of tensor parallelism) by its registered name
+    # (sparrow_register_device_communicators); the built-in wraps torch.distributed.
+    communicator: str = "torch_distributed"
+
+    def check_and_update_config(self, config: EngineConfig) -> None:
+        """Adjust and validate the engine configuration for this platform (vLLM's name).
+
+        Called once, in the frontend process, after the user's arguments are parsed and this
+        platform is resolved, before any engine process starts or anything is built; the config
+        it leaves is the one every process (engine core, workers) receives. Fields the user left
+        unset are still None here (block_size, max_num_batched_tokens...): set what the platform
+        needs, and the kernel fills what stays None from the platform's defaults afterwards.
+        Plugin settings are in ``config.additional_config``. Every assignment is validated, and the
+        whole configuration is checked again afterwards; raise
+        :class:`sparrow.config.ConfigError` naming the field to refuse a value. The default changes
+        nothing.
+        """
 
     def resolve_dtype(self, requested: str) -> str:
         dtype = self.default_dtype if requested == "auto" else requested

@@ -7,6 +7,9 @@ The executor decides the rendezvous and hands it to every worker as ``distribute
 
 Rank and world size are always passed explicitly (never read from RANK / WORLD_SIZE), so a stray
 variable in the environment cannot put a worker in the wrong place.
+
+The collectives then run on the platform's device communicator (``Platform.communicator``, a name
+registered through ``sparrow_register_device_communicators``; see :mod:`sparrow.distributed`).
 """
 
 from __future__ import annotations
@@ -48,13 +51,28 @@ def _check_env_rendezvous() -> None:
         )
 
 
+def communicator_class(name: str, registry: Any = None) -> type:
+    """The device communicator class registered as ``name``; ValueError listing the registered ones."""
+    from sparrow.plugins import get_registry, resolve_parser
+
+    registry = registry or get_registry()
+    return resolve_parser("device communicator", name, registry.device_communicators)
+
+
 def init_distributed(platform: Any, rank: int, world_size: int, distributed_init_method: str | None,
                      device: torch.device) -> ParallelContext:
     """Join the tensor-parallel group and return the context the parallel layers use.
 
-    ``platform.dist_backend`` picks the backend (gloo on CPU, nccl on CUDA). ``None`` as the init
+    ``platform.dist_backend`` picks the backend (gloo on CPU, nccl on CUDA) and
+    ``platform.communicator`` the device communicator the collectives run on. ``None`` as the init
     method means ``env://``. Called once per worker process, from ``WorkerBase.init_device``.
     """
+    # Resolved before joining: an unknown name fails this rank alone, not the group's rendezvous.
+    comm_name = getattr(platform, "communicator", "torch_distributed")
+    try:
+        comm_cls = communicator_class(comm_name)
+    except ValueError as exc:
+        raise ValueError(f"platform {getattr(platform, 'name', platform)!r}: {exc}") from None
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     init_method = distributed_init_method or "env://"
@@ -77,12 +95,13 @@ def init_distributed(platform: Any, rank: int, world_size: int, distributed_init
         logger.info("rank %d/%d joining %s group at %s", rank, world_size, backend, init_method)
         dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-    context = ParallelContext(rank=rank, world_size=world_size, group=None)
+    communicator = comm_cls(rank=rank, world_size=world_size, device=device, group=None)
+    context = ParallelContext(rank=rank, world_size=world_size, group=None, communicator=communicator)
     # One tiny collective now: connections (and NCCL communicators) are made at start-up, where a
     # misconfigured network fails with a clear error, rather than inside the first forward pass.
     probe = torch.ones(1, device=device)
     context.all_reduce(probe)
     if int(probe.item()) != world_size:
-        raise RuntimeError(f"tensor-parallel start-up check failed: all_reduce gave {probe.item()}, "
+        raise RuntimeError(f"tensor-parallel start-up check failed: {comm_name} all_reduce gave {probe.item()}, "
                            f"expected {world_size}")
     return context

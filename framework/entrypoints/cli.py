@@ -166,9 +166,13 @@ def stream_generate(engine: Any, prompts: list[str], params: Any, out: Any) -> N
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
+    from sparrow.conformance.cli import print_op_table, refuse_check_flags, run_check_command
     from sparrow.platforms import available_platforms
     from sparrow.plugins import get_plugin_manager, get_registry
 
+    if args.check is not None:
+        return run_check_command(args)
+    refuse_check_flags(args)
     pm = get_plugin_manager()
     print("plugins:")
     for name, plugin in pm.list_name_plugin():
@@ -186,6 +190,10 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     print("logits processors:", ", ".join(sorted(registry.logits_processors)))
     print("tool parsers:", ", ".join(sorted(registry.tool_parsers)) or "none")
     print("reasoning parsers:", ", ".join(sorted(registry.reasoning_parsers)) or "none")
+    print("model loaders (load_format):", ", ".join(sorted(registry.model_loaders)) or "none")
+    print("quantization methods:", ", ".join(sorted(registry.quantization_methods)) or "none")
+    print("device communicators:", ", ".join(sorted(registry.device_communicators)) or "none")
+    print_op_table(registry, list(registry.platforms))
     return 0
 
 
@@ -219,7 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    plugins = sub.add_parser("plugins", help="list plugins, hooks, platforms, schedulers, connectors, architectures")
+    plugins = sub.add_parser("plugins", help="list plugins, hooks, platforms, schedulers, connectors, architectures "
+                                              "and ops; --check DEVICE runs the conformance suite")
+    from sparrow.conformance.cli import add_check_arguments
+
+    add_check_arguments(plugins)
     plugins.set_defaults(func=cmd_plugins)
 
     bench = sub.add_parser("bench", help="benchmarks: throughput, serve, ablate")

@@ -2,7 +2,8 @@
 
 This module is what the ``sparrow`` entry point names, so it is imported in every process that
 loads plugins (the frontend too, and ``sparrow plugins``). It must stay cheap: no torch here; the
-worker and the attention backend are imported only when the platform is actually used.
+worker, the attention backend and the op implementation (``ops.py``) are imported only when the
+platform is actually used.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import importlib.util
 
 from sparrow.hookspecs import hookimpl
 
+# The hook-contract versions (sparrow.hookspecs.CONTRACT_VERSION) this plugin was written for: a
+# Sparrow outside the range refuses to load it, with a message, instead of failing mid-request.
+SPARROW_CONTRACT = ">=1.0,<2"
 PLATFORM_NAME = "cpu_sdpa"
 ATTENTION_BACKENDS = ("auto", "sdpa")
 
@@ -35,6 +39,13 @@ def sparrow_register_platforms(register) -> None:
 
 
 @hookimpl
+def sparrow_register_ops(register) -> None:
+    # By import path: the module (and torch) loads only in a process that builds a model on this
+    # platform. Every op not registered here is served by the kernel's torch reference.
+    register("rms_norm", PLATFORM_NAME, "sparrow_example_platform.ops:TorchRMSNorm")
+
+
+@hookimpl
 def sparrow_attention_backend(platform, requested: str):
     if platform.name != PLATFORM_NAME:
         return None  # another platform's worker: let its plugin answer
@@ -46,10 +57,3 @@ def sparrow_attention_backend(platform, requested: str):
     from sparrow_example_platform.attention import GatherSdpaAttention
 
     return GatherSdpaAttention
-
-
-@hookimpl
-def sparrow_execute_model(worker, scheduler_output):
-    if worker.platform.name != PLATFORM_NAME:
-        return None
-    return worker.execute_model(scheduler_output)

@@ -17,6 +17,8 @@ from typing import Any
 
 import msgspec
 
+from sparrow.errors import InvalidArgumentError
+
 _SAMPLING_EPS = 1e-5
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -31,20 +33,23 @@ class RequestOutputKind(enum.IntEnum):
 _MAX_SHOWN_CHARS = 60
 
 
-def _fail(field: str, requirement: str, value: Any) -> None:
+def _fail(field: str, requirement: str, value: Any, *, path: str | None = None) -> None:
+    """Raise naming ``field`` in the message; ``path`` is the error's field when the message's
+    name is not one (``logit_bias key``)."""
     shown = repr(value)
     if len(shown) > _MAX_SHOWN_CHARS:
         shown = shown[:_MAX_SHOWN_CHARS] + "..."
-    raise ValueError(f"SamplingParams.{field} {requirement}, got {shown} ({type(value).__name__})")
+    raise InvalidArgumentError(f"SamplingParams.{field} {requirement}, got {shown} ({type(value).__name__})",
+                               path or field)
 
 
-def _int(field: str, value: Any, minimum: int = INT64_MIN, maximum: int = INT64_MAX) -> int:
+def _int(field: str, value: Any, minimum: int = INT64_MIN, maximum: int = INT64_MAX, *, path: str | None = None) -> int:
     """``value`` as a Python int in [minimum, maximum]; numpy integers are converted."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        _fail(field, "must be an integer", value)
+        _fail(field, "must be an integer", value, path=path)
     value = int(value)
     if not minimum <= value <= maximum:
-        _fail(field, f"must be an integer in [{minimum}, {maximum}]", value)
+        _fail(field, f"must be an integer in [{minimum}, {maximum}]", value, path=path)
     return value
 
 
@@ -96,30 +101,37 @@ class StructuredOutputsParams(
                   if getattr(self, name) is not None and getattr(self, name) is not False]
         if len(chosen) != 1:
             got = " and ".join(chosen) if chosen else "none"
-            raise ValueError(f"StructuredOutputsParams: exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)} "
-                             f"must be set, got {got}")
+            raise InvalidArgumentError(f"StructuredOutputsParams: exactly one of "
+                                       f"{', '.join(STRUCTURED_OUTPUT_KINDS)} must be set, got {got}",
+                                       "structured_outputs")
         if isinstance(self.json, str):
             try:
                 schema = json_module.loads(self.json)
             except ValueError as exc:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+                raise InvalidArgumentError(f"structured_outputs.json is not valid JSON: {exc}",
+                                           "structured_outputs.json") from None
             if not isinstance(schema, (dict, bool)):
-                raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got "
-                                 f"{type(schema).__name__}")
+                raise InvalidArgumentError(f"structured_outputs.json must be a JSON schema (an object), got "
+                                           f"{type(schema).__name__}", "structured_outputs.json")
         elif self.json is not None and not isinstance(self.json, Mapping):
-            raise ValueError(f"structured_outputs.json must be a dict or a JSON string, got {type(self.json).__name__}")
+            raise InvalidArgumentError(f"structured_outputs.json must be a dict or a JSON string, got "
+                                       f"{type(self.json).__name__}", "structured_outputs.json")
         if self.json_object is not None and self.json_object is not True:
-            raise ValueError(f"structured_outputs.json_object must be True when set, got {self.json_object!r}")
+            raise InvalidArgumentError(f"structured_outputs.json_object must be True when set, got "
+                                       f"{self.json_object!r}", "structured_outputs.json_object")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+                raise InvalidArgumentError(f"structured_outputs.{name} must be a non-empty string, got {value!r}",
+                                           f"structured_outputs.{name}")
         if self.choice is not None:
             if isinstance(self.choice, (str, bytes)) or not isinstance(self.choice, Sequence) or not self.choice:
-                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+                raise InvalidArgumentError(f"structured_outputs.choice must be a non-empty list of strings, got "
+                                           f"{self.choice!r}", "structured_outputs.choice")
             for index, text in enumerate(self.choice):
                 if not isinstance(text, str) or not text:
-                    raise ValueError(f"structured_outputs.choice[{index}] must be a non-empty string, got {text!r}")
+                    raise InvalidArgumentError(f"structured_outputs.choice[{index}] must be a non-empty string, "
+                                               f"got {text!r}", f"structured_outputs.choice[{index}]")
             self.choice = list(self.choice)
 
     @property
@@ -275,8 +287,8 @@ class SamplingParams(
         try:
             msgspec.msgpack.encode(self.extra_args)
         except (TypeError, OverflowError) as exc:
-            raise ValueError(f"SamplingParams.extra_args must hold only JSON-like values (str, int, float, "
-                             f"bool, None, lists and dicts of them): {exc}") from None
+            raise InvalidArgumentError(f"SamplingParams.extra_args must hold only JSON-like values (str, int, "
+                                       f"float, bool, None, lists and dicts of them): {exc}", "extra_args") from None
         self.extra_args = dict(self.extra_args)
 
     def _check_logit_bias(self) -> None:
@@ -284,7 +296,7 @@ class SamplingParams(
             _fail("logit_bias", "must be a dict of token id -> bias", self.logit_bias)
         checked: dict[int, float] = {}
         for token_id, bias in self.logit_bias.items():
-            token_id = _int("logit_bias key", token_id, 0)
+            token_id = _int("logit_bias key", token_id, 0, path="logit_bias")
             bias = _float(f"logit_bias[{token_id}]", bias)
             if not -100.0 <= bias <= 100.0:
                 _fail(f"logit_bias[{token_id}]", "must be in [-100, 100]", bias)

@@ -392,13 +392,11 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         self._admit(self.waiting.pop(0))
 
     @precondition(lambda self: self.running)
-    @rule(data=st.data(), num_lookahead_tokens=st.sampled_from([0, 0, 3]))
-    def decode(self, data: st.DataObject, num_lookahead_tokens: int) -> None:
+    @rule(data=st.data())
+    def decode(self, data: st.DataObject) -> None:
         request = data.draw(st.sampled_from(self._running_in_order()), label="request")
         before = self._snapshot()
-        new_blocks = self.manager.allocate_slots(
-            request, 1, num_lookahead_tokens=num_lookahead_tokens
-        )
+        new_blocks = self.manager.allocate_slots(request, 1)
         if new_blocks is None:
             assert self._snapshot() == before, "a failed allocation must change nothing"
             self._preempt(request)

@@ -81,10 +81,10 @@ def test_last_prompt_token_is_always_recomputed(prompt_len: int, expected_hit_to
 def test_no_lookup_with_prompt_logprobs_or_caching_disabled() -> None:
     manager = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
     admit(manager, make_request("warm", list(range(12))))
-    manager.make_prefix_cache_stats()
+    assert manager.make_prefix_cache_stats().requests == 1
     wants_logprobs = make_request("lp", list(range(12)), prompt_logprobs=1)
     assert manager.get_computed_blocks(wants_logprobs) == (KVCacheBlocks([]), 0)
-    assert manager.make_prefix_cache_stats().requests == 0
+    assert manager.make_prefix_cache_stats().requests == 1  # not looked up, not counted
 
     uncached = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE, enable_caching=False)
     admit(uncached, make_request("warm", list(range(12))))
@@ -145,18 +145,14 @@ def test_free_order_evicts_tail_first() -> None:
     assert manager.get_computed_blocks(again)[1] == 8
 
 
-def test_lookahead_and_max_model_len() -> None:
-    manager = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE, max_model_len=16)
+def test_slots_beyond_the_request_tokens_are_never_cached() -> None:
+    manager = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
     request = make_request("a", list(range(6)))
-    new_blocks = manager.allocate_slots(request, 6, num_lookahead_tokens=3)
+    new_blocks = manager.allocate_slots(request, 9)  # three more slots than the request has tokens
     assert new_blocks is not None and len(new_blocks.blocks) == 3  # ceil(9 / 4)
-    # Only the full block of computed tokens is cached, not lookahead slots.
+    # Only the full block of the request's own tokens is cached.
     hashes = [block.block_hash is not None for block in manager.get_blocks("a").blocks]
     assert hashes == [True, False, False]
-    request.num_computed_tokens = 6
-    # Lookahead past max_model_len is not allocated.
-    assert manager.allocate_slots(request, 4, num_lookahead_tokens=100) is not None
-    assert len(manager.get_block_ids("a")) == 4
 
 
 def test_decode_caches_block_when_it_fills() -> None:
@@ -172,16 +168,14 @@ def test_decode_caches_block_when_it_fills() -> None:
     assert manager.block_pool.get_cached_block(block.block_hash) is block
 
 
-def test_delayed_caching_then_cache_blocks() -> None:
-    """A KV connector allocates first and marks blocks cached once the KV has arrived."""
+def test_externally_computed_tokens_are_cached_with_the_allocation() -> None:
+    """A KV connector's loaded tokens (num_new_computed_tokens without blocks) are indexed at once."""
     manager = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
     request = make_request("remote", list(range(9)))
-    new_blocks = manager.allocate_slots(
-        request, 1, num_new_computed_tokens=8, delay_cache_blocks=True
-    )
+    new_blocks = manager.allocate_slots(request, 1, num_new_computed_tokens=8)
     assert new_blocks is not None and len(new_blocks.blocks) == 3
-    assert not manager.block_pool.cached_block_hash_to_block
-    manager.cache_blocks(request, 8)
+    assert len(manager.block_pool.cached_block_hash_to_block) == 2
+    manager.cache_blocks(request, 8)  # already indexed: nothing changes
     assert len(manager.block_pool.cached_block_hash_to_block) == 2
     with pytest.raises(ValueError, match="num_computed_tokens"):
         manager.cache_blocks(request, 40)
@@ -233,10 +227,13 @@ def test_prefix_cache_stats() -> None:
     stats = manager.make_prefix_cache_stats()
     assert (stats.requests, stats.queries, stats.hits) == (2, 18, 8)
     assert stats.hit_rate == pytest.approx(8 / 18)
+    # A snapshot: reading again gives the same cumulative counts, and a copy to keep.
     again = manager.make_prefix_cache_stats()
-    assert (again.requests, again.queries, again.hits) == (0, 0, 0)
-    stats.reset()
-    assert stats.queries == 0
+    assert (again.requests, again.queries, again.hits) == (2, 18, 8) and again is not stats
+    admit(manager, make_request("c", list(range(9))))
+    later = manager.make_prefix_cache_stats()
+    assert (later.requests, later.queries, later.hits) == (3, 27, 16)
+    assert (stats.requests, stats.queries, stats.hits) == (2, 18, 8)
 
 
 def test_can_fit_and_usage() -> None:
@@ -249,27 +246,15 @@ def test_can_fit_and_usage() -> None:
     assert manager.usage == pytest.approx(0.5)
 
 
-def test_kv_cache_blocks_add() -> None:
-    manager = KVCacheManager(num_blocks=4, block_size=BLOCK_SIZE)
-    first = KVCacheBlocks(manager.block_pool.blocks[:1])
-    second = KVCacheBlocks(manager.block_pool.blocks[2:4])
-    assert (first + second).get_block_ids() == [0, 2, 3]
-    assert first.get_block_ids() == [0]
-
-
 def test_invalid_arguments_name_the_field() -> None:
     with pytest.raises(ValueError, match="block_size"):
         KVCacheManager(num_blocks=4, block_size=0)
     with pytest.raises(ValueError, match="num_blocks"):
         KVCacheManager(num_blocks=0, block_size=4)
-    with pytest.raises(ValueError, match="max_model_len"):
-        KVCacheManager(num_blocks=4, block_size=4, max_model_len=0)
     manager = KVCacheManager(num_blocks=4, block_size=BLOCK_SIZE)
     request = make_request("a", [1, 2, 3])
     with pytest.raises(ValueError, match="num_new_tokens"):
         manager.allocate_slots(request, -1)
-    with pytest.raises(ValueError, match="num_lookahead_tokens"):
-        manager.allocate_slots(request, 1, num_lookahead_tokens=-2)
     with pytest.raises(ValueError, match="num_new_computed_tokens"):
         manager.allocate_slots(request, 1, 0, KVCacheBlocks(manager.block_pool.blocks[:1]))
     assert manager.num_free_blocks == 4

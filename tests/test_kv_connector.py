@@ -39,7 +39,7 @@ def test_consumer_loads_the_producers_prefill_and_matches_a_single_engine(qwen3_
     # Engine B loads them instead of computing them.
     llm = LLM(qwen3_dir, multiprocess=False, dtype="float32", max_model_len=512, enable_prefix_caching=False,
               kv_connector="shared_storage", kv_role="kv_consumer", kv_connector_extra_config=storage)
-    loaded = computed = 0
+    loaded = 0
     try:
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         for p in prompts:
@@ -48,8 +48,7 @@ def test_consumer_loads_the_producers_prefill_and_matches_a_single_engine(qwen3_
         while llm.llm_engine.has_unfinished_requests():
             for out in llm.llm_engine.step():
                 outputs[out.request_id] = out.outputs[0].token_ids
-            stats = llm.llm_engine.last_stats
-            loaded += stats.kv_connector_loaded_tokens
+            loaded = llm.llm_engine.last_stats.kv_connector_loaded_tokens  # cumulative
     finally:
         llm.shutdown()
     # Every full prompt block except the one holding the last prompt token came from storage.

@@ -170,3 +170,91 @@ def test_long_prefill_token_threshold_caps_a_prompt_per_step():
 def test_unknown_scheduler_lists_registered_ones():
     with pytest.raises(ValueError, match="unknown scheduler 'nope'.*fcfs.*priority"):
         make_engine(scheduler="nope")
+
+
+def test_stats_are_snapshots_with_cumulative_counters():
+    # The preemption scenario above, plus a prefix hit: counters add up over the steps, and
+    # reading them (from a step's output or directly) never resets them.
+    engine, executor = make_engine(num_blocks=8, block_size=4, max_num_batched_tokens=64)
+    engine.add_request(make_request("first", 8, max_tokens=12))
+    engine.add_request(make_request("second", 8, max_tokens=12, start=50))
+    per_step = []
+    while engine.has_unfinished_requests():
+        per_step.append(engine.step().scheduler_stats)
+    resumes = sum(1 for so in executor.history for new in so.scheduled_new_reqs if new.output_token_ids)
+    assert resumes > 0
+    preemptions = [stats.num_preemptions for stats in per_step]
+    assert preemptions == sorted(preemptions) and preemptions[-1] == resumes
+    first = engine.scheduler.make_stats()
+    assert first == engine.scheduler.make_stats() == per_step[-1]
+    engine.add_request(make_request("again", 8, max_tokens=1))  # its first block is cached
+    run_to_completion(engine)
+    later = engine.scheduler.make_stats()
+    assert later.num_preemptions == first.num_preemptions
+    assert later.prefix_cache_queries == first.prefix_cache_queries + 8
+    assert later.prefix_cache_hits == first.prefix_cache_hits + 4
+    assert later == engine.scheduler.make_stats()
+
+
+def test_add_request_refusals_name_the_field():
+    from sparrow.errors import InvalidArgumentError
+
+    engine, _ = make_engine(num_blocks=4, block_size=4)  # 16 tokens in all
+    with pytest.raises(InvalidArgumentError) as info:  # the prompt fits, the output does not
+        engine.add_request(make_request("long-output", 10, max_tokens=10))
+    assert info.value.field == "max_tokens"
+    with pytest.raises(InvalidArgumentError) as info:
+        engine.add_request(make_request("long-prompt", 20, max_tokens=1))
+    assert info.value.field == "prompt"
+    engine.add_request(make_request("same", 4, max_tokens=1))
+    with pytest.raises(InvalidArgumentError, match="already in use") as info:
+        engine.add_request(make_request("same", 4, max_tokens=1))
+    assert info.value.field == "request_id"
+
+
+def test_a_subclass_can_replace_one_phase_of_schedule():
+    from sparrow.core.kv_cache_manager import KVCacheManager
+    from sparrow.core.request import Request
+    from sparrow.core.sched.scheduler import Scheduler, StepPlan
+
+    class RunningOnly(Scheduler):
+        """Admits nothing new: only the waiting phase is replaced."""
+
+        def _schedule_waiting(self, plan: StepPlan) -> None:
+            self.seen_budget = plan.token_budget
+
+    def build(cls):
+        scheduler = cls(KVCacheManager(num_blocks=16, block_size=4), max_num_seqs=4, max_num_batched_tokens=64,
+                        max_model_len=256)
+        scheduler.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=2)))
+        return scheduler
+
+    paused = build(RunningOnly)
+    output = paused.schedule()
+    assert output.is_empty and [r.request_id for r in paused.waiting] == ["a"]
+    assert paused.seen_budget == 64
+    admitted = build(Scheduler).schedule()
+    assert admitted.num_scheduled_tokens == {"a": 3} and admitted.total_num_scheduled_tokens == 3
+
+
+def test_stats_readers_count_each_event_once():
+    """Prometheus counters grow by the difference between snapshots (a snapshot seen twice, or an
+    older one arriving late, adds nothing); data-parallel stats sum every core's latest."""
+    from sparrow.engine.dp_client import combine_stats
+    from sparrow.engine.metrics import EngineMetrics
+    from sparrow.wire import SchedulerStats
+
+    metrics = EngineMetrics("m")
+    snapshots = [SchedulerStats(prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=1),
+                 SchedulerStats(prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=1),
+                 SchedulerStats(prefix_cache_queries=30, prefix_cache_hits=12, num_preemptions=3),
+                 SchedulerStats(prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=1)]
+    for stats in snapshots:
+        metrics.record_scheduler_stats(stats)
+    counted = [metrics.registry.get_sample_value(f"sparrow:{name}_total", {"model_name": "m"})
+               for name in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")]
+    assert counted == [30, 12, 3]
+    combined = combine_stats([SchedulerStats(num_preemptions=2, kv_connector_loaded_tokens=16, num_total_blocks=8),
+                              SchedulerStats(num_preemptions=3, num_total_blocks=8, num_free_blocks=4)])
+    assert (combined.num_preemptions, combined.kv_connector_loaded_tokens) == (5, 16)
+    assert combined.kv_cache_usage == 0.75

@@ -420,3 +420,29 @@ def test_offline_llm_refuses_surrogates_naming_the_prompt(model_dir):
         assert len(output.outputs[0].token_ids) == 3
     finally:
         llm.shutdown()
+
+
+# -- values the engine refuses: InvalidArgumentError's field becomes the 400's param ------------
+COMPLETION_INVALID = [
+    ({"max_tokens": 600}, "max_tokens", "max_model_len=512"),  # the input processor's check
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens", "max_tokens"),  # SamplingParams'
+    ({"stop": ["ok", ""]}, "stop", "stop[1]"),  # the field is stop[1]; OpenAI's param is the top level
+    ({"logit_bias": {"5": 500}}, "logit_bias", "[-100, 100]"),
+    ({"stop_token_ids": [10**6]}, "stop_token_ids", "outside the vocabulary"),
+    ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens", "max_model_len"),
+    ({"prompt": [3, 10**6]}, "prompt", "outside the vocabulary"),
+]
+
+
+def test_values_the_engine_refuses_are_400_naming_the_field(server, client):
+    for body, param, phrase in COMPLETION_INVALID:
+        body = {"prompt": PROMPT, "max_tokens": 2, **body}
+        error = assert_400(lambda: client.completions.create(model=MODEL_NAME, prompt=body.pop("prompt"),
+                                                             max_tokens=body.pop("max_tokens"), extra_body=body),
+                           param, phrase)
+        assert error["code"] == "invalid_value", error
+        assert_still_serving(client)
+    # The chat endpoint: a message's field, and a sampling one.
+    assert_400(lambda: chat(client, [{"role": "user", "content": "hi"}], min_tokens=9), "min_tokens", "min_tokens")
+    assert_400(lambda: client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=600),
+               "max_tokens", "max_model_len")

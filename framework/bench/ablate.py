@@ -4,7 +4,7 @@ Every grid point gets a fresh ``LLM`` (so no cache or warm state leaks between p
 warm-up, then the whole workload submitted at once (every request arrives at t0, as in an offline
 batch). Per point: request and token throughput, mean / median / p99 end-to-end latency (t0 to the
 request's ``metrics.finished_time``), and the prefix-cache hit rate from the engine's scheduler
-stats (tokens found / tokens looked up, summed over the steps of the run).
+stats (tokens found / tokens looked up during the run).
 
 Workloads (BENCHMARKS.md):
 
@@ -180,8 +180,8 @@ def measure(engine: Any, workload: list[WorkItem]) -> dict[str, Any]:
 
     from sparrow import SamplingParams
 
-    last_stats = engine.last_stats
-    queries = hits = preemptions = 0
+    # Scheduler counters are cumulative: the run's share is the last snapshot minus the first.
+    start_stats = engine.last_stats
     finished: dict[str, Any] = {}  # request id -> final RequestOutput
     t0 = time.monotonic()
     for index, item in enumerate(workload):
@@ -194,15 +194,16 @@ def measure(engine: Any, workload: list[WorkItem]) -> dict[str, Any]:
             if output.finished:
                 finished[output.request_id] = output
                 bar.update(1)
-        # Scheduler stats are per-step deltas, one per engine-core message: add each once.
-        stats = engine.last_stats
-        if stats is not None and stats is not last_stats:
-            queries += stats.prefix_cache_queries
-            hits += stats.prefix_cache_hits
-            preemptions += stats.num_preemptions
-            last_stats = stats
     elapsed = time.monotonic() - t0
     bar.close()
+    end_stats = engine.last_stats
+
+    def counted(name: str) -> int:
+        end = getattr(end_stats, name) if end_stats is not None else 0
+        return end - (getattr(start_stats, name) if start_stats is not None else 0)
+
+    queries, hits = counted("prefix_cache_queries"), counted("prefix_cache_hits")
+    preemptions = counted("num_preemptions")
     if len(finished) != len(workload):
         raise RuntimeError(f"only {len(finished)} of {len(workload)} requests finished")
 

@@ -27,9 +27,6 @@ class KVCacheBlocks:
     def get_block_ids(self) -> list[int]:
         return [block.block_id for block in self.blocks]
 
-    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
-        return KVCacheBlocks(self.blocks + other.blocks)
-
 
 class KVCacheManager:
     """Maps ``request_id -> [KVCacheBlock]`` on top of a BlockPool.
@@ -44,22 +41,17 @@ class KVCacheManager:
         num_blocks: int,
         block_size: int,
         enable_caching: bool = True,
-        max_model_len: int | None = None,
     ) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 1):
-            raise ValueError(
-                f"max_model_len must be an integer >= 1 or None, got {max_model_len!r}"
-            )
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.max_model_len = max_model_len
         self.block_pool = BlockPool(num_blocks, enable_caching)
         # request_id -> blocks, in token order
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # request_id -> how many of its leading blocks are already indexed in the prefix cache
         self.num_cached_blocks: dict[str, int] = {}
+        # Cumulative since the manager was built; never reset by reading (see make_prefix_cache_stats).
         self.prefix_cache_stats = PrefixCacheStats()
 
     # -- prefix cache -------------------------------------------------------------------------
@@ -91,9 +83,8 @@ class KVCacheManager:
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Index the request's blocks that are full within its first ``num_computed_tokens``.
 
-        ``allocate_slots`` does this itself; a KV connector calls it after loading KV from
-        outside (the allocation was made with ``delay_cache_blocks=True``), so that blocks are
-        only shared once their content is really there.
+        Called by ``allocate_slots`` for the tokens the step will write, so that a block is
+        shared through the prefix cache as soon as its content is complete.
         """
         if not self.enable_caching:
             return
@@ -123,16 +114,14 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
-        num_lookahead_tokens: int = 0,
-        delay_cache_blocks: bool = False,
     ) -> KVCacheBlocks | None:
         """Give ``request`` slots for its next ``num_new_tokens`` tokens; None if they don't fit.
 
         Called by the scheduler for every request it schedules this step. After the call the
         request's blocks cover::
 
-            | num_computed_tokens | num_new_computed_tokens | num_new_tokens | lookahead |
-            |<--- already held -->|<-- new_computed_blocks->|<----- newly allocated ----->|
+            | num_computed_tokens | num_new_computed_tokens | num_new_tokens |
+            |<--- already held -->|<-- new_computed_blocks->|<-- newly allocated -->|
 
         ``new_computed_blocks``/``num_new_computed_tokens`` come from ``get_computed_blocks``
         (plus any tokens a KV connector will load). Check-then-act: on None nothing has changed.
@@ -141,7 +130,6 @@ class KVCacheManager:
         for name, value in (
             ("num_new_tokens", num_new_tokens),
             ("num_new_computed_tokens", num_new_computed_tokens),
-            ("num_lookahead_tokens", num_lookahead_tokens),
         ):
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
@@ -155,10 +143,7 @@ class KVCacheManager:
             )
 
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens_needed = num_computed_tokens + num_new_tokens + num_lookahead_tokens
-        if self.max_model_len is not None:
-            # Lookahead slots past the model's length would never be written.
-            num_tokens_needed = min(num_tokens_needed, self.max_model_len)
+        num_tokens_needed = num_computed_tokens + num_new_tokens
         req_blocks = self.req_to_blocks.get(request.request_id, [])
         num_required_blocks = _cdiv(num_tokens_needed, self.block_size)
         num_new_blocks = max(0, num_required_blocks - len(req_blocks) - len(computed_blocks))
@@ -174,9 +159,9 @@ class KVCacheManager:
         req_blocks.extend(computed_blocks)
         req_blocks.extend(new_blocks)
 
-        if self.enable_caching and not delay_cache_blocks:
-            # Cache only what this step's forward pass will actually write (never the lookahead
-            # slots, never past the tokens the request has).
+        if self.enable_caching:
+            # Cache only what this step's forward pass will actually write: never past the
+            # tokens the request has, even when a caller asks for more slots than that.
             num_tokens_to_cache = min(num_computed_tokens + num_new_tokens, request.num_tokens)
             self.cache_blocks(request, num_tokens_to_cache)
         return KVCacheBlocks(new_blocks)
@@ -224,11 +209,10 @@ class KVCacheManager:
         return self.block_pool.reset_prefix_cache()
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
-        """The prefix-cache counters since the previous call (which are then reset)."""
-        stats = PrefixCacheStats(
+        """A copy of the prefix-cache counters, cumulative since the manager was built. Reading
+        them resets nothing: a hit rate over an interval is the difference of two snapshots."""
+        return PrefixCacheStats(
             requests=self.prefix_cache_stats.requests,
             queries=self.prefix_cache_stats.queries,
             hits=self.prefix_cache_stats.hits,
         )
-        self.prefix_cache_stats.reset()
-        return stats

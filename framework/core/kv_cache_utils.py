@@ -170,7 +170,7 @@ class FreeKVCacheBlockQueue:
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    """Prefix-cache counters since the last reset; ``hits / queries`` is the token hit rate."""
+    """Prefix-cache counters, cumulative; ``hits / queries`` is the token hit rate."""
 
     # Requests looked up in the prefix cache.
     requests: int = 0
@@ -183,11 +183,6 @@ class PrefixCacheStats:
         self.requests += 1
         self.queries += num_tokens
         self.hits += num_hit_tokens
-
-    def reset(self) -> None:
-        self.requests = 0
-        self.queries = 0
-        self.hits = 0
 
     @property
     def hit_rate(self) -> float:

@@ -7,20 +7,13 @@ import time
 from typing import Any
 
 from sparrow.sampling_params import SamplingParams
+from sparrow.wire import FinishReason
 
-
-class FinishReason(enum.IntEnum):
-    STOP = 0
-    LENGTH = 1
-    ABORT = 2
-
-    def __str__(self) -> str:
-        return self.name.lower()
+__all__ = ["FinishReason", "Request", "RequestStatus"]  # FinishReason's home is sparrow.wire
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
-    WAITING_FOR_REMOTE_KVS = enum.auto()
     # Waiting for its grammar to compile (structured outputs); skipped by admission until then.
     WAITING_FOR_GRAMMAR = enum.auto()
     RUNNING = enum.auto()
@@ -29,7 +22,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
-    FINISHED_IGNORED = enum.auto()
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -44,7 +36,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
-    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
 }
 
 
@@ -55,8 +46,8 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
         "priority", "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
-        "max_tokens", "stop_reason", "block_hashes", "kv_transfer_params", "_output_token_ids",
-        "_all_token_ids", "client_index", "structured_output",
+        "max_tokens", "stop_reason", "block_hashes", "_output_token_ids", "_all_token_ids",
+        "structured_output",
     )
 
     def __init__(
@@ -68,8 +59,6 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         max_tokens: int | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
-        client_index: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -87,10 +76,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # Hash of every full block of all_token_ids, in order; extended as tokens arrive.
         self.block_hashes: list[Any] = []
-        self.kv_transfer_params = kv_transfer_params
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
-        self.client_index = client_index
         # The request's grammar state (structured outputs), or None. Duck-typed so that the
         # scheduler needs no xgrammar (nor torch): ``is_ready()``, ``accept_tokens(token_ids) ->
         # bool`` and ``is_terminated()`` (see sparrow.structured_output.manager).

@@ -31,6 +31,7 @@ from sparrow.engine.messages import EngineCoreOutput, EngineCoreRequest, Schedul
 from sparrow.engine.metrics import EngineMetrics
 from sparrow.engine.mp_client import AsyncMPClient
 from sparrow.engine.setup import build_frontend, finalize_config
+from sparrow.errors import InvalidArgumentError, error_from_engine
 from sparrow.outputs import RequestOutput
 from sparrow.sampling_params import RequestOutputKind, SamplingParams
 
@@ -237,9 +238,12 @@ class AsyncLLM:
     def _check_kv_capacity(self, request: EngineCoreRequest) -> None:
         needed = min(len(request.prompt_token_ids) + (request.max_tokens or 0), self.model_config.max_model_len or 0)
         if needed > self.kv_cache_capacity_tokens:
-            raise ValueError(
+            # Blame max_tokens when the prompt alone (and one output token) would fit.
+            field = "max_tokens" if len(request.prompt_token_ids) < self.kv_cache_capacity_tokens else "prompt"
+            raise InvalidArgumentError(
                 f"request {request.request_id!r} needs KV cache for {needed} tokens but the whole cache holds "
-                f"{self.kv_cache_capacity_tokens}; lower max_tokens or raise kv_cache_memory_bytes / num_kv_blocks")
+                f"{self.kv_cache_capacity_tokens}; lower max_tokens or raise kv_cache_memory_bytes / num_kv_blocks",
+                field)
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests: their consumers get a final output with finish_reason "abort"."""
@@ -316,7 +320,7 @@ class AsyncLLM:
             external_id = self._external_ids.get(output.request_id)
             collector = self._collectors.get(external_id) if external_id is not None else None
             if collector is not None:
-                collector.put(ValueError(output.error_message))
+                collector.put(error_from_engine(output.error_message, output.error_field))
             self._engine_request_done(output.request_id, "error")
             if external_id is not None:
                 # The other samples of an n > 1 request cannot complete it any more.

@@ -129,15 +129,16 @@ class EngineCoreProc:
         except ValueError as exc:
             # The request can never run (e.g. too long for the KV cache); it alone fails.
             logger.warning("request %s rejected: %s", request.request_id, exc)
-            self.reject(request.request_id, str(exc))
+            self.reject(request.request_id, str(exc), getattr(exc, "field", None))
         except Exception as exc:  # noqa: BLE001 - a request that breaks the input path fails alone
             logger.exception("request %s failed while being added", request.request_id)
             self.reject(request.request_id, f"the engine core failed to add the request: {type(exc).__name__}: {exc}")
 
-    def reject(self, request_id: str, message: str) -> None:
-        """Finish ``request_id`` with an error output (thread-safe: the input thread calls it too)."""
-        rejected = EngineCoreOutput(request_id=request_id, new_token_ids=[],
-                                    finish_reason=FinishReason.ABORT, error_message=message)
+    def reject(self, request_id: str, message: str, field: str | None = None) -> None:
+        """Finish ``request_id`` with an error output (thread-safe: the input thread calls it too);
+        ``field`` is the request field at fault (an InvalidArgumentError's), when known."""
+        rejected = EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
+                                    error_message=message, error_field=field)
         self.output_queue.put(EngineCoreOutputs(outputs=[rejected]))
 
     def _call_utility(self, call_id: int, method: str, args: list[Any]) -> None:

@@ -31,13 +31,9 @@ from typing import Any
 
 from sparrow.config import EngineConfig
 from sparrow.engine.exceptions import EngineDeadError
-from sparrow.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from sparrow.engine.messages import SCHEDULER_STATS_COUNTERS, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
 logger = logging.getLogger(__name__)
-
-# SchedulerStats fields that count events since the previous stats (summed over the outputs of
-# one get_output); the others are gauges (summed over every core's latest value).
-_DELTA_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "kv_connector_loaded_tokens")
 
 
 def start_clients(count: int, make: Any, parallel: bool) -> list[Any]:
@@ -115,7 +111,6 @@ class DPRouter:
         """One EngineCoreOutputs from what the cores produced; raises once a core is dead and
         nothing else is left to deliver (one dead core strands its requests: all is dead)."""
         merged = EngineCoreOutputs(outputs=[])
-        deltas = dict.fromkeys(_DELTA_FIELDS, 0)
         has_stats = has_outputs = False
         for index, item in items:
             if isinstance(item, EngineDeadError):
@@ -130,13 +125,11 @@ class DPRouter:
             if item.scheduler_stats is not None:
                 has_stats = True
                 self._latest_stats[index] = item.scheduler_stats
-                for name in _DELTA_FIELDS:
-                    deltas[name] += getattr(item.scheduler_stats, name)
             merged.timestamp = max(merged.timestamp, item.timestamp)
         if not has_outputs and self._dead_error is not None:
             raise self._dead_error
         if has_stats:
-            merged.scheduler_stats = combine_stats([s for s in self._latest_stats if s is not None], deltas)
+            merged.scheduler_stats = combine_stats([s for s in self._latest_stats if s is not None])
         return merged
 
     def _raise_if_dead(self) -> None:
@@ -312,8 +305,9 @@ class AsyncDPClient(DPRouter):
         self._finalizer()
 
 
-def combine_stats(stats: list[SchedulerStats], deltas: dict[str, int]) -> SchedulerStats:
-    """One SchedulerStats for all cores: gauges summed over their latest values, ``deltas`` as given."""
+def combine_stats(stats: list[SchedulerStats]) -> SchedulerStats:
+    """One SchedulerStats for all cores, from each core's latest: gauges and cumulative counters
+    summed (so the combined counters are cumulative too), usage over all their blocks."""
     total_blocks = sum(s.num_total_blocks for s in stats)
     free_blocks = sum(s.num_free_blocks for s in stats)
     if total_blocks:
@@ -323,7 +317,8 @@ def combine_stats(stats: list[SchedulerStats], deltas: dict[str, int]) -> Schedu
     return SchedulerStats(
         num_running_reqs=sum(s.num_running_reqs for s in stats),
         num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
-        kv_cache_usage=usage, num_free_blocks=free_blocks, num_total_blocks=total_blocks, **deltas,
+        kv_cache_usage=usage, num_free_blocks=free_blocks, num_total_blocks=total_blocks,
+        **{name: sum(getattr(s, name) for s in stats) for name in SCHEDULER_STATS_COUNTERS},
     )
 
 
@@ -345,6 +340,6 @@ def _combine(method: str, results: list[Any]) -> Any:
     if method == "collective_rpc":
         return [item for result in results for item in result]
     if method == "get_scheduler_stats":
-        return combine_stats(results, {name: sum(getattr(s, name) for s in results) for name in _DELTA_FIELDS})
+        return combine_stats(results)
     return results[0]
 

@@ -9,8 +9,9 @@ Prompts come in vLLM's forms:
     [{"role": "user", "content": "..."}]    chat messages, rendered with the chat template
 
 Text that is not valid Unicode (a lone surrogate such as ``"\\ud800"``, which Python strings and
-JSON's ``\\u`` escapes allow but UTF-8 cannot encode) is refused here with a ValueError naming the
-field, so that the offline ``LLM`` and the server give the same error and no tokenizer sees it.
+JSON's ``\\u`` escapes allow but UTF-8 cannot encode) is refused here, so that the offline ``LLM``
+and the server give the same error and no tokenizer sees it. Every refusal of a request's value is
+a ``sparrow.errors.InvalidArgumentError`` (a ValueError) whose ``field`` names it.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from typing import Any, Union
 
 import msgspec
 
-from sparrow.engine.messages import EngineCoreRequest
+from sparrow.errors import InvalidArgumentError
 from sparrow.sampling_params import SamplingParams
+from sparrow.wire import EngineCoreRequest
 
 PromptType = Union[str, Mapping[str, Any], Sequence[Mapping[str, Any]]]
 
@@ -62,22 +64,24 @@ def find_unencodable(value: Any, path: str) -> tuple[str, str] | None:
     return None
 
 
-def check_text(field: str, value: Any) -> None:
-    """Raise a ValueError that starts with ``field`` (or the path inside it) when ``value`` holds
-    text UTF-8 cannot encode."""
+def check_text(field: str, value: Any, label: str | None = None) -> None:
+    """Raise an InvalidArgumentError for the path inside ``field`` where ``value`` holds text
+    UTF-8 cannot encode. The message starts with that path, or with ``label`` when the text is
+    ``value`` itself (``prompt of request 'x'``)."""
     found = find_unencodable(value, field)
     if found is None:
         return
     path, text = found
     position = next(index for index, char in enumerate(text) if 0xD800 <= ord(char) <= 0xDFFF)
-    raise ValueError(f"{path}: not valid Unicode text: a lone surrogate {text[position]!r} at character "
-                     f"{position}; send UTF-8 text (a surrogate pair must be complete)")
+    shown = label if label is not None and path == field else path
+    raise InvalidArgumentError(f"{shown}: not valid Unicode text: a lone surrogate {text[position]!r} at character "
+                               f"{position}; send UTF-8 text (a surrogate pair must be complete)", path)
 
 
 def fan_out(request_id: str, n: int) -> list[str]:
     """Engine-core ids of the ``n`` child requests of a request with ``n`` > 1 samples."""
     if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
+        raise InvalidArgumentError(f"n must be >= 1, got {n}", "n")
     return [f"{index}_{request_id}" for index in range(n)]
 
 
@@ -133,9 +137,10 @@ class InputProcessor:
         logits_processor_classes: Sequence[type] = (),
     ) -> None:
         if max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2 (one prompt and one output token), got {max_model_len}")
+            raise InvalidArgumentError(f"max_model_len must be >= 2 (one prompt and one output token), "
+                                       f"got {max_model_len}", "max_model_len")
         if vocab_size < 1:
-            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+            raise InvalidArgumentError(f"vocab_size must be >= 1, got {vocab_size}", "vocab_size")
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -148,7 +153,8 @@ class InputProcessor:
         candidates = ([tokenizer_eos] if tokenizer_eos is not None else []) + list(eos_token_ids or [])
         for token_id in candidates:
             if not 0 <= token_id < vocab_size:
-                raise ValueError(f"eos_token_ids: {token_id} is outside the vocabulary [0, {vocab_size})")
+                raise InvalidArgumentError(f"eos_token_ids: {token_id} is outside the vocabulary [0, {vocab_size})",
+                                           "eos_token_ids")
         # The first is the request's eos_token_id; the engine core reports the others as stop
         # token ids, as vLLM does with a generation config listing several.
         self.eos_token_ids: list[int] = _dedupe(candidates)
@@ -173,17 +179,19 @@ class InputProcessor:
         ``name``, ...) reach the template; ``chat_template_kwargs`` become template variables.
         ``continue_final_message`` leaves the last message open for the model to continue."""
         if self.tokenizer is None:
-            raise ValueError("messages: chat prompts need a tokenizer, and this engine has none")
+            raise InvalidArgumentError("messages: chat prompts need a tokenizer, and this engine has none", "messages")
         if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("chat_template: the tokenizer has none; pass chat_template=...")
+            raise InvalidArgumentError("chat_template: the tokenizer has none; pass chat_template=...", "chat_template")
         if not messages:
-            raise ValueError("messages must hold at least one message")
+            raise InvalidArgumentError("messages must hold at least one message", "messages")
         if add_generation_prompt and continue_final_message:
-            raise ValueError("continue_final_message cannot be combined with add_generation_prompt=True: "
-                             "the first continues the last message, the second opens a new one")
+            raise InvalidArgumentError("continue_final_message cannot be combined with add_generation_prompt=True: "
+                                       "the first continues the last message, the second opens a new one",
+                                       "continue_final_message")
         for position, message in enumerate(messages):
             if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-                raise ValueError(f"messages[{position}] must be a mapping with a string 'role', got {message!r}")
+                where = f"messages[{position}]"
+                raise InvalidArgumentError(f"{where} must be a mapping with a string 'role', got {message!r}", where)
         check_text("messages", list(messages))
         check_text("chat_template", chat_template)
         check_text("tools", tools)
@@ -191,8 +199,9 @@ class InputProcessor:
         kwargs = dict(chat_template_kwargs or {})
         reserved = sorted(set(kwargs) & self._reserved_template_names())
         if reserved:
-            raise ValueError(f"chat_template_kwargs: {', '.join(map(repr, reserved))} cannot be set here; "
-                             "they are the renderer's own arguments (use the request fields of those names)")
+            raise InvalidArgumentError(f"chat_template_kwargs: {', '.join(map(repr, reserved))} cannot be set here; "
+                                       "they are the renderer's own arguments (use the request fields of those names)",
+                                       "chat_template_kwargs")
         return self.tokenizer.apply_chat_template(
             [dict(message) for message in messages],
             tools=[dict(tool) for tool in tools] if tools else None,
@@ -224,29 +233,32 @@ class InputProcessor:
             return token_ids
         keep = truncate_prompt_tokens
         if isinstance(keep, bool) or not isinstance(keep, numbers.Integral):
-            raise ValueError(f"truncate_prompt_tokens must be an int, got {type(keep).__name__}")
+            raise InvalidArgumentError(f"truncate_prompt_tokens must be an int, got {type(keep).__name__}",
+                                       "truncate_prompt_tokens")
         if keep == -1:
             keep = self.max_model_len - 1
         elif not 1 <= keep <= self.max_model_len:
-            raise ValueError(f"truncate_prompt_tokens must be -1 or between 1 and max_model_len={self.max_model_len}, "
-                             f"got {keep}")
+            raise InvalidArgumentError(f"truncate_prompt_tokens must be -1 or between 1 and "
+                                       f"max_model_len={self.max_model_len}, got {keep}", "truncate_prompt_tokens")
         return token_ids[-keep:]
 
     def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("prompt: text prompts need a tokenizer; pass {'prompt_token_ids': [...]}")
+            raise InvalidArgumentError("prompt: text prompts need a tokenizer; pass {'prompt_token_ids': [...]}",
+                                       "prompt")
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def tokenize_prompt(self, request_id: str, prompt: PromptType) -> tuple[str | None, list[int]]:
         """The prompt's text (None for a token prompt) and its token ids, not yet validated."""
+        label = f"prompt of request {request_id!r}"
         if isinstance(prompt, str):
-            check_text(f"prompt of request {request_id!r}", prompt)
+            check_text("prompt", prompt, label)
             return prompt, self._encode(prompt, add_special_tokens=True)
         if isinstance(prompt, Mapping):
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):
-                raise ValueError(f"prompt of request {request_id!r}: 'prompt' must be a string, got {type(text).__name__}")
-            check_text(f"prompt of request {request_id!r}", text)
+                raise InvalidArgumentError(f"{label}: 'prompt' must be a string, got {type(text).__name__}", "prompt")
+            check_text("prompt", text, label)
             token_ids = prompt.get("prompt_token_ids")
             if token_ids is not None:
                 return text, self._check_token_id_types(request_id, token_ids)
@@ -256,22 +268,20 @@ class InputProcessor:
             text = self.apply_chat_template(prompt, add_generation_prompt=True)
             # The template already wrote every special token the model expects.
             return text, self._encode(text, add_special_tokens=False)
-        raise ValueError(
-            f"prompt of request {request_id!r} must be a str, {{'prompt': str}}, "
-            f"{{'prompt_token_ids': [int, ...]}} or a list of chat messages, got {type(prompt).__name__}"
+        raise InvalidArgumentError(
+            f"{label} must be a str, {{'prompt': str}}, "
+            f"{{'prompt_token_ids': [int, ...]}} or a list of chat messages, got {type(prompt).__name__}", "prompt"
         )
 
     @staticmethod
     def _check_token_id_types(request_id: str, token_ids: Any) -> list[int]:
         if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
-            raise ValueError(
-                f"prompt_token_ids of request {request_id!r} must be a list of ints, got {type(token_ids).__name__}"
-            )
+            raise InvalidArgumentError(f"prompt_token_ids of request {request_id!r} must be a list of ints, got "
+                                       f"{type(token_ids).__name__}", "prompt_token_ids")
         for position, token_id in enumerate(token_ids):
             if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
-                raise ValueError(
-                    f"prompt_token_ids of request {request_id!r}: position {position} holds {token_id!r}, not an int"
-                )
+                raise InvalidArgumentError(f"prompt_token_ids of request {request_id!r}: position {position} holds "
+                                           f"{token_id!r}, not an int", f"prompt_token_ids[{position}]")
         return [int(token_id) for token_id in token_ids]
 
     # -- the request ------------------------------------------------------------------------
@@ -288,7 +298,9 @@ class InputProcessor:
         request for the engine core. ``params`` is not modified: the request carries a copy
         with ``max_tokens`` and ``all_stop_token_ids`` resolved."""
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params of request {request_id!r} must be SamplingParams, got {type(params).__name__}")
+            raise InvalidArgumentError(
+                f"sampling_params of request {request_id!r} must be SamplingParams, got {type(params).__name__}",
+                "sampling_params")
         text, token_ids = self.tokenize_prompt(request_id, prompt)
         name = describe_prompt(request_id, text, token_ids)
         self._validate_prompt(name, token_ids)
@@ -307,17 +319,14 @@ class InputProcessor:
 
     def _validate_prompt(self, name: str, token_ids: list[int]) -> None:
         if not token_ids:
-            raise ValueError(f"{name} is empty; a prompt needs at least one token")
+            raise InvalidArgumentError(f"{name} is empty; a prompt needs at least one token", "prompt")
         for position, token_id in enumerate(token_ids):
             if not 0 <= token_id < self.vocab_size:
-                raise ValueError(
-                    f"{name}: token id {token_id} at position {position} is outside the vocabulary [0, {self.vocab_size})"
-                )
+                raise InvalidArgumentError(f"{name}: token id {token_id} at position {position} is outside the "
+                                           f"vocabulary [0, {self.vocab_size})", "prompt")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"{name} is {len(token_ids)} tokens long, which leaves no room for an output token "
-                f"under max_model_len={self.max_model_len}"
-            )
+            raise InvalidArgumentError(f"{name} is {len(token_ids)} tokens long, which leaves no room for an output "
+                                       f"token under max_model_len={self.max_model_len}", "prompt")
 
     def _resolve_params(self, name: str, prompt_len: int, params: SamplingParams) -> SamplingParams:
         room = self.max_model_len - prompt_len
@@ -325,29 +334,32 @@ class InputProcessor:
         if max_tokens is None:
             max_tokens = room
         elif max_tokens > room:
-            raise ValueError(
-                f"max_tokens={max_tokens} is too large for {name}: {prompt_len} prompt tokens + {max_tokens} "
-                f"output tokens exceed max_model_len={self.max_model_len}; max_tokens can be at most {room}"
-            )
+            raise InvalidArgumentError(
+                f"max_tokens={max_tokens} is too large for {name}: {prompt_len} prompt tokens + {max_tokens} output "
+                f"tokens exceed max_model_len={self.max_model_len}; max_tokens can be at most {room}", "max_tokens")
         for field_name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, field_name)
             if value is not None and value > self.max_logprobs:
-                raise ValueError(f"{field_name}={value} exceeds the maximum of {self.max_logprobs} for {name}")
+                raise InvalidArgumentError(
+                    f"{field_name}={value} exceeds the maximum of {self.max_logprobs} for {name}", field_name)
         check_text("stop", params.stop)
         if params.stop and (self.tokenizer is None or not params.detokenize):
-            raise ValueError(f"stop strings {params.stop!r} need detokenize=True and a tokenizer ({name})")
+            raise InvalidArgumentError(f"stop strings {params.stop!r} need detokenize=True and a tokenizer ({name})",
+                                       "stop")
         if params.min_tokens > max_tokens:
-            raise ValueError(f"min_tokens={params.min_tokens} exceeds the {max_tokens} output tokens {name} has room for")
+            raise InvalidArgumentError(f"min_tokens={params.min_tokens} exceeds the {max_tokens} output tokens {name} "
+                                       "has room for", "min_tokens")
         stop_token_ids = list(params.stop_token_ids or [])
         for token_id in stop_token_ids:
             if token_id >= self.vocab_size:
-                raise ValueError(f"stop_token_ids: {token_id} is outside the vocabulary [0, {self.vocab_size}) ({name})")
+                raise InvalidArgumentError(f"stop_token_ids: {token_id} is outside the vocabulary "
+                                           f"[0, {self.vocab_size}) ({name})", "stop_token_ids")
         for field_name, token_ids in (("logit_bias", params.logit_bias or {}),
                                       ("allowed_token_ids", params.allowed_token_ids or [])):
             for token_id in token_ids:
                 if token_id >= self.vocab_size:
-                    raise ValueError(f"{field_name}: token id {token_id} is outside the vocabulary "
-                                     f"[0, {self.vocab_size}) ({name})")
+                    raise InvalidArgumentError(f"{field_name}: token id {token_id} is outside the vocabulary "
+                                               f"[0, {self.vocab_size}) ({name})", field_name)
         if params.structured_outputs is not None:
             # Parsed here, so that a bad schema, regex or grammar is the caller's ValueError (a
             # 400) and never reaches the engine core; xgrammar is imported only when used.
@@ -371,8 +383,8 @@ class InputProcessor:
         sequences: list[list[int]] = []
         if params.bad_words:
             if self.tokenizer is None:
-                raise ValueError(f"bad_words need a tokenizer, and this engine has none; pass bad_words_token_ids "
-                                 f"({name})")
+                raise InvalidArgumentError(f"bad_words need a tokenizer, and this engine has none; pass "
+                                           f"bad_words_token_ids ({name})", "bad_words")
             from sparrow.sample.logits_processor.words import bad_words_token_ids
 
             check_text("bad_words", params.bad_words)
@@ -380,8 +392,9 @@ class InputProcessor:
         for index, ids in enumerate(params.bad_words_token_ids or []):
             for token_id in ids:
                 if token_id >= self.vocab_size:
-                    raise ValueError(f"bad_words_token_ids[{index}]: token id {token_id} is outside the vocabulary "
-                                     f"[0, {self.vocab_size}) ({name})")
+                    where = f"bad_words_token_ids[{index}]"
+                    raise InvalidArgumentError(f"{where}: token id {token_id} is outside the vocabulary "
+                                               f"[0, {self.vocab_size}) ({name})", where)
             if ids not in sequences:
                 sequences.append(list(ids))
         return sequences or None

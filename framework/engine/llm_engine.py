@@ -7,8 +7,9 @@ from typing import Any
 
 from sparrow.config import EngineConfig
 from sparrow.engine.input_processor import PromptType
-from sparrow.engine.messages import SchedulerStats
+from sparrow.engine.messages import EngineCoreOutput, SchedulerStats
 from sparrow.engine.setup import build_frontend, finalize_config
+from sparrow.errors import InvalidArgumentError, error_from_engine
 from sparrow.outputs import RequestOutput
 from sparrow.sampling_params import SamplingParams
 
@@ -47,10 +48,12 @@ class LLMEngine:
         text, request = self.input_processor.process_inputs(request_id, prompt, params, priority=priority)
         needed = min(len(request.prompt_token_ids) + (request.max_tokens or 0), self.config.model.max_model_len)
         if needed > self.kv_cache_capacity_tokens:
-            raise ValueError(
+            # Blame max_tokens when the prompt alone (and one output token) would fit.
+            field = "max_tokens" if len(request.prompt_token_ids) < self.kv_cache_capacity_tokens else "prompt"
+            raise InvalidArgumentError(
                 f"request {request_id!r} needs KV cache for {needed} tokens but the whole cache holds "
-                f"{self.kv_cache_capacity_tokens}; lower max_tokens or raise kv_cache_memory_bytes / num_kv_blocks"
-            )
+                f"{self.kv_cache_capacity_tokens}; lower max_tokens or raise kv_cache_memory_bytes / num_kv_blocks",
+                field)
         return text, request
 
     def add_processed_request(self, text: str | None, request: Any) -> None:
@@ -101,7 +104,7 @@ class LLMEngine:
         outputs = self.engine_core.get_output()
         if outputs.scheduler_stats is not None:
             self.last_stats = outputs.scheduler_stats
-        failures: dict[str, str] = {}  # caller's request id -> the engine core's message
+        failures: dict[str, EngineCoreOutput] = {}  # caller's request id -> the engine core's error finish
         core_outputs = []
         for output in outputs.outputs:
             if output.error_message is None:
@@ -109,14 +112,17 @@ class LLMEngine:
                 continue
             external_id = self.output_processor.external_id_of(output.request_id)
             if external_id is not None:  # else: already aborted by its caller; nobody waits
-                failures.setdefault(external_id, output.error_message)
+                failures.setdefault(external_id, output)
         processed = self.output_processor.process_outputs(core_outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         if failures:
             self.abort_request(list(failures))
             self._held_outputs = [o for o in processed.request_outputs if o.request_id not in failures]
-            raise ValueError("; ".join(f"request {rid!r}: {message}" for rid, message in failures.items()))
+            if len(failures) == 1:  # the common case keeps the engine core's field
+                (rid, failed), = failures.items()
+                raise error_from_engine(f"request {rid!r}: {failed.error_message or ''}", failed.error_field)
+            raise ValueError("; ".join(f"request {rid!r}: {failed.error_message}" for rid, failed in failures.items()))
         return processed.request_outputs
 
     # -- utilities --------------------------------------------------------------------------

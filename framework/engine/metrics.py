@@ -4,7 +4,9 @@ Each engine owns a ``CollectorRegistry`` (nothing goes to prometheus_client's gl
 so two engines in one process, or one per test, never collide. The server's ``/metrics`` renders
 ``render(engine.metrics)``.
 
-Gauges and cache counters come from the ``SchedulerStats`` every engine-core step carries. Token
+Gauges and cache counters come from the ``SchedulerStats`` every engine-core step carries (its
+counters are cumulative: each Prometheus counter grows by the difference from the last snapshot
+seen, so a snapshot read twice, by a step and by ``get_scheduler_stats``, is counted once). Token
 counts and latencies are measured in the frontend from the engine-core outputs as they arrive,
 per engine-core request (a request with n > 1 counts each of its samples), in
 ``time.monotonic()`` seconds, the clock ``arrival_time`` is stamped with.
@@ -15,10 +17,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE  # noqa: F401 - re-exported
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from sparrow.engine.messages import EngineCoreOutput, SchedulerStats
+from sparrow.wire import EngineCoreOutput, SchedulerStats
 
 # vLLM's bucket boundaries, so dashboards built for vLLM read Sparrow's histograms the same way.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -56,7 +58,8 @@ class EngineMetrics:
         self.num_requests_running = gauge("sparrow:num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("sparrow:num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage = gauge("sparrow:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).")
-        self.prefix_cache_queries = counter("sparrow:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_queries = counter("sparrow:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("sparrow:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("sparrow:num_preemptions", "Requests preempted (KV cache full).")
         self.prompt_tokens = counter("sparrow:prompt_tokens", "Prompt tokens of requests that started generating.")
@@ -73,6 +76,8 @@ class EngineMetrics:
         self._model_name = model_name
         # engine-core request id -> its timestamps while unfinished
         self._requests: dict[str, _RequestTimes] = {}
+        # The scheduler's cumulative counters as of the last stats recorded (see record_scheduler_stats).
+        self._counted = SchedulerStats()
 
     # -- per request ------------------------------------------------------------------------
     def request_added(self, engine_request_id: str, arrival_time: float) -> None:
@@ -108,15 +113,19 @@ class EngineMetrics:
 
     # -- per step ---------------------------------------------------------------------------
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
+        """One snapshot. Its counters are cumulative, so the Prometheus counters grow by what is
+        new since the last snapshot recorded; an older snapshot arriving late adds nothing."""
         self.num_requests_running.set(stats.num_running_reqs)
         self.num_requests_waiting.set(stats.num_waiting_reqs)
         self.kv_cache_usage.set(stats.kv_cache_usage)
-        if stats.prefix_cache_queries:
-            self.prefix_cache_queries.inc(stats.prefix_cache_queries)
-        if stats.prefix_cache_hits:
-            self.prefix_cache_hits.inc(stats.prefix_cache_hits)
-        if stats.num_preemptions:
-            self.num_preemptions.inc(stats.num_preemptions)
+        counted = self._counted
+        for name, metric in (("prefix_cache_queries", self.prefix_cache_queries),
+                             ("prefix_cache_hits", self.prefix_cache_hits),
+                             ("num_preemptions", self.num_preemptions)):
+            new = getattr(stats, name) - getattr(counted, name)
+            if new > 0:
+                metric.inc(new)
+                setattr(counted, name, getattr(stats, name))
 
 
 def render(metrics: EngineMetrics) -> bytes:

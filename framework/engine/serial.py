@@ -27,20 +27,16 @@ from typing import Any
 
 import msgspec
 
-from sparrow.engine.messages import EngineCoreOutputs, EngineCoreRequest
+# The message types live in sparrow.wire; HandshakeMessage is re-exported for serial's callers.
+from sparrow.wire import EngineCoreOutputs, EngineCoreRequest, HandshakeMessage
+
+__all__ = [
+    "HandshakeMessage", "decode_result", "describe_invalid_request", "encode_result", "generic_decoder",
+    "handshake_decoder", "make_encoder", "outputs_decoder", "peek_request_id", "request_decoder",
+]
 
 _STRUCT_TAG = "__sparrow_struct__"
 _TRUSTED_MODULE_PREFIXES = ("sparrow.", "sparrow_")
-
-
-class HandshakeMessage(msgspec.Struct, omit_defaults=True):  # type: ignore[call-arg]
-    """The engine core's first message: READY with its KV cache, or FAILED with a traceback."""
-
-    status: str  # "READY" | "FAILED"
-    num_blocks: int = 0
-    block_size: int = 0
-    max_model_len: int = 0
-    error: str | None = None
 
 
 def make_encoder() -> msgspec.msgpack.Encoder:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparrow.worker.outputs import TokenLogprobs
+from sparrow.wire import TokenLogprobs
 
 
 @dataclass(slots=True)

@@ -8,9 +8,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sparrow.core.request import Request, RequestStatus
-    from sparrow.core.sched.output import SchedulerOutput
-    from sparrow.engine.messages import EngineCoreOutput, SchedulerStats
-    from sparrow.worker.outputs import ModelRunnerOutput
+    from sparrow.wire import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, SchedulerStats
 
 
 class SchedulerInterface(ABC):
@@ -43,13 +41,11 @@ class SchedulerInterface(ABC):
         return self.get_num_unfinished_requests() > 0
 
     @abstractmethod
-    def has_finished_requests(self) -> bool:
-        """True when finished request ids are waiting to be told to the workers."""
-
-    @abstractmethod
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block; False when blocks are still in use."""
 
     @abstractmethod
     def make_stats(self) -> SchedulerStats:
-        """Counters for metrics; deltas reset on each call."""
+        """Called by the engine core after every step (and by the ``get_scheduler_stats``
+        utility): a snapshot of gauges and cumulative counters. Reading it changes nothing, so
+        two calls in a row return the same counts."""

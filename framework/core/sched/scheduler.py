@@ -3,7 +3,9 @@
 A policy (fcfs, priority, sjf, lpm in ``sparrow_schedulers``, or a third party's) subclasses
 :class:`Scheduler` and overrides only its ordering decisions: :meth:`Scheduler.waiting_key`
 (which waiting request is admitted first) and :meth:`Scheduler.victim_key` (which running request
-is preempted first). Pure Python: no torch.
+is preempted first); one that needs more replaces a phase of ``schedule()`` (``_schedule_running``,
+``_schedule_waiting``, ``_build_output``), which share the step's :class:`StepPlan`. Pure Python:
+no torch.
 """
 
 from __future__ import annotations
@@ -11,21 +13,43 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from sparrow.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from sparrow.core.request import Request, RequestStatus
 from sparrow.core.sched.interface import SchedulerInterface
-from sparrow.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from sparrow.core.sched.stop import check_stop
-from sparrow.engine.messages import EngineCoreOutput, SchedulerStats
-from sparrow.worker.outputs import ModelRunnerOutput
+from sparrow.errors import InvalidArgumentError
+from sparrow.wire import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
 
 logger = logging.getLogger(__name__)
 
 # allocate_slots(kv_cache_manager=, request=, num_new_tokens=, num_new_computed_tokens=,
 #                new_computed_blocks=) -> KVCacheBlocks | None   (the sparrow_allocate_slots hook)
 AllocateFn = Callable[..., "KVCacheBlocks | None"]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one ``schedule()`` has decided so far; each phase reads and extends it."""
+
+    token_budget: int  # tokens still unassigned this step
+    # req_id -> num_new_tokens
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # req_id -> block ids added this step (running requests only)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    scheduled_running: list[Request] = field(default_factory=list)
+    scheduled_new: list[Request] = field(default_factory=list)
+    # Memory ran out this step: no waiting request is admitted.
+    preempted: bool = False
 
 
 class Scheduler(SchedulerInterface):
@@ -59,14 +83,15 @@ class Scheduler(SchedulerInterface):
         self.kv_connector = kv_connector
         if kv_connector is not None:
             kv_connector.kv_cache_manager = kv_cache_manager
-        self.num_external_computed_tokens = 0  # loaded through the connector since the last stats
+        # Cumulative counters for make_stats(), never reset.
+        self.num_external_computed_tokens = 0  # tokens loaded through the connector
+        self.num_preemptions = 0
 
         self.requests: dict[str, Request] = {}  # req_id -> request, every unfinished one
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         # Finished or preempted since the last schedule(): the workers must drop their state.
         self.finished_req_ids: set[str] = set()
-        self.num_preemptions = 0
 
     # -- ordering decisions (the part a policy overrides) -----------------------------------
     def waiting_key(self, request: Request) -> Any:
@@ -82,19 +107,21 @@ class Scheduler(SchedulerInterface):
         needed = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         if not self.kv_cache_manager.can_fit(needed):
             capacity = self.kv_cache_manager.num_blocks * self.kv_cache_manager.block_size
-            raise ValueError(
+            # Blame max_tokens when the prompt alone (and one output token) would fit.
+            culprit = "max_tokens" if self.kv_cache_manager.can_fit(request.num_prompt_tokens + 1) else "prompt"
+            raise InvalidArgumentError(
                 f"request {request.request_id!r} needs KV cache for {needed} tokens "
                 f"(prompt {request.num_prompt_tokens} + max_tokens {request.max_tokens}) but the "
                 f"whole cache holds {capacity} tokens; lower max_tokens or raise "
-                f"kv_cache_memory_bytes / num_kv_blocks"
+                f"kv_cache_memory_bytes / num_kv_blocks", culprit,
             )
         if not self.enable_chunked_prefill and request.num_prompt_tokens > self.max_num_batched_tokens:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"request {request.request_id!r} has {request.num_prompt_tokens} prompt tokens, more "
-                f"than max_num_batched_tokens={self.max_num_batched_tokens} with chunked prefill off"
+                f"than max_num_batched_tokens={self.max_num_batched_tokens} with chunked prefill off", "prompt",
             )
         if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
+            raise InvalidArgumentError(f"request_id {request.request_id!r} is already in use", "request_id")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -121,9 +148,6 @@ class Scheduler(SchedulerInterface):
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
-
-    def has_finished_requests(self) -> bool:
-        return bool(self.finished_req_ids)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -153,18 +177,21 @@ class Scheduler(SchedulerInterface):
         self.waiting.appendleft(request)
 
     def schedule(self) -> SchedulerOutput:
-        token_budget = self.max_num_batched_tokens
-        num_scheduled_tokens: dict[str, int] = {}  # req_id -> num_new_tokens
-        new_block_ids: dict[str, list[int]] = {}  # req_id -> block ids added this step
-        scheduled_running: list[Request] = []
-        scheduled_new: list[Request] = []
-        preempted_this_step = False
+        """Three phases: running requests first, in admission order; then waiting ones, unless
+        memory ran out; then the message for the workers. Subclasses may override a phase."""
+        plan = StepPlan(token_budget=self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        return self._build_output(plan)
 
-        # 1. Running requests first, in admission order.
+    def _schedule_running(self, plan: StepPlan) -> None:
+        """Give each running request its next tokens, preempting (``victim_key``) when the KV
+        cache is full."""
         index = 0
-        while index < len(self.running) and token_budget > 0:
+        while index < len(self.running) and plan.token_budget > 0:
             request = self.running[index]
-            num_new_tokens = self._cap(request, request.num_tokens - request.num_computed_tokens, token_budget)
+            num_new_tokens = self._cap(request, request.num_tokens - request.num_computed_tokens, plan.token_budget)
             if num_new_tokens <= 0:
                 index += 1
                 continue
@@ -173,12 +200,12 @@ class Scheduler(SchedulerInterface):
                 if new_blocks is not None:
                     break
                 victim = max(self.running, key=self.victim_key)
-                preempted_this_step = True
-                if victim.request_id in num_scheduled_tokens:
+                plan.preempted = True
+                if victim.request_id in plan.num_scheduled_tokens:
                     # Already scheduled this step: give its budget back.
-                    token_budget += num_scheduled_tokens.pop(victim.request_id)
-                    new_block_ids.pop(victim.request_id, None)
-                    scheduled_running.remove(victim)
+                    plan.token_budget += plan.num_scheduled_tokens.pop(victim.request_id)
+                    plan.new_block_ids.pop(victim.request_id, None)
+                    plan.scheduled_running.remove(victim)
                 if self.running.index(victim) < index:
                     index -= 1
                 self._preempt(victim)
@@ -186,72 +213,75 @@ class Scheduler(SchedulerInterface):
                     break
             if new_blocks is None:
                 continue  # the request itself was preempted; running[index] is the next one
-            scheduled_running.append(request)
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            new_block_ids[request.request_id] = new_blocks.get_block_ids()
-            token_budget -= num_new_tokens
+            plan.scheduled_running.append(request)
+            plan.num_scheduled_tokens[request.request_id] = num_new_tokens
+            plan.new_block_ids[request.request_id] = new_blocks.get_block_ids()
+            plan.token_budget -= num_new_tokens
             index += 1
 
-        # 2. Waiting requests, unless memory ran out this step.
-        if not preempted_this_step:
-            if self.sort_waiting and len(self.waiting) > 1:
-                self.waiting = deque(sorted(self.waiting, key=self.waiting_key))
-            # Requests whose grammar is still compiling step aside for this step, keeping their
-            # place in the queue, so that they block nobody.
-            skipped: list[Request] = []
-            while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
-                request = self.waiting[0]
-                if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
-                    if not request.structured_output.is_ready():
-                        skipped.append(self.waiting.popleft())
-                        continue
-                    request.status = RequestStatus.WAITING
-                computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request, record_stats=False)
-                num_external = 0
-                if self.kv_connector is not None:
-                    num_external = self.kv_connector.get_num_new_matched_tokens(request, num_computed)
-                num_new_tokens = request.num_tokens - num_computed - num_external
-                if not self.enable_chunked_prefill and num_new_tokens > token_budget:
-                    break
-                num_new_tokens = self._cap(request, num_new_tokens, token_budget)
-                # Externally loaded tokens need slots but no compute budget.
-                new_blocks = self._allocate_for(request, num_new_tokens + num_external, num_computed, computed_blocks)
-                if new_blocks is None:
-                    break
-                if self.kv_connector is not None:
-                    self.kv_connector.update_state_after_alloc(
-                        request, self.kv_cache_manager.get_blocks(request.request_id), num_external)
-                    self.num_external_computed_tokens += num_external
-                if self.kv_cache_manager.enable_caching:
-                    self.kv_cache_manager.prefix_cache_stats.record(request.num_tokens, num_computed)
-                self.waiting.popleft()
-                self.running.append(request)
-                request.status = RequestStatus.RUNNING
-                num_computed += num_external
-                request.num_computed_tokens = num_computed
-                if request.num_cached_tokens is None:
-                    request.num_cached_tokens = num_computed
-                scheduled_new.append(request)
-                num_scheduled_tokens[request.request_id] = num_new_tokens
-                token_budget -= num_new_tokens
-            self.waiting.extendleft(reversed(skipped))
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        """Admit waiting requests (``waiting_key`` order when ``sort_waiting``) while the budget,
+        ``max_num_seqs`` and the KV cache allow, starting each at its longest cached prefix."""
+        if self.sort_waiting and len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=self.waiting_key))
+        # Requests whose grammar is still compiling step aside for this step, keeping their
+        # place in the queue, so that they block nobody.
+        skipped: list[Request] = []
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                if not request.structured_output.is_ready():
+                    skipped.append(self.waiting.popleft())
+                    continue
+                request.status = RequestStatus.WAITING
+            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request, record_stats=False)
+            num_external = 0
+            if self.kv_connector is not None:
+                num_external = self.kv_connector.get_num_new_matched_tokens(request, num_computed)
+            num_new_tokens = request.num_tokens - num_computed - num_external
+            if not self.enable_chunked_prefill and num_new_tokens > plan.token_budget:
+                break
+            num_new_tokens = self._cap(request, num_new_tokens, plan.token_budget)
+            # Externally loaded tokens need slots but no compute budget.
+            new_blocks = self._allocate_for(request, num_new_tokens + num_external, num_computed, computed_blocks)
+            if new_blocks is None:
+                break
+            if self.kv_connector is not None:
+                self.kv_connector.update_state_after_alloc(
+                    request, self.kv_cache_manager.get_blocks(request.request_id), num_external)
+                self.num_external_computed_tokens += num_external
+            if self.kv_cache_manager.enable_caching:
+                self.kv_cache_manager.prefix_cache_stats.record(request.num_tokens, num_computed)
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            num_computed += num_external
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_computed
+            plan.scheduled_new.append(request)
+            plan.num_scheduled_tokens[request.request_id] = num_new_tokens
+            plan.token_budget -= num_new_tokens
+        self.waiting.extendleft(reversed(skipped))
 
+    def _build_output(self, plan: StepPlan) -> SchedulerOutput:
+        """The step's message for the workers; afterwards the scheduled tokens count as computed."""
         output = SchedulerOutput(
-            scheduled_new_reqs=[self._new_request_data(r) for r in scheduled_new],
+            scheduled_new_reqs=[self._new_request_data(r) for r in plan.scheduled_new],
             scheduled_cached_reqs=CachedRequestData(
-                req_ids=[r.request_id for r in scheduled_running],
-                new_block_ids=[new_block_ids[r.request_id] for r in scheduled_running],
-                num_computed_tokens=[r.num_computed_tokens for r in scheduled_running],
+                req_ids=[r.request_id for r in plan.scheduled_running],
+                new_block_ids=[plan.new_block_ids[r.request_id] for r in plan.scheduled_running],
+                num_computed_tokens=[r.num_computed_tokens for r in plan.scheduled_running],
             ),
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - token_budget,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - plan.token_budget,
             finished_req_ids=sorted(self.finished_req_ids),
         )
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(output, self.requests)
         self.finished_req_ids = set()
         # The tokens are as good as computed once scheduled: the next step builds on them.
-        for req_id, num_new_tokens in num_scheduled_tokens.items():
+        for req_id, num_new_tokens in plan.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_new_tokens
         return output
 
@@ -305,8 +335,9 @@ class Scheduler(SchedulerInterface):
         return outputs
 
     def make_stats(self) -> SchedulerStats:
+        """A snapshot: gauges now, counters since the scheduler was built (nothing is reset)."""
         cache_stats = self.kv_cache_manager.make_prefix_cache_stats()
-        stats = SchedulerStats(
+        return SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage, prefix_cache_queries=cache_stats.queries,
             prefix_cache_hits=cache_stats.hits, num_preemptions=self.num_preemptions,
@@ -314,9 +345,6 @@ class Scheduler(SchedulerInterface):
             num_total_blocks=self.kv_cache_manager.num_blocks,
             kv_connector_loaded_tokens=self.num_external_computed_tokens,
         )
-        self.num_preemptions = 0
-        self.num_external_computed_tokens = 0
-        return stats
 
 
 def _advance_grammar(request: Request, token_id: int) -> RequestStatus | None:

@@ -11,7 +11,7 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> tuple[Req
     if request.num_output_tokens >= params.min_tokens:
         if token_id == request.eos_token_id and not params.ignore_eos:
             return RequestStatus.FINISHED_STOPPED, None
-        if token_id in (params.all_stop_token_ids or ()) or token_id in params.stop_token_ids:
+        if token_id in (params.all_stop_token_ids or ()) or token_id in (params.stop_token_ids or ()):
             return RequestStatus.FINISHED_STOPPED, token_id
     if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH_CAPPED, None

@@ -12,8 +12,9 @@ one told "not supported". So, beyond the fields the endpoints implement:
   where it is.
 
 ``param`` is the top-level field, except inside ``messages`` where it is the message and key
-(``messages[2].content``), as OpenAI names them. Errors are ``RequestFieldError`` (a ValueError
-with ``param``); the endpoints turn them into OpenAI-shaped 400s.
+(``messages[2].content``), as OpenAI names them. Errors are ``RequestFieldError`` (a
+``sparrow.errors.InvalidArgumentError`` with ``param``); the endpoints turn them into OpenAI-shaped
+400s.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from sparrow.engine.input_processor import check_text, find_unencodable
+from sparrow.errors import InvalidArgumentError
 
 # Accepted and ignored: OpenAI bookkeeping (metadata, store, service_tier).
 IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier"})
@@ -54,13 +56,15 @@ _MESSAGE_KEY = re.compile(r"messages\[\d+\](?:\.[^.\[]+)?")
 _TOP_LEVEL = re.compile(r"[^.\[]+")
 
 
-class RequestFieldError(ValueError):
-    """An invalid or unsupported request field; ``param`` names it as the error's ``param``."""
+class RequestFieldError(InvalidArgumentError):
+    """An invalid or unsupported request field, named as the error's ``param`` (= ``field``)."""
 
     def __init__(self, message: str, param: str, code: str = "invalid_value") -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
+        super().__init__(message, param, code)
+
+    @property
+    def param(self) -> str:
+        return self.field
 
 
 def param_of(path: str) -> str:

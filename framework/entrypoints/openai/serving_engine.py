@@ -17,8 +17,9 @@ from sparrow.engine.async_llm import AsyncLLM
 from sparrow.engine.exceptions import EngineDeadError, EngineShutdownError
 from sparrow.engine.input_processor import check_text
 from sparrow.entrypoints.openai.protocol import SamplingFields, UsageInfo
-from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_fields
+from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_fields, param_of
 from sparrow.entrypoints.openai.structured_outputs import GUIDED_FIELDS, structured_outputs_of
+from sparrow.errors import InvalidArgumentError
 from sparrow.outputs import RequestOutput
 from sparrow.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -26,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# The request fields an engine-side ValueError may name first in its message.
+# Fallback for plain ValueErrors (a plugin's logits processor, a tokenizer): the request fields
+# such a message may name first.
 _PARAM_NAMES = {
     "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
@@ -36,6 +38,8 @@ _PARAM_NAMES = {
 }
 # A leading field name, and inside messages the message and key: "messages[1].content: ...".
 _LEADING_NAME = re.compile(r"^(?:SamplingParams\.)?([a-z_]+)(\[\d+\](?:\.[a-z_]+)?)?")
+# Engine-side field names -> the request field the client sent.
+_REQUEST_FIELD = {"prompt_token_ids": "prompt", "extra_args": "vllm_xargs"}
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM reports this instead
 
 
@@ -62,9 +66,21 @@ def _printable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def request_param(field: str) -> str:
+    """The OpenAI ``param`` for an InvalidArgumentError's field: the top-level request field
+    (``stop[1]`` -> ``stop``; ``extra_args`` -> ``vllm_xargs``), or inside ``messages`` the
+    message and key (``messages[2].content``)."""
+    param = param_of(field)
+    return _REQUEST_FIELD.get(param, param)
+
+
 def bad_request(exc: ValueError, default_param: str | None = None) -> APIError:
-    """A 400 for an invalid value the engine found, naming the field when the message does."""
+    """A 400 for an invalid value: ``param`` is an InvalidArgumentError's field; for a plain
+    ValueError, the field its message starts with, else ``default_param``."""
     message = str(exc)
+    if isinstance(exc, InvalidArgumentError):
+        return APIError(400, message, "BadRequestError", param=request_param(exc.field),
+                        code=exc.code or "invalid_value")
     match = _LEADING_NAME.match(message)
     param = match.group(1) if match and match.group(1) in _PARAM_NAMES else default_param
     if match and param == "messages" and match.group(2):
@@ -77,7 +93,7 @@ def bad_request(exc: ValueError, default_param: str | None = None) -> APIError:
 
 
 def field_error(exc: RequestFieldError) -> APIError:
-    return APIError(400, str(exc), "BadRequestError", param=exc.param, code=exc.code)
+    return bad_request(exc)
 
 
 def engine_dead(exc: EngineDeadError) -> APIError:

@@ -1,0 +1,202 @@
+"""Every message that crosses a process boundary, in one leaf module.
+
+Three boundaries, each a msgpack stream of the Structs below:
+
+    frontend (P0)   --EngineCoreRequest-->          engine core (P1)
+                    <--EngineCoreOutputs--          (after one HandshakeMessage)
+    engine core     --SchedulerOutput-->            workers (P2..N)
+                    <--ModelRunnerOutput--
+
+Rules (vLLM V1's): ``msgspec.Struct(array_like=True, omit_defaults=True)``; a new field is
+appended last with a default, so that the positions of the others never move; enums that cross
+are ``IntEnum``. Everything here is pure Python with no torch, and this module imports nothing
+from sparrow but ``sparrow.sampling_params`` (itself a leaf): ``core/``, ``sample/``, ``engine/``,
+``worker/`` and plugins all import their messages from here without importing each other.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from sparrow.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+# -- engine core -> workers ---------------------------------------------------------------------
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A request the workers have not seen, or one resumed after preemption (they forgot it)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    # Output so far: non-empty only for a request resumed after preemption, which is recomputed.
+    output_token_ids: list[int] = []
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Requests the workers already hold; parallel lists, one entry per request."""
+
+    req_ids: list[str] = []
+    # Blocks appended since the previous step (often empty).
+    new_block_ids: list[list[int]] = []
+    num_computed_tokens: list[int] = []
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What the scheduler decided for one step; sent to every worker."""
+
+    scheduled_new_reqs: list[NewRequestData] = []
+    scheduled_cached_reqs: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
+    # req_id -> num_scheduled_tokens
+    num_scheduled_tokens: dict[str, int] = {}
+    total_num_scheduled_tokens: int = 0
+    # Requests that finished or were preempted since the last step: the workers drop their state.
+    finished_req_ids: list[str] = []
+    # Opaque data from the scheduler side of a KV connector to its worker side.
+    kv_connector_metadata: Any = None
+    # Structured outputs, filled by the engine core after scheduling: the requests that sample
+    # under a grammar this step, and their allowed-token bitmask, one row each in this order:
+    # int32 [len(structured_output_request_ids), ceil(vocab_size / 32)] as bytes; bit j of word w
+    # allows token 32 * w + j. Computed once here and sent to every rank, so that tensor-parallel
+    # ranks mask identically without a tokenizer or a grammar each.
+    structured_output_request_ids: list[str] = []
+    grammar_bitmask: bytes | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+# -- workers -> engine core ---------------------------------------------------------------------
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs at one position: the chosen token first, then the top-k (k may be 0).
+
+    ``ranks[i]`` is the 1-based rank of ``token_ids[i]`` in the full distribution.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What a worker returns after a step."""
+
+    # Requests of the step, in batch order.
+    req_ids: list[str] = []
+    # One list per request: the sampled token ids, empty while a prefill is still partial.
+    sampled_token_ids: list[list[int]] = []
+    # req_id -> logprobs of each sampled token (only requests that asked for logprobs).
+    logprobs: dict[str, list[TokenLogprobs]] = {}
+    # req_id -> logprobs of the prompt positions computed this step (prompt_logprobs requests).
+    # Position i holds the logprob of prompt token i+1 given tokens [0..i].
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+
+
+# -- frontend -> engine core --------------------------------------------------------------------
+class EngineCoreRequestType(enum.Enum):
+    """First frame of every message sent to the engine core (see sparrow.engine.serial)."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True,
+                        forbid_unknown_fields=True):
+    # Decoded in the engine core with every field type-checked (an extra trailing field is an
+    # error too); a payload that fails is answered with an error output, never a dead core.
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    priority: int = 0
+    # Output cap after max_model_len is taken into account (the input processor resolves it).
+    max_tokens: int | None = None
+
+
+# -- engine core -> frontend --------------------------------------------------------------------
+class HandshakeMessage(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The engine core's first message: READY with its KV cache, or FAILED with a traceback."""
+
+    status: str  # "READY" | "FAILED"
+    num_blocks: int = 0
+    block_size: int = 0
+    max_model_len: int = 0
+    error: str | None = None
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    # The error finish: set when the engine core could not take the request (undecodable or
+    # invalid payload, a value it can never run, or a failure while adding it). The output is then
+    # finished with FinishReason.ABORT, and the frontends raise the error to that request's caller
+    # alone (a 400 in the server); the other requests carry on.
+    error_message: str | None = None
+    # The request field the error is about, when the engine core knows it: the frontends then
+    # raise sparrow.errors.InvalidArgumentError(error_message, error_field), else a ValueError.
+    error_field: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A snapshot of the scheduler. Gauges describe the moment; counters are cumulative since the
+    engine core started and are never reset by reading them, so a rate is the difference between
+    two snapshots (a Prometheus counter is fed that difference)."""
+
+    num_running_reqs: int = 0  # gauge
+    num_waiting_reqs: int = 0  # gauge
+    kv_cache_usage: float = 0.0  # gauge: fraction of blocks in use, 0..1
+    prefix_cache_queries: int = 0  # counter: prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # counter: prompt tokens found there
+    num_preemptions: int = 0  # counter: requests preempted
+    num_free_blocks: int = 0  # gauge
+    num_total_blocks: int = 0  # gauge
+    kv_connector_loaded_tokens: int = 0  # counter: tokens loaded through a KV connector
+
+
+# Fields of SchedulerStats that are cumulative counters (the others are gauges).
+SCHEDULER_STATS_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+                            "kv_connector_loaded_tokens")
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    failure_message: str | None = None
+    result: Any = None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+    # Set once, when the engine core is about to die; every pending request fails with it.
+    engine_dead_message: str | None = None

@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Once upon a time
 
-.PHONY: setup setup-dev run test test-fast check-install bench serve clean wheelhouse
+.PHONY: setup setup-dev run test test-fast lint check-install bench serve clean wheelhouse
 
 # What running needs: the package and its dependencies, no test or plotting tools.
 setup: $(VENV)/.installed
@@ -30,6 +30,11 @@ run: setup
 
 test: setup-dev
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# ruff on every Python file; mypy on the kernel's contract (scripts/typecheck.py says which packages).
+lint: setup-dev
+	$(PY) -m ruff check framework hookspecs plugins examples tests scripts
+	$(PY) scripts/typecheck.py
 
 test-fast: setup-dev
 	$(PY) -m pytest -q -x -m "not slow"

@@ -80,7 +80,6 @@ def engine_run(model_dir, prompts, **engine_args):
     try:
         first = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         second = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        stats = llm.llm_engine.engine_core.call_utility("get_scheduler_stats")
     finally:
         llm.shutdown()
     return first, second

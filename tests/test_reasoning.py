@@ -26,9 +26,9 @@ import pytest
 from pydantic import BaseModel, Field
 
 from sparrow import LLM
-from sparrow.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 from sparrow.hookspecs import hookimpl
 from sparrow.plugins import get_registry
+from sparrow.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 from sparrow.sampling_params import SamplingParams, StructuredOutputsParams
 from sparrow.tiny.tokenizer import CHAT_TEMPLATE
 from tests.test_hooks import registered

@@ -302,8 +302,9 @@ def test_seed_reproduces_a_sample_and_sampling_fields_are_accepted(server):
 
 
 def test_bench_serve_reports_vllm_metrics(server, tmp_path):
-    from sparrow.bench.serve import add_bench_serve_parser
     import argparse
+
+    from sparrow.bench.serve import add_bench_serve_parser
 
     parser = argparse.ArgumentParser()
     add_bench_serve_parser(parser.add_subparsers())

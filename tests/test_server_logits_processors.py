@@ -8,8 +8,7 @@ import openai
 import pytest
 
 from sparrow.sample.logits_processor.words import bad_words_token_ids
-from tests.test_logits_processors import (  # noqa: F401 - hf_model and tokenizer are fixtures
-    MAX_TOKENS, PROMPTS, hf_greedy, hf_model, one_token_word, tokenizer)
+from tests.test_logits_processors import MAX_TOKENS, PROMPTS, hf_greedy, hf_model, one_token_word, tokenizer  # noqa: F401 - fixtures, used by name
 from tests.test_server import MODEL_NAME, serve_for_module
 
 

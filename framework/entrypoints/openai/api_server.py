@@ -342,7 +342,6 @@ def _json_list(value: str) -> list[str]:
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``sparrow serve [MODEL]`` with server flags and every engine argument."""
     from sparrow.entrypoints.cli import add_engine_args
-
     from sparrow.entrypoints.openai.lifecycle import DEFAULT_SHUTDOWN_TIMEOUT_S
 
     parser = subparsers.add_parser(

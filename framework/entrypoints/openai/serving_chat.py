@@ -35,7 +35,6 @@ from sparrow.entrypoints.openai.protocol import (
     ToolCall,
 )
 from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_unicode
-from sparrow.entrypoints.openai.tool_calling import resolve_tool_choice, tool_structured_outputs
 from sparrow.entrypoints.openai.serving_engine import (
     APIError,
     OpenAIServing,
@@ -48,6 +47,7 @@ from sparrow.entrypoints.openai.serving_engine import (
     token_label,
     usage,
 )
+from sparrow.entrypoints.openai.tool_calling import resolve_tool_choice, tool_structured_outputs
 from sparrow.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 
 logger = logging.getLogger(__name__)

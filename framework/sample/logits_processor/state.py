@@ -11,8 +11,8 @@ from sparrow.sample.logits_processor.interface import (
     AddedRequest,
     BatchUpdate,
     LogitsProcessor,
-    MovedRequest,
     MoveDirectionality,
+    MovedRequest,
 )
 
 

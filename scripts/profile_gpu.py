@@ -71,7 +71,8 @@ def main() -> None:
     rng = random.Random(0)
     prompts, params = [], []
     for i in range(args.num_prompts):
-        prompts.append({"prompt_token_ids": [rng.randrange(vocab - 16) for _ in range(rng.randint(args.len_min, args.len_max))]})
+        prompt_len = rng.randint(args.len_min, args.len_max)
+        prompts.append({"prompt_token_ids": [rng.randrange(vocab - 16) for _ in range(prompt_len)]})
         params.append(SamplingParams(max_tokens=rng.randint(args.len_min, args.len_max), ignore_eos=True,
                                      temperature=0.6, seed=i, detokenize=False))
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up

@@ -41,7 +41,8 @@ class FakeExecutor(Executor):
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
             if self.computed[req_id] != num_computed:
-                raise AssertionError(f"{req_id}: worker has {self.computed[req_id]} computed, scheduler says {num_computed}")
+                raise AssertionError(
+                    f"{req_id}: worker has {self.computed[req_id]} computed, scheduler says {num_computed}")
             self.block_ids[req_id].extend(new_blocks)
         req_ids, sampled = [], []
         for req_id, num_new_tokens in scheduler_output.num_scheduled_tokens.items():

@@ -101,7 +101,8 @@ def test_long_outputs_keep_a_bounded_window(tokenizer, decoder) -> None:
 
 
 def test_prompt_context_does_not_change_the_output_text(tokenizer, decoder) -> None:
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                           tokenize=False)
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
     output_ids = tokenizer.encode(" The sparrow 🐦 sings.")
     for skip in (True, False):

@@ -31,7 +31,8 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def inputs(tokenizer) -> InputProcessor:
-    return InputProcessor(tokenizer, max_model_len=MAX_MODEL_LEN, vocab_size=len(tokenizer), eos_token_ids=[EOS, ENDOFTEXT_ID])
+    return InputProcessor(tokenizer, max_model_len=MAX_MODEL_LEN, vocab_size=len(tokenizer),
+                          eos_token_ids=[EOS, ENDOFTEXT_ID])
 
 
 @pytest.fixture
@@ -64,7 +65,8 @@ def test_prompt_forms(inputs, tokenizer) -> None:
 def test_chat_messages_use_the_chat_template(inputs, tokenizer) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     rendered = inputs.apply_chat_template(messages)
-    assert rendered == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+    assert rendered == ("<|im_start|>system\nBe brief.<|im_end|>\n"
+                        "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
     text, request = inputs.process_inputs("chat", messages, SamplingParams())
     assert text == rendered
     assert request.prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
@@ -81,7 +83,8 @@ def test_max_tokens_and_stop_ids_are_resolved_on_a_copy(inputs) -> None:
     assert request.sampling_params.all_stop_token_ids == [EOS, 7, ENDOFTEXT_ID]
     assert params.max_tokens is None and params.all_stop_token_ids is None  # caller's untouched
 
-    _, ignoring = inputs.process_inputs("r", {"prompt_token_ids": [5]}, SamplingParams(ignore_eos=True, stop_token_ids=[7]))
+    _, ignoring = inputs.process_inputs("r", {"prompt_token_ids": [5]},
+                                        SamplingParams(ignore_eos=True, stop_token_ids=[7]))
     assert ignoring.sampling_params.all_stop_token_ids == [7]
     assert ignoring.max_tokens == 16
 
@@ -164,7 +167,8 @@ def test_final_only_gives_one_output(inputs, outputs, tokenizer) -> None:
     ids = tokenizer.encode("one two three")
     submit(inputs, outputs, "f", "Hi", output_kind=RequestOutputKind.FINAL_ONLY)
     assert outputs.process_outputs([core_output("f", ids[:1])]).request_outputs == []
-    (output,) = outputs.process_outputs([core_output("f", ids[1:] + [EOS], finish_reason=FinishReason.STOP)]).request_outputs
+    (output,) = outputs.process_outputs(
+        [core_output("f", ids[1:] + [EOS], finish_reason=FinishReason.STOP)]).request_outputs
     completion = output.outputs[0]
     assert completion.text == "one two three" and completion.token_ids == ids + [EOS]
     assert completion.finish_reason == "stop" and completion.stop_reason is None and completion.finished()
@@ -175,7 +179,8 @@ def test_stop_string_finishes_and_asks_the_core_to_abort(inputs, outputs, tokeni
     processed = outputs.process_outputs([core_output("s", tokenizer.encode("The sparrow sings at dawn"))])
     assert processed.reqs_to_abort == ["s"]
     completion = processed.request_outputs[0].outputs[0]
-    assert completion.text == "The sparrow " and completion.finish_reason == "stop" and completion.stop_reason == "sings at"
+    assert completion.text == "The sparrow " and completion.finish_reason == "stop"
+    assert completion.stop_reason == "sings at"
     assert processed.request_outputs[0].finished and not outputs.has_unfinished_requests()
     # Outputs still in flight for the stopped request are ignored.
     assert outputs.process_outputs([core_output("s", [5])]).request_outputs == []
@@ -185,7 +190,8 @@ def test_stop_token_id_from_the_core(inputs, outputs, tokenizer) -> None:
     period = tokenizer.encode(".")[0]
     submit(inputs, outputs, "t", "Hi", stop_token_ids=[period])
     ids = tokenizer.encode("The end") + [period]
-    (output,) = outputs.process_outputs([core_output("t", ids, finish_reason=FinishReason.STOP, stop_reason=period)]).request_outputs
+    (output,) = outputs.process_outputs(
+        [core_output("t", ids, finish_reason=FinishReason.STOP, stop_reason=period)]).request_outputs
     assert output.outputs[0].text == "The end" and output.outputs[0].stop_reason == period
 
 
@@ -227,7 +233,8 @@ def test_metrics_record_token_times(inputs, outputs) -> None:
     outputs.add_request(request, "Hi")
     outputs.process_outputs([core_output("m", [42])], timestamp=100.5)
     outputs.process_outputs([core_output("m", [43])], timestamp=100.7)
-    (output,) = outputs.process_outputs([core_output("m", [44], finish_reason=FinishReason.LENGTH)], timestamp=100.9).request_outputs
+    (output,) = outputs.process_outputs([core_output("m", [44], finish_reason=FinishReason.LENGTH)],
+                                        timestamp=100.9).request_outputs
     metrics = output.metrics
     assert metrics.time_to_first_token == pytest.approx(0.5)
     assert metrics.mean_inter_token_latency == pytest.approx(0.2)
@@ -322,5 +329,6 @@ def test_special_tokens_in_output_follow_sampling_params(inputs, outputs, tokeni
     ids = tokenizer.encode(f"Hi{IM_END}there{ENDOFTEXT}")
     submit(inputs, outputs, "k", "Hi", skip_special_tokens=False, spaces_between_special_tokens=False)
     submit(inputs, outputs, "s", "Hi")
-    processed = outputs.process_outputs([core_output(rid, ids, finish_reason=FinishReason.LENGTH) for rid in ("k", "s")])
+    processed = outputs.process_outputs(
+        [core_output(rid, ids, finish_reason=FinishReason.LENGTH) for rid in ("k", "s")])
     assert [o.outputs[0].text for o in processed.request_outputs] == [f"Hi{IM_END}there{ENDOFTEXT}", "Hithere"]

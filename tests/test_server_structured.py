@@ -83,7 +83,8 @@ def test_json_object_is_a_json_object(client, qwen3_dir):
     tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
     # A random model rarely closes an open-ended object by itself: biasing the braces makes the
     # shortest object likely, and the grammar makes anything else still valid JSON.
-    braces = {str(tokenizer.convert_tokens_to_ids(token)): 100 for token in ("{", "}") if token in tokenizer.get_vocab()}
+    braces = {str(tokenizer.convert_tokens_to_ids(token)): 100
+              for token in ("{", "}") if token in tokenizer.get_vocab()}
     assert braces
     response = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=0.0,
                                               max_completion_tokens=MAX_TOKENS, logit_bias=braces,

@@ -20,7 +20,8 @@ ALLOWED_ORIGIN = "https://app.example"
 OTHER_ORIGIN = "https://evil.example"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": CITY}}]
+TOOLS = [{"type": "function",
+          "function": {"name": "get_weather", "description": "Weather in a city", "parameters": CITY}}]
 
 TOOLS_TEMPLATE = ("{{ greeting | default('') }}{% for tool in tools or [] %}<{{ tool.function.name }}>{% endfor %}"
                   "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}")

@@ -132,7 +132,8 @@ def test_chat_template_is_chatml(recipe_tokenizer) -> None:
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi 🐦"},
         {"role": "assistant", "content": None},
-        {"role": "user", "content": [{"type": "text", "text": "one "}, {"type": "image"}, {"type": "text", "text": "two"}]},
+        {"role": "user",
+         "content": [{"type": "text", "text": "one "}, {"type": "image"}, {"type": "text", "text": "two"}]},
     ]
     text = recipe_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text == (

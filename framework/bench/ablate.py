@@ -90,13 +90,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     grid.add_argument("--prefix-caching", type=_csv(_on_off), default=None, help="on,off (default: engine's, on)")
     grid.add_argument("--max-num-batched-tokens", type=_csv(_positive_int), default=None,
                       help="token budgets per step (default: the platform's, CPU 2048, CUDA 8192)")
-    grid.add_argument("--block-size", type=_csv(_positive_int), default=None, help="KV block sizes (default: platform's)")
+    grid.add_argument("--block-size", type=_csv(_positive_int), default=None,
+                      help="KV block sizes (default: platform's)")
     grid.add_argument("--max-num-seqs", type=_csv(_positive_int), default=None,
                       help="running-batch caps (default: engine's); small values make requests queue")
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="multiply every prompt and output length of the workload (e.g. 0.25 for a quick run)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and of every engine")
-    p.add_argument("--engine-args", default="{}", help='JSON dict of extra engine arguments, e.g. \'{"dtype": "float32"}\'')
+    p.add_argument("--engine-args", default="{}",
+                   help='JSON dict of extra engine arguments, e.g. \'{"dtype": "float32"}\'')
     p.add_argument("--multiprocess", action=argparse.BooleanOptionalAction, default=None,
                    help="engine core in its own process (default: the engine's default, yes)")
     p.add_argument("--output-dir", default="bench-results/ablate", help="where results.md, .json and .png go")

@@ -53,7 +53,8 @@ def measure_copy_bandwidth(device: str = "cuda", num_bytes: int = 2 << 30, repea
     return 2 * num_bytes * repeats / (time.perf_counter() - started)
 
 
-def memory_roofline_bytes(hf_config: Any, workload: list[tuple[list[int], int]], dtype_bytes: int = 2) -> dict[str, float]:
+def memory_roofline_bytes(hf_config: Any, workload: list[tuple[list[int], int]],
+                          dtype_bytes: int = 2) -> dict[str, float]:
     """Bytes the decode steps of ``workload`` must read at least.
 
     Weights: once per decode step; with every request running at once the number of decode steps

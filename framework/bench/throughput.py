@@ -48,7 +48,8 @@ def add_parser(subparsers: Any) -> None:
                         "throughput and not as a speed-up (default: all prompts)")
     p.add_argument("--repeats", type=int, default=1, help="runs of the engine (the median is reported)")
     p.add_argument("--result-file", default="bench-results/throughput.json", help="JSON report path ('' for none)")
-    p.add_argument("--engine-args", default="{}", help='JSON dict of extra engine arguments, e.g. \'{"max_num_seqs": 64}\'')
+    p.add_argument("--engine-args", default="{}",
+                   help='JSON dict of extra engine arguments, e.g. \'{"max_num_seqs": 64}\'')
     p.add_argument("--structured-outputs", choices=("none", "json"), default="none",
                    help="json: constrain every request to a JSON array of strings too long to end before its "
                    "max_tokens, so outputs are as long as unconstrained ones (structured outputs' overhead)")
@@ -122,7 +123,8 @@ def measure_matmul_flops(dtype_name: str = "float32", size: int = 1024, repeats:
     dtype = getattr(torch, dtype_name)
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     candidates = [lambda: torch.mm(a, b)]
-    if dtype == torch.float32 and hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available():
+    if (dtype == torch.float32 and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and torch.backends.mkldnn.is_available()):
         packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous())
         candidates.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
     best = float("inf")

@@ -189,7 +189,8 @@ class EngineProcess:
                 future = self._pending_calls.pop(result.call_id, None)
             if future is not None:
                 if result.failure_message is not None:
-                    future.set_exception(RuntimeError(f"utility call failed in the engine core: {result.failure_message}"))
+                    future.set_exception(
+                        RuntimeError(f"utility call failed in the engine core: {result.failure_message}"))
                 else:
                     try:
                         future.set_result(serial.decode_result(result.result))

@@ -189,7 +189,8 @@ class SamplingTensors:
                  logits_processors: LogitsProcessors | None = None) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self.logits_processors = logits_processors if logits_processors is not None else builtin_logits_processors(device)
+        self.logits_processors = (logits_processors if logits_processors is not None
+                                  else builtin_logits_processors(device))
         self._static: SamplingMetadata | None = None
         self._params: list[SamplingParams] = []
         self._prompt_token_ids: list[list[int]] = []

@@ -194,7 +194,8 @@ class TorchPagedAttention(AttentionBackend):
         flat_shape = (num_slots, self.num_kv_heads, self.head_dim)
         new_keys, new_values = key[: plan.num_actual_tokens], value[: plan.num_actual_tokens]
         if plan.write_rows is not None:
-            new_keys, new_values = new_keys.index_select(0, plan.write_rows), new_values.index_select(0, plan.write_rows)
+            new_keys = new_keys.index_select(0, plan.write_rows)
+            new_values = new_values.index_select(0, plan.write_rows)
         key_cache.view(flat_shape).index_copy_(0, plan.write_slots, new_keys)
         value_cache.view(flat_shape).index_copy_(0, plan.write_slots, new_values)
 

@@ -166,9 +166,17 @@ void paged_attention(at::Tensor query, at::Tensor kv_cache, at::Tensor out, at::
   TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "query and kv_cache dtypes differ");
 #define SPARROW_PAGED_ATTENTION(T)                                                                          \
   switch (query.size(2)) {                                                                                  \
-    case 64: paged_attention_impl<T, 64>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens, block_table, scale); break;   \
-    case 128: paged_attention_impl<T, 128>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens, block_table, scale); break; \
-    default: paged_attention_impl<T, 0>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens, block_table, scale);         \
+    case 64:                                                                                                \
+      paged_attention_impl<T, 64>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens,           \
+                                  block_table, scale);                                                      \
+      break;                                                                                                \
+    case 128:                                                                                               \
+      paged_attention_impl<T, 128>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens,          \
+                                   block_table, scale);                                                     \
+      break;                                                                                                \
+    default:                                                                                                \
+      paged_attention_impl<T, 0>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens,            \
+                                 block_table, scale);                                                       \
   }
   if (query.scalar_type() == at::kFloat) {
     SPARROW_PAGED_ATTENTION(float)

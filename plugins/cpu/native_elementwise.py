@@ -21,7 +21,9 @@ SOURCE = r"""
 #include <cmath>
 
 // Rows per task so that each task touches at least ~16k floats.
-static inline int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
+static inline int64_t row_grain(int64_t row_elems) {
+  return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems));
+}
 
 static inline void rms_row(const float* x, const float* w, float* out, int64_t d, float eps) {
   float sum = 0.f;

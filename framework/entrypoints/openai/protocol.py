@@ -121,7 +121,8 @@ class SamplingFields(OpenAIBaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
         ..., description="Text, several texts, token ids, or several lists of token ids.")
-    max_tokens: int | None = Field(16, ge=0, le=INT32_MAX, description="0 only with echo: score the prompt, generate nothing.")
+    max_tokens: int | None = Field(16, ge=0, le=INT32_MAX,
+                                   description="0 only with echo: score the prompt, generate nothing.")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None
@@ -199,7 +200,8 @@ class ChatMessage(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="Deprecated by OpenAI; see max_completion_tokens.")
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX,
+                                   description="Deprecated by OpenAI; see max_completion_tokens.")
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

@@ -32,7 +32,8 @@ IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier"})
 # Keys of assistant messages as OpenAI returns them; clients send those turns back verbatim.
 IGNORED_MESSAGE_FIELDS = frozenset({"refusal", "annotations", "audio", "function_call"})
 
-_GUIDED = "this guided decoding option (structured outputs take guided_json, guided_regex, guided_choice, guided_grammar)"
+_GUIDED = ("this guided decoding option "
+           "(structured outputs take guided_json, guided_regex, guided_choice, guided_grammar)")
 NOT_SUPPORTED_YET: dict[str, str] = {
     "structural_tag": "structural tags (structured outputs with tags)",
     "functions": "function calling (the deprecated form of tools)",

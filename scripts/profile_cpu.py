@@ -2,7 +2,7 @@
 
 Runs the engine core in this process, wraps the step loop's parts and the model's layers with
 wall-clock counters, and prints seconds per part for each run. Nested parts are included in their
-parents (``run_model`` contains ``gemm``, ``attention`` ...).
+parents (``run_model`` contains the linear layers, ``attention`` ...).
 
     python scripts/profile_cpu.py [--runs 2] [--num-prompts 64]
 """
@@ -23,7 +23,8 @@ ORDER: list[str] = []  # labels in the order they are printed (parents before th
 
 def timed(owner: object, name: str, label: str) -> None:
     original = getattr(owner, name)
-    ORDER.append(label)
+    if label not in ORDER:  # several owners may share a label
+        ORDER.append(label)
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
@@ -40,8 +41,9 @@ def instrument() -> None:
     import sparrow_cpu.native as native
     from sparrow.engine.core import EngineCore
     from sparrow.layers.activation import SiluAndMul
+    from sparrow.layers.embedding import ParallelLMHead
     from sparrow.layers.layernorm import RMSNorm
-    from sparrow.layers.linear import PlatformGemm
+    from sparrow.layers.linear import ColumnParallelLinear, RowParallelLinear
     from sparrow.layers.rotary import RotaryEmbedding
     from sparrow.worker.model_runner import ModelRunner
     from sparrow_cpu.attention import TorchPagedAttention
@@ -49,7 +51,9 @@ def instrument() -> None:
     timed(EngineCore, "step", "step")
     for name in ("update_states", "prepare_inputs", "run_model", "sample"):
         timed(ModelRunner, name, f"  runner.{name}")
-    timed(PlatformGemm, "gemm", "    linear layers")
+    timed(ColumnParallelLinear, "forward", "    linear layers")
+    timed(RowParallelLinear, "forward", "    linear layers")
+    timed(ParallelLMHead, "compute_logits", "    LM head")
     timed(TorchPagedAttention, "forward", "    attention")
     timed(TorchPagedAttention, "_write_kv", "      KV cache writes")
     timed(TorchPagedAttention, "_prefill", "      prefill attention (SDPA)")

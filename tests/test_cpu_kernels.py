@@ -1,4 +1,5 @@
-"""The CPU plugin's C++ element-wise kernels and packed linears against the torch layers."""
+"""The CPU plugin's op implementations (C++ element-wise kernels, oneDNN packed linears), bound
+through the op registry, against the layers' torch references."""
 
 from __future__ import annotations
 
@@ -6,19 +7,24 @@ import pytest
 import torch
 
 from sparrow.layers.activation import SiluAndMul
+from sparrow.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from sparrow.layers.layernorm import RMSNorm
-from sparrow.layers.linear import ColumnParallelLinear, RowParallelLinear
+from sparrow.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from sparrow.layers.rotary import RotaryEmbedding, default_inv_freq
-from sparrow_cpu.fused import install_fused_ops
-from sparrow_cpu.gemm import OneDnnLinear, pack_linear_weights, packed_linear_available
+from sparrow.ops import bind_ops
+from sparrow_cpu.fused import CppRMSNorm, CppRotary, CppSiluAndMul
+from sparrow_cpu.gemm import OneDnnLinear, packed_linear_available
 from sparrow_cpu.native import get_elementwise_ops
 
 needs_kernels = pytest.mark.skipif(get_elementwise_ops() is None, reason="no compiler for the C++ kernels")
+needs_onednn = pytest.mark.skipif(not packed_linear_available(), reason="no oneDNN in this torch build")
 
 
-def _installed(layer: torch.nn.Module) -> torch.nn.Module:
-    assert install_fused_ops(layer, torch.float32) == 1
-    assert layer.platform_forward is not None
+def _bound(layer: torch.nn.Module, impl_cls: type) -> torch.nn.Module:
+    """``layer`` bound on the CPU platform, through the registry as the worker binds a model."""
+    summary = bind_ops(layer, "cpu")
+    assert isinstance(layer.op_impl, impl_cls), summary
+    assert summary == {layer.op_name: {impl_cls.name: 1}}
     return layer
 
 
@@ -37,7 +43,7 @@ def test_rms_norm_and_fused_add(hidden, rows):
     x, residual = torch.randn(rows, hidden) * 3, torch.randn(rows, hidden)
     expected = layer.forward_native(x)
     expected_norm, expected_sum = layer.forward_native(x, residual)
-    native = _installed(layer)
+    native = _bound(layer, CppRMSNorm)
     torch.testing.assert_close(native(x), expected, rtol=1e-5, atol=1e-5)
     got_norm, got_sum = native(x.clone(), residual.clone())
     torch.testing.assert_close(got_sum, expected_sum, rtol=1e-6, atol=1e-6)
@@ -53,7 +59,7 @@ def test_rms_norm_on_strided_heads():
     q = qkv[:, : 4 * 16].view(7, 4, 16)
     k = qkv[:, 4 * 16: 6 * 16].view(7, 2, 16)
     expected_q, expected_k = layer.forward_native(q), layer.forward_native(k)
-    native = _installed(layer)
+    native = _bound(layer, CppRMSNorm)
     torch.testing.assert_close(native(q), expected_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(native(k), expected_k, rtol=1e-5, atol=1e-5)
 
@@ -70,7 +76,8 @@ def test_rotary_matches_torch_in_place_on_qkv_views(head_dim, rotary_dim):
     k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
     expected_q, expected_k = layer.forward_native(positions, q, k)
-    got_q, got_k = _installed(layer)(positions, q, k)
+    got_q, got_k = _bound(layer, CppRotary)(positions, q, k)
+    assert got_q.data_ptr() == q.data_ptr()  # rotated in place, in the QKV output
     torch.testing.assert_close(got_q, expected_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_k, expected_k, rtol=1e-5, atol=1e-5)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
@@ -78,7 +85,7 @@ def test_rotary_matches_torch_in_place_on_qkv_views(head_dim, rotary_dim):
 
 @needs_kernels
 def test_rotary_rejects_a_position_outside_the_cache():
-    layer = _installed(RotaryEmbedding(8, 8, default_inv_freq(8, 10000.0), max_position=16))
+    layer = _bound(RotaryEmbedding(8, 8, default_inv_freq(8, 10000.0), max_position=16), CppRotary)
     with pytest.raises(RuntimeError, match="outside the rotary cache"):
         layer(torch.tensor([3, 16]), torch.randn(2, 1, 8), torch.randn(2, 1, 8))
 
@@ -90,49 +97,80 @@ def test_silu_and_mul(rows, d):
     x = torch.randn(rows, 2 * d) * 4
     layer = SiluAndMul()
     expected = layer.forward_native(x)
-    torch.testing.assert_close(_installed(layer)(x), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_bound(layer, CppSiluAndMul)(x), expected, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernels
-def test_other_dtypes_use_the_torch_code():
-    layer = _norm(32)
-    assert install_fused_ops(layer, torch.bfloat16) == 0 and layer.platform_forward is None
-    _installed(layer)
+def test_other_dtypes_keep_the_torch_reference():
+    layer = _norm(32).to(torch.bfloat16)
+    assert bind_ops(layer, "cpu") == {"rms_norm": {"native": 1}} and layer.op_impl is None
     x = torch.randn(3, 32, dtype=torch.bfloat16)
     torch.testing.assert_close(layer(x), layer.forward_native(x))
+    # A bound fp32 kernel handed another dtype falls back to the reference inside the call.
+    silu = _bound(SiluAndMul(), CppSiluAndMul)
+    torch.testing.assert_close(silu(x.repeat(1, 2)), silu.forward_native(x.repeat(1, 2)))
 
 
-@pytest.mark.skipif(not packed_linear_available(), reason="no oneDNN in this torch build")
+def _filled(*layers: torch.nn.Module) -> None:
+    for layer in layers:
+        for param in layer.parameters():
+            param.data.normal_()
+
+
+@needs_onednn
 @pytest.mark.parametrize("rows", [0, 1, 8, 100])
-def test_packed_linear_matches_f_linear(rows):
+def test_packed_linear_matches_the_reference(rows):
     torch.manual_seed(rows)
     column = ColumnParallelLinear(64, 96, bias=True)
     row = RowParallelLinear(96, 64, bias=False)
-    for layer in (column, row):
-        for param in layer.parameters():
-            param.data.normal_()
+    qkv = QKVParallelLinear(64, 16, 4, 2, bias=True)
+    _filled(column, row, qkv)
     x = torch.randn(rows, 64)
-    expected = row(column(x))
-    module = torch.nn.Sequential(column, row)
-    assert pack_linear_weights(module) == 2
-    assert isinstance(column.gemm_override, OneDnnLinear)
-    assert column.weight.device.type == "meta" and column.weight.shape == (96, 64)  # dense copy released
+    expected, expected_qkv = row(column(x)), qkv(x)
+    module = torch.nn.ModuleList([column, row, qkv])
+    assert bind_ops(module, "cpu") == {"linear": {"onednn_packed": 3}}
+    assert isinstance(column.op_impl, OneDnnLinear)
+    # The packed weight replaced the dense parameter (same logical shape, oneDNN's layout).
+    assert column.weight.is_mkldnn and column.weight.shape == (96, 64)
+    assert isinstance(column.weight, torch.nn.Parameter)
     torch.testing.assert_close(row(column(x)), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(qkv(x), expected_qkv, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(not packed_linear_available(), reason="no oneDNN in this torch build")
-def test_packing_keeps_a_shared_weight_dense():
-    from sparrow.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+@needs_onednn
+def test_a_packed_weight_refuses_loading_again():
+    layer = ColumnParallelLinear(16, 8)
+    _filled(layer)
+    bind_ops(layer, "cpu")
+    with pytest.raises(RuntimeError, match="repacked by a platform op"):
+        layer.weight.weight_loader(layer.weight, torch.zeros(8, 16))
 
+
+@needs_onednn
+def test_packing_keeps_a_tied_embedding_dense():
     embedding, head = VocabParallelEmbedding(32, 16), ParallelLMHead(32, 16)
     embedding.weight.data.normal_()
     head.tie_to(embedding)
+    table = embedding.weight
     hidden = torch.randn(3, 16)
     expected = head.compute_logits(hidden)
-    pack_linear_weights(torch.nn.ModuleDict({"embed": embedding, "head": head}))
-    assert head.gemm_override is not None and embedding.weight.device.type == "cpu"
+    model = torch.nn.ModuleDict({"embed": embedding, "head": head})
+    params_before = sum(p.numel() for p in model.parameters())
+    assert bind_ops(model, "cpu") == {"embedding": {"native": 1}, "lm_head": {"onednn_packed": 1}}
+    assert embedding.weight is table and head.weight is table and not table.is_mkldnn
+    assert sum(p.numel() for p in model.parameters()) == params_before  # still one shared table
     torch.testing.assert_close(head.compute_logits(hidden), expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(embedding(torch.tensor([1, 2])), embedding.weight[[1, 2]])
+    assert head.compute_logits(hidden).dtype == torch.float32
+    torch.testing.assert_close(embedding(torch.tensor([1, 2])), table[[1, 2]])
+
+
+@needs_onednn
+def test_packed_linears_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("SPARROW_CPU_PACKED_LINEAR", "0")
+    layer = ColumnParallelLinear(16, 8)
+    _filled(layer)
+    assert bind_ops(layer, "cpu") == {"linear": {"native": 1}}
+    assert layer.op_impl is None and not layer.weight.is_mkldnn
 
 
 @pytest.mark.parametrize("head_dim", [64, 48])

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparrow.ops.base import CustomOp
 
-class RMSNorm(nn.Module):
+
+class RMSNorm(CustomOp):
     """``weight * x / sqrt(mean(x^2) + eps)``, normalised over the last dimension.
 
     Statistics are computed in float32; the normalised value is cast back to the input dtype
@@ -17,9 +17,7 @@ class RMSNorm(nn.Module):
     The weight is replicated on every tensor-parallel rank.
     """
 
-    # A platform may install a faster kernel with the same signature and semantics as forward
-    # (sparrow_cpu.fused installs C++ ones); it may compute in place on its inputs.
-    platform_forward: Callable[..., Any] | None = None
+    op_name = "rms_norm"
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, params_dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -28,21 +26,14 @@ class RMSNorm(nn.Module):
         # Uninitialised on purpose: load_weights overwrites it.
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype), requires_grad=False)
 
-    def forward(
+    def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; or, given ``residual``, ``(norm(x + residual), x + residual)``.
 
-        x, residual: [..., hidden_size]
+        x, residual: [..., hidden_size]. The torch reference (never in place); a platform's
+        implementation may work in place on ``x`` and ``residual``.
         """
-        if self.platform_forward is not None:
-            return self.platform_forward(x, residual)
-        return self.forward_native(x, residual)
-
-    def forward_native(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The torch implementation (never in place)."""
         if residual is None:
             return self._normalize(x)
         x = x + residual
@@ -58,5 +49,5 @@ class RMSNorm(nn.Module):
         normed = x32 * torch.rsqrt(variance + self.eps)
         return self.weight * normed.to(input_dtype)
 
-    def extra_repr(self) -> str:
+    def layer_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"

@@ -12,7 +12,7 @@ checkpoint tensor (or a lazy safetensors slice) and copies this rank's part into
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any, Hashable
 
 import torch
 import torch.nn.functional as F
@@ -27,25 +27,21 @@ from sparrow.layers.parallel import (
     narrow_loaded,
     resolve_tp,
 )
+from sparrow.ops.base import CustomOp
 
 
-# (x, bias or None) -> x @ W^T + bias, with W held however the platform packed it.
-GemmFn = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+class LinearBase(CustomOp):
+    """The ``linear`` op: ``x @ W^T + bias``, the matrix product of every linear layer.
 
-
-class PlatformGemm:
-    """The matrix product of a linear layer, which a platform may replace after weights load.
-
-    By default ``F.linear`` on the dense ``weight``. A platform whose fastest GEMM wants the weight
-    in its own layout (the CPU plugin packs it for oneDNN) sets ``gemm_override`` once loading is
-    done; see ``sparrow_cpu.gemm``. Layers call ``self.gemm(x, bias)`` and never touch the weight.
+    The op call is ``(x, bias or None) -> x @ W^T + bias`` on this rank's weight; a platform's
+    implementation does the GEMM only (and may pack ``weight`` into its own layout when bound).
+    Tensor-parallel gathers and reductions stay in the layers' ``forward``, around the op call.
     """
 
-    gemm_override: GemmFn | None = None
+    op_name = "linear"
+    weight: nn.Parameter
 
-    def gemm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.gemm_override is not None:
-            return self.gemm_override(x, bias)
+    def forward_native(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, self.weight, bias)
 
 
@@ -65,7 +61,7 @@ class OutputShard:
     full_size: int  # rows of the shard's whole checkpoint tensor (all ranks)
 
 
-class ColumnParallelLinear(PlatformGemm, nn.Module):
+class ColumnParallelLinear(LinearBase):
     """``y = x W^T + b`` with W's output rows split across ranks.
 
     With ``gather_output`` every rank returns the full output; otherwise its own slice.
@@ -101,7 +97,8 @@ class ColumnParallelLinear(PlatformGemm, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [num_tokens, input_size] -> [num_tokens, output_size_per_rank]
-        out = self.gemm(x, self.bias)
+        impl = self._op_impl
+        out = impl(x, self.bias) if impl is not None else self.forward_native(x, self.bias)
         if self.gather_output:
             out = self.tp.all_gather(out, dim=-1)
         return out
@@ -131,7 +128,7 @@ class ColumnParallelLinear(PlatformGemm, nn.Module):
         rows = narrow_loaded(loaded, 0, start, shard.size)
         copy_checked(param.data.narrow(0, shard.param_offset, shard.size), rows)
 
-    def extra_repr(self) -> str:
+    def layer_repr(self) -> str:
         return (
             f"in={self.input_size}, out_per_rank={self.output_size_per_rank}, "
             f"bias={self.bias is not None}, tp={self.tp.rank}/{self.tp.world_size}"
@@ -226,7 +223,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.num_kv_heads * self.head_dim
 
 
-class RowParallelLinear(PlatformGemm, nn.Module):
+class RowParallelLinear(LinearBase):
     """``y = x W^T + b`` with W's input columns split across ranks; partial sums are all-reduced.
 
     The input is expected already split (the output of a column-parallel layer).
@@ -259,7 +256,8 @@ class RowParallelLinear(PlatformGemm, nn.Module):
         # [num_tokens, input_size_per_rank] -> [num_tokens, output_size]
         # The bias is added once, by rank 0, so that the all-reduce sums it exactly once.
         bias = self.bias if self.tp.rank == 0 or not self.reduce_results else None
-        out = self.gemm(x, bias)
+        impl = self._op_impl
+        out = impl(x, bias) if impl is not None else self.forward_native(x, bias)
         if self.reduce_results:
             out = self.tp.all_reduce(out)
         return out
@@ -279,7 +277,7 @@ class RowParallelLinear(PlatformGemm, nn.Module):
             )
         copy_checked(param.data, narrow_loaded(loaded, 1, start, self.input_size_per_rank))
 
-    def extra_repr(self) -> str:
+    def layer_repr(self) -> str:
         return (
             f"in_per_rank={self.input_size_per_rank}, out={self.output_size}, "
             f"bias={self.bias is not None}, tp={self.tp.rank}/{self.tp.world_size}"

@@ -10,10 +10,11 @@ cannot follow.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from torch import nn
+
+from sparrow.ops.base import CustomOp
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -64,12 +65,10 @@ def _require(params: dict[str, Any], key: str) -> float:
     return params[key]
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     """Rotates the first ``rotary_dim`` dims of each query/key head by its token's position."""
 
-    # A platform may install a faster kernel with the same signature and semantics as forward
-    # (sparrow_cpu.fused installs C++ ones); it may compute in place on its inputs.
-    platform_forward: Callable[..., Any] | None = None
+    op_name = "rotary_embedding"
 
     def __init__(self, head_dim: int, rotary_dim: int, inv_freq: torch.Tensor, max_position: int) -> None:
         super().__init__()
@@ -85,18 +84,12 @@ class RotaryEmbedding(nn.Module):
         cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_position, rotary_dim] float32
         self.register_buffer("cos_sin_cache", cos_sin.to(torch.get_default_device()), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64; query [T, Hq, head_dim]; key [T, Hkv, head_dim] -> rotated copies."""
-        if self.platform_forward is not None:
-            return self.platform_forward(positions, query, key)
-        return self.forward_native(positions, query, key)
-
     def forward_native(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The torch implementation (never in place)."""
+        """positions [T] int64; query [T, Hq, head_dim]; key [T, Hkv, head_dim] -> rotated copies.
+
+        The torch reference (never in place); a platform's implementation may rotate in place."""
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(query.dtype)
         cos, sin = cos_sin[:, None, :].chunk(2, dim=-1)  # each [T, 1, rotary_dim // 2]
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
@@ -108,7 +101,7 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
-    def extra_repr(self) -> str:
+    def layer_repr(self) -> str:
         return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, max_position={self.max_position}"
 
 

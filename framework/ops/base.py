@@ -79,12 +79,17 @@ class CustomOp(nn.Module):
         param.weight_loader = _packed_after_loading  # type: ignore[attr-defined]
         setattr(self, name, param)
 
+    def layer_repr(self) -> str:
+        """The layer's settings in its repr (what ``extra_repr`` is to a plain module)."""
+        return ""
+
     def extra_repr(self) -> str:
-        base = super().extra_repr()
-        if self._op_impl is None:
+        base = self.layer_repr()
+        impl = self._op_impl
+        if impl is None:
             return base
-        return f"{base}, impl={self._op_impl.name or type(self._op_impl).__name__}" if base else \
-            f"impl={self._op_impl.name}"
+        label = f"impl={impl.name or type(impl).__name__}"
+        return f"{base}, {label}" if base else label
 
 
 def _packed_after_loading(*_args: Any, **_kwargs: Any) -> None:

@@ -7,6 +7,7 @@ import logging
 from collections import Counter
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from sparrow.ops import KERNEL_OPS
@@ -44,21 +45,29 @@ def bind_ops(model: nn.Module, platform: str, registry: Any = None,
     registry = _registry(registry)
     chosen: dict[str, type[OpImpl] | None] = dict(overrides or {})
     summary: dict[str, Counter] = {}
-    for module in model.modules():
-        if not isinstance(module, CustomOp) or not module.op_name:
-            continue
-        op = module.op_name
-        if op not in chosen:
-            chosen[op] = lookup_impl(op, platform, registry)
-        impl_cls = chosen[op]
-        impl = None
-        if impl_cls is not None and impl_cls.supports(module):
-            impl = impl_cls(module)
-            impl.process_weights()
-        module.bind_impl(impl)
-        summary.setdefault(op, Counter())[impl_name(impl_cls) if impl is not None else NATIVE] += 1
+    with torch.no_grad():  # weight post-processing is not part of any graph
+        for module in model.modules():
+            if not isinstance(module, CustomOp) or not module.op_name:
+                continue
+            op = module.op_name
+            if op not in chosen:
+                chosen[op] = _layer_impl(op, platform, lookup_impl(op, platform, registry))
+            impl_cls = chosen[op]
+            impl = None
+            if impl_cls is not None and impl_cls.supports(module):
+                impl = impl_cls(module)
+                impl.process_weights()
+            module.bind_impl(impl)
+            summary.setdefault(op, Counter())[impl_name(impl_cls) if impl is not None else NATIVE] += 1
     logger.debug("ops bound on %s: %s", platform, {op: dict(c) for op, c in summary.items()})
     return summary
+
+
+def _layer_impl(op: str, platform: str, impl: Any) -> type[OpImpl] | None:
+    if impl is None or (isinstance(impl, type) and issubclass(impl, OpImpl)):
+        return impl
+    raise TypeError(f"the implementation of layer op {op!r} registered for platform {platform!r} must be a "
+                    f"sparrow.ops.OpImpl subclass, got {impl!r}")
 
 
 def resolve_function_op(op_name: str, platform: str, registry: Any = None) -> Callable[..., Any]:
@@ -70,7 +79,12 @@ def resolve_function_op(op_name: str, platform: str, registry: Any = None) -> Ca
     if spec.kind != "function":
         raise ValueError(f"op {op_name!r} is a layer op; bind it with bind_ops")
     impl = lookup_impl(op_name, platform, registry)
-    return impl if impl is not None else import_object(spec.reference)
+    if impl is None:
+        return import_object(spec.reference)
+    if not callable(impl):
+        raise TypeError(f"the implementation of function op {op_name!r} registered for platform {platform!r} "
+                        f"must be a function, got {impl!r}")
+    return impl
 
 
 def impl_name(impl: Any) -> str:

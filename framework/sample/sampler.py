@@ -21,12 +21,13 @@ kernel launch; the built-in processors rebuild their index tensors only when the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from sparrow.sample.logprobs import LogprobsTensors, gather_logprobs
 from sparrow.sample.metadata import SamplingMetadata, pad_token_ids, sum_dtype
-from sparrow.worker.outputs import TokenLogprobs
+from sparrow.wire import TokenLogprobs
 
 _SAMPLING_EPS = 1e-5
 
@@ -51,10 +52,22 @@ class Sampler:
 
     ``generator``: the shared source of noise for unseeded rows (torch's default generator of the
     logits' device when None). Seeded rows never touch it.
+    ``platform``: the platform whose implementations of the function ops ``top_k_top_p`` and
+    ``draw`` serve this sampler (resolved once, here); None: the torch references below.
+    ``top_k_top_p_op`` / ``draw_op``: functions to use instead (the references' signatures).
     """
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(self, generator: torch.Generator | None = None, platform: str | None = None, *,
+                 top_k_top_p_op: Callable[..., torch.Tensor] | None = None,
+                 draw_op: Callable[..., torch.Tensor] | None = None) -> None:
         self.generator = generator
+        if platform is not None:
+            from sparrow.ops.binding import resolve_function_op
+
+            top_k_top_p_op = top_k_top_p_op or resolve_function_op("top_k_top_p", platform)
+            draw_op = draw_op or resolve_function_op("draw", platform)
+        self.top_k_top_p = top_k_top_p_op or apply_top_k_top_p
+        self.draw = draw_op or draw
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != metadata.temperature.shape[0]:
@@ -103,9 +116,9 @@ class Sampler:
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
         if metadata.top_k is not None or metadata.top_p is not None:
-            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+            logits = self.top_k_top_p(logits, metadata.top_k, metadata.top_p)
         probs = logits.softmax(dim=-1)  # [B, V]
-        random_ids = draw(probs, self.generator, metadata.seeded_rows, metadata.seeded_uniforms)
+        random_ids = self.draw(probs, self.generator, metadata.seeded_rows, metadata.seeded_uniforms)
         if greedy_ids is None:
             return random_ids
         return torch.where(greedy_rows, greedy_ids, random_ids)

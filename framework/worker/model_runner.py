@@ -50,7 +50,7 @@ class ModelRunner:
     pin_memory = False
 
     def __init__(self, config: EngineConfig, model: Any, device: torch.device, dtype: torch.dtype,
-                 block_size: int, tp_rank: int = 0) -> None:
+                 block_size: int, tp_rank: int = 0, platform: str | None = None) -> None:
         self.config = config
         self.model = model
         self.device = device
@@ -69,7 +69,8 @@ class ModelRunner:
         self._sampling_version = -1
         generator = torch.Generator(device=device)
         generator.manual_seed(config.model.seed)
-        self.sampler = Sampler(generator)
+        # The platform's top-k/top-p and draw ops (None: the torch references).
+        self.sampler = Sampler(generator, platform)
         self.kv_caches: list[torch.Tensor] = []
         self.kv_connector: Any = None  # worker half of a KV connector, set by the worker
 

@@ -62,9 +62,24 @@ class WorkerBase:
 
         model_dir = self.config.model.model
         hf_config = get_hf_config(model_dir)
-        model = load_model(model_dir, self.attention_backend_cls(hf_config), self.dtype, self.device, tp=self.tp)
+        model = load_model(model_dir, self.attention_backend_cls(hf_config), self.dtype, self.device, tp=self.tp,
+                           config=self.config)
+        self.bind_ops(model, hf_config)
         self.model_runner = self.model_runner_cls(self.config, model, self.device, self.dtype, self.block_size,
-                                                  tp_rank=self.rank)
+                                                  tp_rank=self.rank, platform=self.platform.name)
+
+    def bind_ops(self, model: Any, hf_config: Any) -> None:
+        """Give every registered-op layer its implementation on this platform (a quantization
+        method's first), packing weights where an implementation asks; logs the choice on rank 0."""
+        from sparrow.ops import bind_ops
+        from sparrow.quantization import op_overrides_for
+
+        overrides = op_overrides_for(self.config, self.platform.name, hf_config)
+        summary = bind_ops(model, self.platform.name, overrides=overrides)
+        if self.rank == 0:
+            logger.info("ops on %s: %s", self.platform.name, "; ".join(
+                f"{op} {', '.join(f'{impl} x{count}' for impl, count in impls.items())}"
+                for op, impls in summary.items()))
 
     def available_kv_cache_bytes(self) -> int:
         raise NotImplementedError

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from sparrow.hookspecs import hookimpl
+from sparrow_cpu.ops import sparrow_register_ops  # noqa: F401 - a hookimpl of this plugin module
+
+# The hook-contract versions this plugin supports (sparrow.hookspecs.CONTRACT_VERSION).
+SPARROW_CONTRACT = ">=1.0,<2"
 
 
 def detect() -> str | None:
@@ -24,10 +28,3 @@ def sparrow_attention_backend(platform, requested: str):
     from sparrow_cpu.attention import TorchPagedAttention
 
     return TorchPagedAttention
-
-
-@hookimpl
-def sparrow_execute_model(worker, scheduler_output):
-    if worker.platform.name != "cpu":
-        return None
-    return worker.execute_model(scheduler_output)

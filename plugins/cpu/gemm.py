@@ -1,10 +1,11 @@
-"""fp32 linear layers through oneDNN with weights packed once, after loading.
+"""The ``linear`` and ``lm_head`` ops in fp32 through oneDNN, with weights packed once, when bound.
 
 ``F.linear`` on the CPU calls MKL's sgemm, which packs its operands inside every call. At decode
 batch sizes (8-64 rows) it is slow: on the 2-vCPU benchmark VM (AMD EPYC) a stack of the
 benchmark model's linears runs at 35-100 GFLOP/s through sgemm and at 90-195 GFLOP/s through
-oneDNN with the weight reordered once into its blocked layout (about 1.2x at prefill sizes too). The packed weight is an opaque oneDNN tensor; the dense copy is released
-unless another module shares it (a tied LM head keeps the embedding table it shares).
+oneDNN with the weight reordered once into its blocked layout (about 1.2x at prefill sizes too).
+The packed weight is an opaque oneDNN tensor that replaces the layer's dense parameter; a tied LM
+head keeps the dense table it shares with the embedding and holds its packed copy itself.
 
 ``SPARROW_CPU_PACKED_LINEAR=0`` turns this off.
 """
@@ -14,17 +15,21 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from typing import Any
 
 import torch
-from torch import nn
 
-from sparrow.layers.linear import PlatformGemm
+from sparrow.ops.base import OpImpl
 
 logger = logging.getLogger(__name__)
 
 
 def packed_linear_available() -> bool:
     return os.environ.get("SPARROW_CPU_PACKED_LINEAR", "1") != "0" and _onednn_works()
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
 @functools.lru_cache(maxsize=1)
@@ -35,7 +40,7 @@ def _onednn_works() -> bool:
         return False
     try:
         weight, x = torch.randn(24, 16), torch.randn(3, 16)
-        got = OneDnnLinear(weight)(x, None)
+        got = torch.ops.mkldnn._linear_pointwise(x, _pack(weight), None, "none", [], "")
         ok = torch.allclose(got, torch.nn.functional.linear(x, weight), rtol=1e-4, atol=1e-4)
     except Exception as exc:  # noqa: BLE001 - an unusual build: keep F.linear
         logger.warning("oneDNN packed linears unavailable, using F.linear: %s", exc)
@@ -45,47 +50,35 @@ def _onednn_works() -> bool:
     return ok
 
 
-class OneDnnLinear:
-    """``x @ W^T + bias`` with W in oneDNN's packed layout."""
+class OneDnnLinear(OpImpl):
+    """``x @ W^T + bias`` with W in oneDNN's packed layout: serves ``linear`` (``(x, bias)``) and
+    ``lm_head`` (``(hidden_states)``, fp32 logits) of fp32 layers on the CPU."""
 
-    __slots__ = ("packed", "out_features")
+    name = "onednn_packed"
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.out_features = weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+    def __init__(self, layer: Any) -> None:
+        super().__init__(layer)
+        self.out_features = layer.weight.shape[0]
+        self.packed: torch.Tensor | None = None
+        self._linear = torch.ops.mkldnn._linear_pointwise  # looked up once, not per call
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    @classmethod
+    def supports(cls, layer: Any) -> bool:
+        weight = getattr(layer, "weight", None)
+        return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype == torch.float32
+                and weight.device.type == "cpu" and not weight.is_mkldnn and packed_linear_available())
+
+    def process_weights(self) -> None:
+        layer = self.layer
+        packed = _pack(layer.weight)
+        if getattr(layer, "tied", False):
+            # The embedding reads the dense table it shares with this head: leave it in place.
+            self.packed = packed
+        else:
+            layer.replace_parameter("weight", packed)  # the dense copy is released
+            self.packed = layer.weight
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[0] == 0:  # oneDNN rejects empty inputs
             return x.new_empty(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-
-
-def _weight_was_packed(*_args, **_kwargs) -> None:
-    raise RuntimeError("this weight was packed for oneDNN after loading; build a new model to load weights again")
-
-
-def pack_linear_weights(model: nn.Module) -> int:
-    """Route every fp32 linear layer of ``model`` through oneDNN; returns how many were packed."""
-    if not packed_linear_available():
-        return 0
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        for param in module._parameters.values():
-            if param is not None:
-                owners[id(param)] = owners.get(id(param), 0) + 1
-    packed = 0
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if (not isinstance(module, PlatformGemm) or weight is None or weight.dim() != 2
-                or weight.dtype != torch.float32 or weight.device.type != "cpu"):
-            continue
-        module.gemm_override = OneDnnLinear(weight)
-        if owners[id(weight)] == 1:
-            # Keep the shape (parameter counts, repr) without the memory.
-            placeholder = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
-                                       requires_grad=False)
-            placeholder.weight_loader = _weight_was_packed
-            module.weight = placeholder
-        packed += 1
-    logger.debug("packed %d linear weights for oneDNN", packed)
-    return packed
+        return self._linear(x, self.packed, bias, "none", [], "")

@@ -1,5 +1,6 @@
 """The CPU worker: thread count and OpenMP waiting (``sparrow_cpu.threads``), KV cache sized from
-kv_cache_memory_bytes or from free RAM."""
+kv_cache_memory_bytes or from free RAM. Its kernels are ops registered in ``sparrow_cpu.ops``,
+bound to the model's layers by the kernel when the model loads."""
 
 from __future__ import annotations
 
@@ -17,9 +18,6 @@ import torch  # noqa: E402
 from sparrow.executor.topology import nnodes_from_env  # noqa: E402
 from sparrow.worker.model_runner import ModelRunner  # noqa: E402
 from sparrow.worker.worker_base import WorkerBase  # noqa: E402
-
-from sparrow_cpu.fused import install_fused_ops  # noqa: E402
-from sparrow_cpu.gemm import pack_linear_weights  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +51,6 @@ class CpuModelRunner(ModelRunner):
 
 class CpuWorker(WorkerBase):
     model_runner_cls = CpuModelRunner
-
-    def load_model(self) -> None:
-        super().load_model()
-        model = self.model_runner.model
-        packed = pack_linear_weights(model)
-        fused = install_fused_ops(model, self.dtype)
-        logger.info("CPU kernels: %d linear layers packed for oneDNN, %d element-wise layers in C++", packed, fused)
 
     def init_device(self) -> None:
         count, source = threads.num_threads(self.engine_processes_on_machine())

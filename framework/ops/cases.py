@@ -1,0 +1,420 @@
+"""Conformance cases: small deterministic inputs for every kernel op, and the check that runs one.
+
+Each op of :data:`sparrow.ops.KERNEL_OPS` names its cases function here
+(``cases(dtype, device) -> list[OpCase]``). :func:`run_case` runs a platform's implementation and
+the torch reference on the same inputs and compares the outputs within tolerances that suit the
+dtype; the conformance suite (``sparrow plugins --check``) and the kernel's own tests call it.
+
+Sizes are small on purpose (a case runs in milliseconds on a CPU) but cover the shapes that break
+kernels: 1, 5 and 37 rows (decode, small and ragged prefill), 2D and 3D inputs, partial rotary,
+biases, the fused QKV and gate/up layers, and a padded vocabulary shard (tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from sparrow.layers.parallel import ParallelContext
+from sparrow.ops.base import CustomOp
+
+ROWS = (1, 5, 37)  # decode-sized, small and ragged prefill-sized inputs
+
+# A custom comparison: (expected, got, args) -> (ok, detail).
+Compare = Callable[[Any, Any, tuple], "tuple[bool, str]"]
+
+
+@dataclass
+class OpCase:
+    """One input of one op, and how its output is judged."""
+
+    op: str  # KERNEL_OPS name
+    label: str  # what the input is, e.g. "residual, 5x64" (shown in the conformance table)
+    make_layer: Callable[[], CustomOp] | None  # layer ops: a fresh layer with deterministic weights
+    args: tuple  # the op call's inputs; run_case clones them before each call
+    kwargs: dict = field(default_factory=dict)
+    atol: float = 1e-5
+    rtol: float = 1e-5
+    exact: bool = False  # token ids, lookups, masks: compared with torch.equal
+    compare: Compare | None = None  # replaces the tolerance comparison when the op allows choices
+
+
+# -- tolerances --------------------------------------------------------------------------------
+
+# (atol, rtol) for element-wise ops, whose reference and kernel round differently only at the end.
+_ELEMENTWISE_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}
+# GEMMs sum in a kernel-chosen order and tile shape (float32 without TF32, as the engine runs it).
+_GEMM_TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (3e-2, 3e-2), torch.float16: (5e-3, 5e-3)}
+
+
+def _tol(table: dict[torch.dtype, tuple[float, float]], dtype: torch.dtype) -> dict[str, Any]:
+    atol, rtol = table.get(dtype, table[torch.bfloat16])
+    return {"atol": atol, "rtol": rtol}
+
+
+# -- deterministic inputs ----------------------------------------------------------------------
+
+def _generator(*key: int) -> torch.Generator:
+    seed = 0
+    for part in key:
+        seed = seed * 1000003 + part
+    return torch.Generator(device="cpu").manual_seed(seed % (1 << 62))
+
+
+def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, device: torch.device,
+           scale: float = 1.0, mean: float = 0.0) -> torch.Tensor:
+    # Drawn on the CPU in float32, so that every device and dtype sees the same values.
+    return (torch.randn(*shape, generator=gen) * scale + mean).to(device=device, dtype=dtype)
+
+
+def _load(param: torch.nn.Parameter, full: torch.Tensor, shard_id: Any = None) -> None:
+    # Through the layer's own loader, as a checkpoint would be (padding rows, shards, ranks).
+    param.weight_loader(param, full, shard_id)  # type: ignore[attr-defined]
+
+
+def _layer_builder(build: Callable[[], CustomOp], fill: Callable[[CustomOp, torch.Generator], None],
+                   dtype: torch.dtype, device: torch.device, seed: int) -> Callable[[], CustomOp]:
+    def make_layer() -> CustomOp:
+        with torch.device(device):
+            layer = build()
+        fill(layer, _generator(seed))
+        # Loaded in float32, then cast, as a checkpoint is; buffers-only layers keep their dtype
+        # (the rotary cos/sin cache is float32 whatever the model's dtype).
+        if any(True for _ in layer.parameters()):
+            layer.to(dtype=dtype)
+        return layer
+    return make_layer
+
+
+# -- layer ops ---------------------------------------------------------------------------------
+
+def linear_cases(dtype: torch.dtype, device: torch.device) -> list[OpCase]:
+    from sparrow.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+
+    def fill(layer: Any, gen: torch.Generator) -> None:
+        # The whole checkpoint tensor; the layer's loader keeps this rank's rows or columns.
+        if isinstance(layer, RowParallelLinear):
+            full_rows, full_cols = layer.output_size, layer.input_size_per_rank * layer.tp.world_size
+        else:
+            full_rows, full_cols = sum(s.full_size for s in layer.shards.values()), layer.input_size
+        _load(layer.weight, torch.randn(full_rows, full_cols, generator=gen) / full_cols ** 0.5)
+        if layer.bias is not None:
+            _load(layer.bias, torch.randn(full_rows, generator=gen))
+
+    layouts: list[tuple[str, Callable[[], CustomOp], bool]] = [
+        # (label, build, whether forward passes the bias to the op)
+        ("column+bias", lambda: ColumnParallelLinear(64, 48, bias=True), True),
+        ("row", lambda: RowParallelLinear(48, 64, bias=False), False),
+        ("qkv+bias", lambda: QKVParallelLinear(64, 16, 4, 2, bias=True), True),
+        ("gate_up", lambda: MergedColumnParallelLinear(64, [40, 40]), False),
+        # rank 1 of 2 of a row-parallel layer with a bias: rank 0 adds it, this rank's call gets None
+        ("row tp rank 1/2", lambda: RowParallelLinear(96, 32, bias=True, tp=ParallelContext(1, 2)), False),
+    ]
+    cases = []
+    for index, (label, build, with_bias) in enumerate(layouts):
+        make_layer = _layer_builder(build, fill, dtype, device, 100 + index)
+        sample: Any = make_layer()
+        features = int(sample.weight.shape[1])
+        bias = sample.bias.detach().clone() if with_bias else None
+        for rows in ROWS:
+            x = _randn(_generator(200 + index, rows), rows, features, dtype=dtype, device=device)
+            cases.append(OpCase("linear", f"{label}, {rows}x{features}", make_layer, (x, bias),
+                                **_tol(_GEMM_TOL, dtype)))
+    return cases
+
+
+def _embedding_fill(layer: Any, gen: torch.Generator) -> None:
+    _load(layer.weight, torch.randn(layer.num_embeddings, layer.embedding_dim, generator=gen))
+
+
+def embedding_cases(dtype: torch.dtype, device: torch.device) -> list[OpCase]:
+    from sparrow.layers.embedding import VocabParallelEmbedding
+
+    layouts = [
+        ("vocab 50", lambda: VocabParallelEmbedding(50, 16), 50),
+        # rank 1 of 2 over 51 ids: rows 26..50, one zero padding row; other ids give zero rows
+        ("padded vocab 51, tp rank 1/2", lambda: VocabParallelEmbedding(51, 16, tp=ParallelContext(1, 2)), 51),
+    ]
+    cases = []
+    for index, (label, build, vocab) in enumerate(layouts):
+        make_layer = _layer_builder(build, _embedding_fill, dtype, device, 300 + index)
+        for rows in ROWS:
+            ids = torch.randint(0, vocab, (rows,), generator=_generator(400 + index, rows))
+            ids[0] = vocab - 1  # the last real id, next to the padding
+            cases.append(OpCase("embedding", f"{label}, {rows} ids", make_layer, (ids.to(device),), exact=True))
+    return cases
+
+
+def lm_head_cases(dtype: torch.dtype, device: torch.device) -> list[OpCase]:
+    from sparrow.layers.embedding import ParallelLMHead
+
+    def fill(layer: Any, gen: torch.Generator) -> None:
+        _load(layer.weight, torch.randn(layer.num_embeddings, layer.embedding_dim, generator=gen) / 32 ** 0.5)
+
+    layouts = [
+        ("vocab 50", lambda: ParallelLMHead(50, 32)),
+        # this rank's 26 columns, the last one a padding row's zero logits
+        ("padded vocab 51, tp rank 1/2", lambda: ParallelLMHead(51, 32, tp=ParallelContext(1, 2))),
+    ]
+    cases = []
+    for index, (label, build) in enumerate(layouts):
+        make_layer = _layer_builder(build, fill, dtype, device, 500 + index)
+        for rows in ROWS:
+            hidden = _randn(_generator(600 + index, rows), rows, 32, dtype=dtype, device=device)
+            cases.append(OpCase("lm_head", f"{label}, {rows}x32", make_layer, (hidden,), **_tol(_GEMM_TOL, dtype)))
+    return cases
+
+
+def rms_norm_cases(dtype: torch.dtype, device: torch.device) -> list[OpCase]:
+    from sparrow.layers.layernorm import RMSNorm
+
+    def fill(layer: Any, gen: torch.Generator) -> None:
+        _load_replicated(layer.weight, torch.randn(layer.hidden_size, generator=gen) * 0.2 + 1.0)
+
+    tol = _tol(_ELEMENTWISE_TOL, dtype)
+    norm64 = _layer_builder(lambda: RMSNorm(64, eps=1e-5), fill, dtype, device, 700)
+    head_norm = _layer_builder(lambda: RMSNorm(16, eps=1e-6), fill, dtype, device, 701)
+    cases = []
+    for rows in ROWS:
+        gen = _generator(800, rows)
+        x = _randn(gen, rows, 64, dtype=dtype, device=device, scale=3.0)
+        residual = _randn(gen, rows, 64, dtype=dtype, device=device)
+        cases.append(OpCase("rms_norm", f"{rows}x64", norm64, (x,), **tol))
+        cases.append(OpCase("rms_norm", f"residual, {rows}x64", norm64, (x, residual), **tol))
+        # q/k norm: per head over [tokens, heads, head_dim]
+        heads = _randn(gen, rows, 4, 16, dtype=dtype, device=device)
+        cases.append(OpCase("rms_norm", f"3D heads, {rows}x4x16", head_norm, (heads,), **tol))
+    return cases
+
+
+def _load_replicated(param: torch.nn.Parameter, full: torch.Tensor) -> None:
+    loader = getattr(param, "weight_loader", None)
+    if loader is not None:
+        loader(param, full)
+    else:
+        param.data.copy_(full)
+
+
+def rotary_cases(dtype: torch.dtype, device: torch.device) -> list[OpCase]:
+    from sparrow.layers.rotary import RotaryEmbedding, default_inv_freq
+
+    def nothing(layer: Any, gen: torch.Generator) -> None:
+        pass  # the cos/sin cache is computed, not loaded
+
+    layouts = [
+        ("full", 32, 32),
+        ("partial rotary 16/32", 32, 16),
+    ]
+    tol = _tol(_ELEMENTWISE_TOL, dtype)
+    cases = []
+    for index, (label, head_dim, rotary_dim) in enumerate(layouts):
+        build = functools.partial(RotaryEmbedding, head_dim, rotary_dim, default_inv_freq(rotary_dim, 10000.0),
+                                  max_position=256)
+        make_layer = _layer_builder(build, nothing, dtype, device, 900 + index)
+        for rows in ROWS:
+            gen = _generator(1000 + index, rows)
+            positions = torch.randint(0, 256, (rows,), generator=gen)
+            positions[-1] = 255  # the cache's last row
+            query = _randn(gen, rows, 4, head_dim, dtype=dtype, device=device)
+            key = _randn(gen, rows, 2, head_dim, dtype=dtype, device=device)
+            cases.append(OpCase("rotary_embedding", f"{label}, {rows} tokens x 4q/2kv heads", make_layer,
+                                (positions.to(device), query, key), **tol))
+    return cases
+
+
+def silu_and_mul_cases(dtype: torch.dtype, device: torch.device) -> list[OpCase]:
+    from sparrow.layers.activation import SiluAndMul
+
+    tol = _tol(_ELEMENTWISE_TOL, dtype)
+    cases = []
+    for rows in ROWS:
+        x = _randn(_generator(1100, rows), rows, 2 * 48, dtype=dtype, device=device, scale=4.0)
+        cases.append(OpCase("silu_and_mul", f"{rows}x96", SiluAndMul, (x,), **tol))
+    x3 = _randn(_generator(1101), 2, 3, 2 * 24, dtype=dtype, device=device)
+    cases.append(OpCase("silu_and_mul", "3D 2x3x48", SiluAndMul, (x3,), **tol))
+    return cases
+
+
+# -- function ops (the sampler's steps; the sampler works in float32 whatever the model dtype) --
+
+def top_k_top_p_cases(dtype: torch.dtype, device: torch.device) -> list[OpCase]:
+    cases = []
+    vocab = 100
+    for rows in ROWS:
+        gen = _generator(1200, rows)
+        logits = _randn(gen, rows, vocab, dtype=torch.float32, device=device, scale=3.0)
+        top_k = torch.randint(1, 40, (rows,), generator=gen)
+        top_p = torch.rand(rows, generator=gen) * 0.8 + 0.1
+        # Some rows unrestricted: k = 0 and p = 1 mean off.
+        top_k[::3] = 0
+        top_p[1::3] = 1.0
+        top_k, top_p = top_k.to(device), top_p.to(device)
+        cases.append(OpCase("top_k_top_p", f"top-k, {rows}x{vocab}", None, (logits, top_k, None), exact=True))
+        cases.append(OpCase("top_k_top_p", f"top-p, {rows}x{vocab}", None, (logits, None, top_p), exact=True))
+        cases.append(OpCase("top_k_top_p", f"top-k and top-p, {rows}x{vocab}", None, (logits, top_k, top_p),
+                            exact=True))
+    return cases
+
+
+def draw_cases(dtype: torch.dtype, device: torch.device) -> list[OpCase]:
+    from sparrow.sample.metadata import sum_dtype
+
+    cases = []
+    # 100 columns: scanned whole; 2048: in chunks
+    for rows, vocab in ((1, 100), (5, 2048), (37, 100), (37, 2048)):
+        gen = _generator(1300, rows, vocab)
+        probs = (torch.randn(rows, vocab, generator=gen) * 2).softmax(dim=-1)
+        probs[:, 1::4] = 0.0  # tokens a filter removed must never be drawn
+        probs = (probs / probs.sum(dim=-1, keepdim=True)).to(device)
+        for label, seeded in (("no seeded rows", []), ("some rows seeded", list(range(0, rows, 2))),
+                              ("all rows seeded", list(range(rows)))):
+            seeded_rows = torch.tensor(seeded, dtype=torch.int64, device=device) if seeded else None
+            uniforms = (torch.rand(len(seeded), generator=gen, dtype=torch.float64).to(device, sum_dtype(device))
+                        if seeded else None)
+            noise = torch.Generator(device=device).manual_seed(rows * 7 + vocab)
+            cases.append(OpCase("draw", f"{label}, {rows}x{vocab}", None, (probs, noise, seeded_rows, uniforms),
+                                compare=_compare_draws))
+    return cases
+
+
+def _compare_draws(expected: torch.Tensor, got: torch.Tensor, args: tuple) -> tuple[bool, str]:
+    """Seeded rows must draw the reference's token (it is a function of the row and its uniform
+    alone); every row must draw a token of non-zero probability. Unseeded rows may differ: a
+    platform may draw its noise another way."""
+    probs, _noise, seeded_rows, _uniforms = args
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape or got.dtype != expected.dtype:
+        return False, f"expected {tuple(expected.shape)} {expected.dtype} token ids, got {_describe(got)}"
+    got_cpu, probs_cpu = got.cpu(), probs.cpu()
+    if bool(((got_cpu < 0) | (got_cpu >= probs_cpu.shape[1])).any()):
+        return False, "a token id outside the vocabulary"
+    chosen = probs_cpu.gather(1, got_cpu.unsqueeze(1)).squeeze(1)
+    if bool((chosen <= 0).any()):
+        return False, f"drew a zero-probability token in row {int((chosen <= 0).nonzero()[0])}"
+    if seeded_rows is not None:
+        rows = seeded_rows.cpu()
+        mismatched = (got_cpu[rows] != expected.cpu()[rows]).nonzero()
+        if mismatched.numel():
+            row = int(rows[int(mismatched[0])])
+            return False, f"seeded row {row} drew {int(got_cpu[row])}, the reference {int(expected.cpu()[row])}"
+    return True, f"{got.shape[0]} rows, seeded rows equal"
+
+
+# -- running a case ----------------------------------------------------------------------------
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, torch.Generator):
+        copy = torch.Generator(device=value.device)
+        copy.set_state(value.get_state())
+        return copy
+    return value
+
+
+def _clone_args(case: OpCase) -> tuple[tuple, dict]:
+    return tuple(_clone(a) for a in case.args), {k: _clone(v) for k, v in case.kwargs.items()}
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {value.dtype}"
+    return type(value).__name__
+
+
+def compare_outputs(case: OpCase, expected: Any, got: Any) -> tuple[bool, str]:
+    """Every output tensor (a tuple's too) of ``got`` against ``expected`` under ``case``'s rule."""
+    if case.compare is not None:
+        return case.compare(expected, got, case.args)
+    expected_parts = expected if isinstance(expected, tuple) else (expected,)
+    got_parts = got if isinstance(got, tuple) else (got,)
+    if len(expected_parts) != len(got_parts):
+        return False, f"returned {len(got_parts)} outputs, the reference {len(expected_parts)}"
+    worst = 0.0
+    for index, (want, have) in enumerate(zip(expected_parts, got_parts)):
+        where = f"output {index}: " if len(expected_parts) > 1 else ""
+        if not isinstance(have, torch.Tensor):
+            return False, f"{where}expected a tensor, got {_describe(have)}"
+        if have.shape != want.shape or have.dtype != want.dtype:
+            return False, f"{where}expected {_describe(want)}, got {_describe(have)}"
+        if have.device != want.device:
+            return False, f"{where}on {have.device}, the reference on {want.device}"
+        if case.exact:
+            if not torch.equal(have, want):
+                differing = int((have != want).sum())
+                return False, f"{where}{differing} of {want.numel()} elements differ (exact comparison)"
+            continue
+        try:
+            torch.testing.assert_close(have, want, atol=case.atol, rtol=case.rtol, equal_nan=True)
+        except AssertionError:
+            err = _max_abs_err(want, have)
+            return False, f"{where}max abs err {err:.3g} (atol {case.atol:g}, rtol {case.rtol:g})"
+        worst = max(worst, _max_abs_err(want, have))
+    return True, "exact" if case.exact else f"max abs err {worst:.2g}"
+
+
+def _max_abs_err(want: torch.Tensor, have: torch.Tensor) -> float:
+    want64, have64 = want.double(), have.double()
+    finite = torch.isfinite(want64) & torch.isfinite(have64)
+    if not bool(finite.all()) and not torch.equal(torch.isfinite(want64), torch.isfinite(have64)):
+        return float("inf")
+    return float((want64 - have64).abs()[finite].max()) if bool(finite.any()) else 0.0
+
+
+def run_case(case: OpCase, impl: Any) -> tuple[bool, str]:
+    """Run ``impl`` on ``case`` and compare with the torch reference: ``(ok, detail)``.
+
+    ``impl``: an :class:`~sparrow.ops.OpImpl` subclass for a layer op, a function for a function
+    op, or None for the reference itself. A layer ``impl.supports`` declines passes with a detail
+    that says so (the reference serves such layers). An exception is a failure, named in the detail.
+    """
+    from sparrow.ops import KERNEL_OPS
+
+    spec = KERNEL_OPS[case.op]
+    try:
+        with torch.inference_mode():  # as the engine runs its steps
+            return _run(case, spec, impl)
+    except Exception as exc:  # noqa: BLE001 - a failing kernel is a result to report, not a crash
+        return False, f"raised {type(exc).__name__}: {exc}"
+
+
+def _run(case: OpCase, spec: Any, impl: Any) -> tuple[bool, str]:
+    from sparrow.plugins import import_object
+
+    if spec.kind == "layer":
+        if case.make_layer is None:
+            raise ValueError(f"case {case.label!r} of layer op {case.op!r} has no make_layer")
+        args, kwargs = _clone_args(case)
+        expected = case.make_layer().forward_native(*args, **kwargs)
+        layer = case.make_layer()
+        if impl is None:
+            call = layer.forward_native
+        else:
+            if not impl.supports(layer):
+                return True, "not supported by this implementation: the reference serves it"
+            call = impl(layer)
+            call.process_weights()
+    else:
+        reference = import_object(spec.reference)
+        args, kwargs = _clone_args(case)
+        expected = reference(*args, **kwargs)
+        call = reference if impl is None else impl
+    args, kwargs = _clone_args(case)
+    got = call(*args, **kwargs)
+    return compare_outputs(case, expected, got)
+
+
+def op_cases(op: str, dtype: torch.dtype, device: torch.device) -> list[OpCase]:
+    """The cases ``KERNEL_OPS[op]`` names (an empty list when it names none)."""
+    from sparrow.ops import KERNEL_OPS
+    from sparrow.plugins import import_object
+
+    spec = KERNEL_OPS[op]
+    return [] if spec.cases is None else import_object(spec.cases)(dtype, torch.device(device))

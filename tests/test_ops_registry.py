@@ -143,7 +143,7 @@ def _ops_plugin(*registrations):
     return Plugin()
 
 
-def test_a_plugins_implementation_is_bound_to_its_platforms_layers_only():
+def test_sparrow_register_ops_binds_a_plugins_implementation_to_its_platforms_layers_only():
     registry = _registry(("npu_ops", _ops_plugin(
         (("silu_and_mul", "npu", DoubledSilu), {}),
         (("top_k_top_p", "npu", f"{__name__}:_top_k_top_p_keep_all"), {}))))

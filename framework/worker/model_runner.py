@@ -126,7 +126,8 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens, output_token_ids=list(new.output_token_ids),
             )
         cached = so.scheduled_cached_reqs
-        for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+        for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                                       cached.num_computed_tokens):
             state = self.requests[req_id]
             state.block_ids.extend(new_block_ids)
             state.num_computed_tokens = num_computed
@@ -154,7 +155,8 @@ class ModelRunner:
         num_computed = batch.num_computed_tokens[:num_reqs]
         positions = num_computed[rows] + offsets  # [T]
         input_ids = batch.token_ids[rows, positions]  # [T]
-        slot_mapping = batch.block_table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        block_ids = batch.block_table[rows, positions // block_size].astype(np.int64)
+        slot_mapping = block_ids * block_size + positions % block_size
         padded = self.padded_num_tokens(total)
         if padded > total:  # padding rows: token 0 at position 0, written nowhere (slot -1)
             input_ids = np.concatenate([input_ids, np.zeros(padded - total, dtype=input_ids.dtype)])
@@ -184,7 +186,8 @@ class ModelRunner:
         if not so.structured_output_request_ids or so.grammar_bitmask is None:
             return None
         # A writable copy: torch refuses to wrap the read-only view np.frombuffer gives of bytes.
-        words = np.frombuffer(so.grammar_bitmask, dtype=np.int32).reshape(len(so.structured_output_request_ids), -1).copy()
+        num_rows = len(so.structured_output_request_ids)
+        words = np.frombuffer(so.grammar_bitmask, dtype=np.int32).reshape(num_rows, -1).copy()
         rows = np.fromiter((self.batch.req_id_to_row[req_id] for req_id in so.structured_output_request_ids),
                            dtype=np.int64, count=len(so.structured_output_request_ids))
         return self.to_device(rows), self.to_device(words)

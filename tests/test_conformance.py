@@ -96,20 +96,22 @@ TorchRMSNorm.__call__ = _perturbed_call
 
 
 # -- the CLI ------------------------------------------------------------------------------------
-def test_builtin_cpu_platform_passes_every_check(model_cache):
-    proc = sparrow_cli("plugins", "--check", "cpu", "--model-dir", model_cache, env=child_env())
+def test_builtin_cpu_platform_passes_the_op_and_attention_checks(model_cache):
+    # The engine group runs in full on the example platform below (and the cpu engine's tokens are
+    # compared with HF by test_parity.py and others); here the cpu plugin's own kernels are checked,
+    # which keeps the suite's time in CI's budget.
+    proc = sparrow_cli("plugins", "--check", "cpu", "--only", "ops,attention", "--model-dir", model_cache,
+                       env=child_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = parse_table(proc.stdout)
-    assert set(rows) == {check.check_id for check in all_checks()}, proc.stdout
+    expected = {check.check_id for check in all_checks() if check.check_id.split("/")[0] in ("ops", "attention")}
+    assert set(rows) == expected, proc.stdout
     assert all(result in ("pass", "native") for result, _ in rows.values()), proc.stdout
     # The cpu plugin's kernels are what was checked, not the reference.
     assert rows["ops/linear"][0] == "pass" and "OneDnnLinear" in rows["ops/linear"][1]
     assert "TorchPagedAttention" in rows["attention/paged[gqa, d64]"][1]
-    for check_id in ("engine/greedy_vs_hf[llama]", "engine/greedy_vs_hf[qwen2]", "engine/greedy_vs_hf[qwen3]",
-                     "engine/seeded_sampling", "engine/preemption", "engine/kv_connector[shared_storage]"):
-        assert rows[check_id][0] == "pass", (check_id, rows[check_id])
     summary = proc.stdout.rstrip().splitlines()[-1]
-    assert summary.startswith(f"{len(all_checks())} checks: ") and "failed" not in summary, proc.stdout
+    assert summary.startswith(f"{len(expected)} checks: ") and "failed" not in summary, proc.stdout
 
 
 def test_example_platform_replaces_rms_norm_and_passes(model_cache, tmp_path):

@@ -12,7 +12,7 @@ from sparrow.hookspecs import PROJECT_NAME, hookimpl
 from sparrow.layers.activation import SiluAndMul
 from sparrow.layers.layernorm import RMSNorm
 from sparrow.ops import KERNEL_OPS, CustomOp, OpImpl, bind_ops, op_table, resolve_function_op
-from sparrow.ops.cases import op_cases, run_case
+from sparrow.ops.check import op_cases, run_case
 from sparrow.plugins import PluginError, build_registry, get_registry, import_object
 from sparrow.sample.sampler import Sampler, apply_top_k_top_p, draw
 

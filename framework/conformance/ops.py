@@ -11,7 +11,7 @@ def op_check(ctx: Any, op: str) -> tuple[str, str]:
     """(status, detail) of ``op`` on the platform under test; "native" when nothing is registered."""
     from sparrow.ops import KERNEL_OPS
     from sparrow.ops.binding import impl_name, lookup_impl
-    from sparrow.ops.cases import op_cases, run_case
+    from sparrow.ops.check import op_cases, run_case
 
     registry = ctx.registry()
     entry = registry.ops.get(op, {}).get(ctx.platform.name)

@@ -61,7 +61,7 @@ _LAZY = {
     "CustomOp": "sparrow.ops.base", "OpImpl": "sparrow.ops.base",
     "bind_ops": "sparrow.ops.binding", "resolve_function_op": "sparrow.ops.binding",
     "lookup_impl": "sparrow.ops.binding", "op_table": "sparrow.ops.binding",
-    "OpCase": "sparrow.ops.cases", "op_cases": "sparrow.ops.cases", "run_case": "sparrow.ops.cases",
+    "OpCase": "sparrow.ops.cases", "op_cases": "sparrow.ops.check", "run_case": "sparrow.ops.check",
 }
 
 __all__ = ["ATTENTION_OP", "KERNEL_OPS", "OpSpec", *sorted(_LAZY)]

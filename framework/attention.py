@@ -38,6 +38,14 @@ class AttentionMetadata:
     is_decode_only: bool = False
     # Backend-private state (e.g. FlashInfer wrappers planned for this step).
     backend_state: Any = None
+    # Hybrid KV cache (layers of several KV cache groups, e.g. sliding and global layers): one
+    # metadata per group, index = the layer's ``kv_group``; each has its own ``block_table`` and
+    # ``slot_mapping`` (and ``backend_state``). None when every layer is in one group (this one).
+    groups: list[AttentionMetadata] | None = None
+
+    def for_group(self, kv_group: int) -> AttentionMetadata:
+        """The metadata a layer of KV cache group ``kv_group`` attends with."""
+        return self if self.groups is None else self.groups[kv_group]
 
 
 class AttentionBackend(ABC):
@@ -49,6 +57,10 @@ class AttentionBackend(ABC):
     """
 
     name: str = "abstract"
+    # Features a layer may ask for through ``forward``'s keyword arguments. A model whose layers
+    # need one the backend lacks fails to build, naming the backend and the feature.
+    supports_sliding_window: bool = False
+    supports_logits_soft_cap: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -70,5 +82,14 @@ class AttentionBackend(ABC):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write the new keys and values into ``kv_cache`` at ``slot_mapping``, then attend."""
+        """Write the new keys and values into ``kv_cache`` at ``slot_mapping``, then attend.
+
+        The keyword arguments are passed only when a layer uses them (so a backend that supports
+        neither may leave them out of its signature): ``sliding_window`` W restricts each token at
+        position p to the keys at positions ``p - W + 1 .. p``; ``logits_soft_cap`` c replaces each
+        score s (after scaling) with ``c * tanh(s / c)``.
+        """

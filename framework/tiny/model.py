@@ -68,18 +68,23 @@ def build_config(arch: str = "qwen3", preset: str = "tiny", vocab_size: int = 40
     """The transformers config of a preset; ``overrides`` are config fields (e.g. rope_scaling)."""
     import transformers
 
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"arch must be one of {', '.join(sorted(ARCHITECTURES))}, got {arch!r}")
+    from sparrow.tiny.hf_archs import HF_ARCHITECTURES, build_hf_config
+
+    if arch not in ARCHITECTURES and arch not in HF_ARCHITECTURES:
+        known = sorted([*ARCHITECTURES, *HF_ARCHITECTURES])
+        raise ValueError(f"arch must be one of {', '.join(known)}, got {arch!r}")
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {', '.join(sorted(PRESETS))}, got {preset!r}")
-    config_cls_name, architecture = ARCHITECTURES[arch]
     fields: dict[str, Any] = dict(PRESETS[preset])
     fields.update(
         vocab_size=vocab_size, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0,
-        hidden_act="silu", architectures=[architecture], bos_token_id=None,
-        dtype=DEFAULT_SAVE_DTYPE, use_cache=True,
+        hidden_act="silu", bos_token_id=None, dtype=DEFAULT_SAVE_DTYPE, use_cache=True,
     )
     fields.update(overrides)
+    if arch in HF_ARCHITECTURES:
+        return build_hf_config(arch, fields)
+    config_cls_name, architecture = ARCHITECTURES[arch]
+    fields["architectures"] = [architecture]
     if arch in ("qwen2", "mistral") and fields["head_dim"] * fields["num_attention_heads"] != fields["hidden_size"]:
         raise ValueError(f"{arch} needs head_dim * num_attention_heads == hidden_size")
     if arch == "qwen2":
@@ -163,6 +168,8 @@ def build_model_dir(
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
+    from sparrow.tiny.hf_archs import HF_ARCHITECTURES, save_random_model
+
     torch_dtype = getattr(torch, save_dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"save_dtype must name a torch dtype, got {save_dtype!r}")
@@ -173,16 +180,20 @@ def build_model_dir(
     config.eos_token_id = special_ids["eos"]
     config.pad_token_id = special_ids["pad"]
     config.save_pretrained(str(out))
+    if arch in HF_ARCHITECTURES:
+        if max_shard_size is not None:
+            raise ValueError(f"max_shard_size is not supported for arch {arch!r}")
+        save_random_model(out, config, arch, seed, torch_dtype)  # rewrites the generation config
+    else:
+        weights = random_weights(config, arch, seed, torch_dtype)
+        for file_name, shard in _shards(weights, max_shard_size).items():
+            save_file(shard, str(out / file_name), metadata={"format": "pt"})
+        if max_shard_size is not None:
+            _write_index(out, weights, max_shard_size)
     GenerationConfig(
         bos_token_id=None, eos_token_id=[special_ids["eos"], special_ids["pad"]],
         pad_token_id=special_ids["pad"],
     ).save_pretrained(str(out))
-
-    weights = random_weights(config, arch, seed, torch_dtype)
-    for file_name, shard in _shards(weights, max_shard_size).items():
-        save_file(shard, str(out / file_name), metadata={"format": "pt"})
-    if max_shard_size is not None:
-        _write_index(out, weights, max_shard_size)
     return out
 
 

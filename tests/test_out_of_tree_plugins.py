@@ -147,6 +147,24 @@ def test_example_platform_installs_matches_cpu_and_uninstalls(qwen3_dir, tmp_pat
     assert "cpu" in installed_platforms and "cpu_sdpa" not in installed_platforms
 
 
+# -- a model architecture ---------------------------------------------------------------------
+def test_example_model_plugin_serves_its_architecture_equal_to_hf(tmp_path):
+    from tests.conftest import build_test_model
+    from tests.test_parity import hf_greedy
+
+    # Granite: a Llama with four multipliers, none of them 1, so a plugin that ignored one differs.
+    granite_dir = build_test_model(tmp_path / "granite", arch="granite", seed=7, num_key_value_heads=1)
+    runs = [dict(name="engine_process", device="cpu", multiprocess=True)]
+    before = generate_in_child(granite_dir, runs)["engine_process"]
+    assert "GraniteForCausalLM" in before.get("error", ""), before
+    with pip_installed("sparrow_example_model", "sparrow-example-model", tmp_path):
+        assert re.search(r"^  granite: sparrow_register_model_architectures$", sparrow_plugins_output(), re.M)
+        served = generate_in_child(granite_dir, runs)["engine_process"]
+    assert "error" not in served, served
+    reference = hf_greedy(granite_dir, prompts(), MAX_TOKENS)
+    assert served["tokens"] == [tokens for tokens, _ in reference]
+
+
 # -- an observer plugin -----------------------------------------------------------------------
 def test_step_tracer_writes_one_line_per_step_and_changes_nothing(qwen3_dir, tmp_path):
     trace = tmp_path / "trace.jsonl"

@@ -29,6 +29,10 @@ HF_ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
                dict(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=16, sliding_window=32,
                     rope_local_base_freq=10000.0)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(eos_token_id=None, pad_token_id=None)),
+    # Not built into Sparrow: the model of the example plugin (examples/sparrow_example_model).
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                     logits_scaling=2.0)),
 }
 
 # Same scales as the dense recipe (see sparrow.tiny.model for why).
@@ -92,8 +96,8 @@ def build_hf_config(arch: str, fields: dict[str, Any]) -> Any:
     merged = dict(defaults)
     merged.update(fields)
     merged["architectures"] = [architecture]
-    if arch == "phi3":
-        merged.pop("head_dim", None)  # Phi-3 derives it from hidden_size
+    if arch in ("phi3", "granite"):
+        merged.pop("head_dim", None)  # derived from hidden_size
     if arch in ("gemma2", "gemma3"):
         merged.pop("hidden_act", None)  # Gemma names its activation hidden_activation
     return getattr(transformers, config_cls_name)(**merged)

@@ -42,14 +42,11 @@ def get_hf_config(model_dir: str | Path) -> Any:
 
 
 def get_max_model_len(hf_config: Any) -> int:
-    """The longest context the model supports: max_position_embeddings, capped by an active
-    sliding window (full attention equals sliding attention while the context fits the window)."""
+    """The longest context the model supports: max_position_embeddings (a sliding window does not
+    cut it: every built-in attention backend attends through the window)."""
     max_len = getattr(hf_config, "max_position_embeddings", None)
     if max_len is None:
         raise ValueError("config.json lacks the field 'max_position_embeddings'")
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        max_len = min(max_len, int(window))
     return int(max_len)
 
 

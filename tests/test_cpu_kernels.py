@@ -189,7 +189,8 @@ def test_paged_decode_attention_many_rows_against_torch(head_dim, num_rows):
     query = torch.randn(num_rows, heads, head_dim)
     out = torch.empty_like(query)
     rows = torch.arange(num_rows)
-    kernel(query, cache, out, rows, rows, torch.arange(num_rows + 1, dtype=torch.int32), lens, table, 0.3)
+    kernel(query, cache, out, rows, rows, torch.arange(num_rows + 1, dtype=torch.int32), lens, table, 0.3,
+           0, 0.0)
     for r in range(num_rows):
         n = int(lens[r])
         blocks = table[r, : -(-n // block_size)].long()

@@ -59,7 +59,7 @@ def test_ops_registered_for_cuda_only():
     calls = []
     sparrow_register_ops(register=lambda op, platform, impl, override=False: calls.append((op, platform, impl)))
     assert {platform for _, platform, _ in calls} == {"cuda"}
-    assert {op: impl for op, _, impl in calls} == {
+    assert {op: impl for op, _, impl in calls if op in OPS} == {  # fused_moe: tests/test_triton_moe.py
         op: f"sparrow_cuda.triton_elementwise:{cls}" for op, cls in OPS.items()}
     registry = get_registry()
     for op, cls in OPS.items():

@@ -1,10 +1,17 @@
 """Rotary position embeddings (RoPE), applied by a positions tensor through a cos/sin cache.
 
 The rotation is the "neox" layout Hugging Face Llama/Qwen checkpoints use: the first and second
-halves of the rotated dimensions form the pairs. Scaling types: ``default``, ``linear`` and
-``llama3`` (Llama 3.1's frequency-dependent interpolation). ``dynamic`` NTK is not offered: its
-frequencies depend on the whole sequence length, which a paged cache of already-rotated keys
-cannot follow.
+halves of the rotated dimensions form the pairs. Scaling types: ``default``, ``linear``,
+``llama3`` (Llama 3.1's frequency-dependent interpolation) and ``longrope`` (Phi-3's per-frequency
+factors, formerly ``su``). ``dynamic`` NTK is not offered: its frequencies depend on the whole
+sequence length, which a paged cache of already-rotated keys cannot follow. For the same reason
+``longrope`` picks its factors by position, as vLLM does: the short factors below
+``original_max_position_embeddings``, the long ones from there on (transformers switches every
+position of a sequence to the long factors once the sequence passes that length, so the two agree
+on every sequence up to it).
+
+Models whose layer kinds use different RoPE (Gemma 3: ``rope_parameters`` keyed by
+``sliding_attention`` / ``full_attention``) pass ``layer_type``.
 """
 
 from __future__ import annotations
@@ -16,20 +23,26 @@ import torch
 
 from sparrow.ops.base import CustomOp
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """The config's RoPE parameters as one flat dict with ``rope_type`` and ``rope_theta``.
 
-    Accepts transformers 5 ``rope_parameters`` and the older ``rope_theta`` + ``rope_scaling``
-    (whose type key may be ``type`` or ``rope_type``).
+    Accepts transformers 5 ``rope_parameters`` (flat, or keyed by ``layer_type``) and the older
+    ``rope_theta`` + ``rope_scaling`` (whose type key may be ``type`` or ``rope_type``).
     """
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     scaling = getattr(hf_config, "rope_scaling", None)
     if not params and isinstance(scaling, dict):
         params = dict(scaling)
     params.setdefault("rope_type", params.pop("type", None) or "default")
+    if params["rope_type"] == "su":  # LongRoPE's first name in Phi-3 configs
+        params["rope_type"] = "longrope"
+    if params.get("rope_theta") is None and layer_type == "sliding_attention":
+        params["rope_theta"] = getattr(hf_config, "rope_local_base_freq", None)  # Gemma 3, older configs
     if params.get("rope_theta") is None:
         params["rope_theta"] = getattr(hf_config, "rope_theta", None) or 10000.0
     if params.get("partial_rotary_factor") is None:
@@ -59,7 +72,32 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any], max_position
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _require(params: dict[str, Any], key: str) -> float:
+def longrope_inv_freqs(rotary_dim: int, params: dict[str, Any], hf_config: Any
+                       ) -> tuple[torch.Tensor, torch.Tensor, int, float]:
+    """LongRoPE (Phi-3): ``(short inv_freq, long inv_freq, original_max_position_embeddings,
+    attention_scaling)``; each frequency is divided by its own factor from the config's lists."""
+    original = params.get("original_max_position_embeddings") or getattr(
+        hf_config, "original_max_position_embeddings", None)
+    if original is None:
+        raise ValueError("rope_scaling of type 'longrope' needs the field 'original_max_position_embeddings'")
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
+    base_powers = float(params["rope_theta"]) ** exponents
+    inv_freqs = []
+    for key in ("short_factor", "long_factor"):
+        factors = _require(params, key)
+        if not isinstance(factors, (list, tuple)) or len(factors) != rotary_dim // 2:
+            raise ValueError(f"rope_scaling field {key!r} must be a list of {rotary_dim // 2} numbers")
+        inv_freqs.append(1.0 / (torch.tensor(factors, dtype=torch.float32) * base_powers))
+    factor = params.get("factor")
+    if factor is None:  # Phi-3 stores the extended length, not the factor
+        factor = (getattr(hf_config, "max_position_embeddings", None) or original) / original
+    scaling = params.get("attention_factor")
+    if scaling is None:
+        scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freqs[0], inv_freqs[1], int(original), float(scaling)
+
+
+def _require(params: dict[str, Any], key: str) -> Any:
     if params.get(key) is None:
         raise ValueError(f"rope_scaling of type {params['rope_type']!r} needs the field {key!r}")
     return params[key]
@@ -70,7 +108,11 @@ class RotaryEmbedding(CustomOp):
 
     op_name = "rotary_embedding"
 
-    def __init__(self, head_dim: int, rotary_dim: int, inv_freq: torch.Tensor, max_position: int) -> None:
+    def __init__(self, head_dim: int, rotary_dim: int, inv_freq: torch.Tensor, max_position: int, *,
+                 long_inv_freq: torch.Tensor | None = None, long_from: int | None = None,
+                 attention_scaling: float = 1.0) -> None:
+        """``long_inv_freq`` replaces ``inv_freq`` for positions from ``long_from`` on (LongRoPE);
+        ``attention_scaling`` multiplies every cos and sin."""
         super().__init__()
         if rotary_dim > head_dim or rotary_dim % 2:
             raise ValueError(f"rotary_dim must be even and <= head_dim {head_dim}, got {rotary_dim}")
@@ -81,7 +123,11 @@ class RotaryEmbedding(CustomOp):
         # then moved to the device the model is being built on.
         positions = torch.arange(max_position, dtype=torch.int64, device="cpu").float()
         freqs = positions[:, None] * inv_freq.cpu()[None, :]  # [max_position, rotary_dim // 2]
+        if long_inv_freq is not None and long_from is not None and long_from < max_position:
+            freqs[long_from:] = positions[long_from:, None] * long_inv_freq.cpu()[None, :]
         cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_position, rotary_dim] float32
+        if attention_scaling != 1.0:
+            cos_sin = cos_sin * attention_scaling
         self.register_buffer("cos_sin_cache", cos_sin.to(torch.get_default_device()), persistent=False)
 
     def forward_native(
@@ -105,17 +151,23 @@ class RotaryEmbedding(CustomOp):
         return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, max_position={self.max_position}"
 
 
-def get_rope(hf_config: Any, head_dim: int, max_position: int | None = None) -> RotaryEmbedding:
-    """The rotary embedding a Hugging Face config describes."""
-    params = rope_parameters(hf_config)
+def get_rope(hf_config: Any, head_dim: int, max_position: int | None = None,
+             layer_type: str | None = None) -> RotaryEmbedding:
+    """The rotary embedding a Hugging Face config describes (for layers of ``layer_type``)."""
+    params = rope_parameters(hf_config, layer_type)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
-            f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"rope_scaling type {rope_type!r} (config.json rope_parameters/rope_scaling) is not supported; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     config_max_position = getattr(hf_config, "max_position_embeddings", None) or 2048
     max_position = max_position or config_max_position
     rotary_dim = int(head_dim * params["partial_rotary_factor"])
+    if rope_type == "longrope":
+        short, long, original, scaling = longrope_inv_freqs(rotary_dim, params, hf_config)
+        return RotaryEmbedding(head_dim, rotary_dim, short, max_position, long_inv_freq=long,
+                               long_from=original, attention_scaling=scaling)
     inv_freq = default_inv_freq(rotary_dim, float(params["rope_theta"]))
     if rope_type == "linear":
         inv_freq = inv_freq / _require(params, "factor")

@@ -13,7 +13,7 @@ Model interface (what the model runner relies on)::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable
+from typing import Any, Callable, Hashable, Iterable
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ from sparrow.layers.layernorm import RMSNorm
 from sparrow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from sparrow.layers.parallel import ParallelContext, default_weight_loader, divide, resolve_tp
 from sparrow.layers.rotary import RotaryEmbedding, get_rope
+from sparrow.models.windows import layer_sliding_windows
 
 # fused parameter -> (checkpoint projection, shard id) in the fused order
 STACKED_PARAMS: dict[str, tuple[tuple[str, Hashable], ...]] = {
@@ -48,6 +49,9 @@ class DecoderOptions:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    # make_mlp(hf_config, layer_index, tp, params_dtype) -> the layer's MLP module (a mixture of
+    # experts, for instance); None: the dense LlamaMLP.
+    make_mlp: Callable[[Any, int, ParallelContext, torch.dtype], nn.Module] | None = None
 
 
 def model_head_dim(hf_config: Any) -> int:
@@ -98,7 +102,8 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary_emb = rotary_emb  # one instance shared by every layer (no parameters)
-        self.attn = Attention(backend, layer_index)
+        # Mistral, Phi-3 and Qwen2 with use_sliding_window attend through a window.
+        self.attn = Attention(backend, layer_index, sliding_window=layer_sliding_windows(hf_config)[layer_index])
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -122,7 +127,11 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         eps = hf_config.rms_norm_eps
         self.self_attn = LlamaAttention(hf_config, options, backend, rotary_emb, layer_index, tp, params_dtype)
-        self.mlp = LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, options.mlp_bias, tp, params_dtype)
+        if options.make_mlp is not None:
+            self.mlp = options.make_mlp(hf_config, layer_index, tp, params_dtype)
+        else:
+            self.mlp = LlamaMLP(hf_config.hidden_size, hf_config.intermediate_size, options.mlp_bias, tp,
+                                params_dtype)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, params_dtype=params_dtype)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, params_dtype=params_dtype)
 

@@ -17,6 +17,11 @@ BUILTIN_ARCHITECTURES: tuple[tuple[str, str], ...] = (
     ("MistralForCausalLM", "sparrow.models.llama:LlamaForCausalLM"),
     ("Qwen2ForCausalLM", "sparrow.models.qwen2:Qwen2ForCausalLM"),
     ("Qwen3ForCausalLM", "sparrow.models.qwen3:Qwen3ForCausalLM"),
+    ("Gemma2ForCausalLM", "sparrow.models.gemma2:Gemma2ForCausalLM"),
+    ("Gemma3ForCausalLM", "sparrow.models.gemma3:Gemma3ForCausalLM"),
+    ("Phi3ForCausalLM", "sparrow.models.phi3:Phi3ForCausalLM"),
+    ("Qwen3MoeForCausalLM", "sparrow.models.qwen3_moe:Qwen3MoeForCausalLM"),
+    ("MixtralForCausalLM", "sparrow.models.mixtral:MixtralForCausalLM"),
 )
 
 

@@ -26,6 +26,8 @@ class TritonAttentionBackend(AttentionBackend):
     """One unified Triton kernel for the mixed prefill/decode batch; nothing to plan per step."""
 
     name = "triton"
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -41,12 +43,16 @@ class TritonAttentionBackend(AttentionBackend):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows past the last request unset
         self._ops.reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
         out = _empty_output(query)
         self._ops.unified_paged_attention(
             query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens,
-            metadata.block_table, self.scale, metadata.max_query_len, metadata.max_seq_len)
+            metadata.block_table, self.scale, metadata.max_query_len, metadata.max_seq_len,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
         return out
 
 
@@ -54,10 +60,14 @@ class TritonAttentionBackend(AttentionBackend):
 class _FlashInferPlan:
     """What ``prepare`` planned for one step (kept in ``metadata.backend_state``)."""
 
-    wrapper: Any  # the planned BatchPrefill/BatchDecode wrapper
+    # (sliding_window, logits_soft_cap) -> the BatchPrefill/BatchDecode wrapper planned with them
+    wrappers: dict[tuple[int | None, float | None], Any]
     page_size: int
-    num_tokens: int  # rows of query the wrapper was planned for
+    num_tokens: int  # rows of query the wrappers were planned for
     owner: int  # id() of the backend that planned it
+    is_decode_only: bool
+    # The plan() arguments every variant shares: (positional, keyword) for the chosen wrapper kind.
+    plan_args: tuple[tuple, dict]
 
 
 def paged_kv_layout(
@@ -94,9 +104,17 @@ class FlashInferAttentionBackend(AttentionBackend):
     The page size is the cache's block size. Pass ``block_size`` to plan in :meth:`prepare`;
     without it the plan is made by the first layer's :meth:`forward` of the step, when the cache's
     shape is known. Planning runs on the host, so steps are not CUDA-graph capturable.
+
+    Layers with a sliding window or logit soft-capping need wrappers planned with them
+    (``window_left = W - 1``, ``logits_soft_cap``): one pair of wrappers per distinct
+    (window, soft cap), made on first use and planned by the step's first layer that needs it.
+    They share the workspace, as the prefill and decode wrappers do: their runs are sequential on
+    one stream.
     """
 
     name = "flashinfer"
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  dtype: torch.dtype, device: torch.device, *, block_size: int | None = None,
@@ -110,14 +128,23 @@ class FlashInferAttentionBackend(AttentionBackend):
                 "pip install sparrow-llm[flashinfer]") from exc
         from sparrow_cuda import triton_ops
 
+        self._flashinfer = flashinfer
         self._ops = triton_ops
         self.block_size = block_size
-        # One workspace for both wrappers: only one of them is planned and run in a step.
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-        # Tensor cores pay off for decode once a kv head serves several query heads.
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_tensor_cores=num_heads // num_kv_heads > 4)
+        # (sliding_window, logits_soft_cap) -> (prefill wrapper, decode wrapper)
+        self._wrappers: dict[tuple[int | None, float | None], tuple[Any, Any]] = {}
+
+    def _wrapper_pair(self, variant: tuple[int | None, float | None]) -> tuple[Any, Any]:
+        pair = self._wrappers.get(variant)
+        if pair is None:
+            flashinfer = self._flashinfer
+            prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+            # Tensor cores pay off for decode once a kv head serves several query heads.
+            decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_tensor_cores=self.num_heads // self.num_kv_heads > 4)
+            pair = self._wrappers[variant] = (prefill, decode)
+        return pair
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         metadata.backend_state = None
@@ -134,17 +161,33 @@ class FlashInferAttentionBackend(AttentionBackend):
             metadata.block_table[:num_reqs], seq_lens_cpu, page_size)
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
         if metadata.is_decode_only:
-            self._decode.plan(kv_indptr, kv_indices, last_page_len, self.num_heads,
-                              self.num_kv_heads, self.head_dim, page_size, **common)
-            wrapper = self._decode
+            plan_args = ((kv_indptr, kv_indices, last_page_len, self.num_heads, self.num_kv_heads,
+                          self.head_dim, page_size), common)
         else:
             # Causal masks in FlashInfer align the last query row with the last key, which is
             # exactly our "token j sits at seq_len - query_len + j" rule for chunks after context.
-            self._prefill.plan(qo_indptr_cpu, kv_indptr, kv_indices, last_page_len, self.num_heads,
-                               self.num_kv_heads, self.head_dim, page_size, causal=True, **common)
-            wrapper = self._prefill
-        return _FlashInferPlan(wrapper=wrapper, page_size=page_size,
-                               num_tokens=int(qo_indptr_cpu[-1]), owner=id(self))
+            plan_args = ((qo_indptr_cpu, kv_indptr, kv_indices, last_page_len, self.num_heads,
+                          self.num_kv_heads, self.head_dim, page_size), dict(common, causal=True))
+        plan = _FlashInferPlan(wrappers={}, page_size=page_size, num_tokens=int(qo_indptr_cpu[-1]),
+                               owner=id(self), is_decode_only=metadata.is_decode_only, plan_args=plan_args)
+        # Wrappers are planned by the first layer that runs each variant (see _planned_wrapper).
+        return plan
+
+    def _planned_wrapper(self, plan: _FlashInferPlan, variant: tuple[int | None, float | None]) -> Any:
+        """The wrapper of ``variant`` planned for this step (planned now on first use)."""
+        wrapper = plan.wrappers.get(variant)
+        if wrapper is None:
+            prefill, decode = self._wrapper_pair(variant)
+            wrapper = decode if plan.is_decode_only else prefill
+            sliding_window, soft_cap = variant
+            args, kwargs = plan.plan_args
+            # window_left = W - 1 keys before the query's own. Pages wholly before the window stay
+            # listed (a freed block's entry names block 0 or a reused block: finite values), and
+            # FlashInfer masks their keys.
+            wrapper.plan(*args, **kwargs, window_left=-1 if sliding_window is None else sliding_window - 1,
+                         logits_soft_cap=soft_cap)
+            plan.wrappers[variant] = wrapper
+        return wrapper
 
     def forward(
         self,
@@ -153,6 +196,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows past the last request unset
         page_size = kv_cache.shape[2]
         plan = metadata.backend_state
@@ -164,5 +210,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         out = _empty_output(query)
         rows = plan.num_tokens
         # NHD pages: each of (k_cache, v_cache) is [num_blocks, block_size, num_kv_heads, head_dim].
-        plan.wrapper.run(query[:rows].contiguous(), (kv_cache[0], kv_cache[1]), out=out[:rows])
+        wrapper = self._planned_wrapper(plan, (sliding_window, logits_soft_cap))
+        wrapper.run(query[:rows].contiguous(), (kv_cache[0], kv_cache[1]), out=out[:rows])
         return out

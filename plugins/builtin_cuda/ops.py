@@ -17,6 +17,7 @@ TRITON_OPS = {
     "rms_norm": "sparrow_cuda.triton_elementwise:TritonRMSNorm",
     "silu_and_mul": "sparrow_cuda.triton_elementwise:TritonSiluAndMul",
     "rotary_embedding": "sparrow_cuda.triton_elementwise:TritonRotaryEmbedding",
+    "fused_moe": "sparrow_cuda.triton_moe:TritonFusedMoE",
 }
 
 

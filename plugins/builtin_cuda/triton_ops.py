@@ -13,6 +13,11 @@ num_kv_heads`` times. The tile's rows are (token, head-in-group) pairs flattened
 ``BLOCK_M = block_q * group_pad`` rows. Keys are visited ``TILE_N`` at a time through the block
 table with an online softmax; tiles wholly below the causal diagonal skip the mask.
 
+A sliding window ``W`` (token at ``p`` sees keys ``p - W + 1 .. p``) starts the tile loop at the
+tile holding the first key the tile's first token sees, and keys before that are never loaded (the
+KV cache manager may have freed their blocks); tiles that some row sees only partly are masked.
+Logit soft-capping replaces each scaled score ``s`` with ``c * tanh(s / c)`` before the mask.
+
 Optionally the key range is cut into ``NUM_SPLITS`` segments run by separate programs
 (flash-decoding), each writing a partial output and its log-sum-exp, merged by a second kernel. That
 only pays off when there are few query tiles (small decode batches over long contexts).
@@ -88,18 +93,27 @@ def reshape_and_cache(
 
 
 @triton.jit
+def _tanh(x):
+    # 1 - 2 / (e^2x + 1): exact at both ends in fp32 (e^2x overflows to inf -> 1, underflows -> -1).
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
 def _attend_tile(
-    q, acc, m_i, l_i, tile_start, kv_end, query_pos,
+    q, acc, m_i, l_i, tile_start, kv_start, kv_end, query_pos,
     key_cache_ptr, value_cache_ptr, block_table_row_ptr, kv_head,
-    stride_c_block, stride_c_slot, stride_c_head, qk_scale,
+    stride_c_block, stride_c_slot, stride_c_head, qk_scale, window, soft_cap_log2,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
-    """Fold keys [tile_start, tile_start + TILE_N) into the running softmax of the query tile."""
+    """Fold keys [tile_start, tile_start + TILE_N) into the running softmax of the query tile.
+
+    ``CAUSAL_MASK``: some row of the tile must not see some key of it (the causal diagonal or,
+    with ``SLIDING``, the window's start); keys outside [kv_start, kv_end) are not even loaded."""
     key_pos = tile_start + tl.arange(0, TILE_N)  # [TILE_N]
     dims = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
-    in_range = key_pos < kv_end
+    in_range = (key_pos < kv_end) & (key_pos >= kv_start)
     page = tl.load(block_table_row_ptr + key_pos // BLOCK_SIZE, mask=in_range, other=0)
     row_off = (page.to(tl.int64) * stride_c_block + (key_pos % BLOCK_SIZE) * stride_c_slot
                + kv_head * stride_c_head)  # [TILE_N]
@@ -121,8 +135,12 @@ def _attend_tile(
         v = v.to(tl.float32)
 
     s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N], log2 units
+    if SOFT_CAP:  # c tanh(s / c) in natural units is C tanh(s' / C) in log2 units, C = c log2(e)
+        s = soft_cap_log2 * _tanh(s / soft_cap_log2)
     if CAUSAL_MASK:
         visible = (key_pos[None, :] <= query_pos[:, None]) & in_range[None, :]
+        if SLIDING:
+            visible = visible & (key_pos[None, :] > query_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row may have seen no key yet (in a later split segment, an early token of the tile
@@ -141,14 +159,15 @@ def _attend_tile(
 @triton.jit
 def _unified_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, num_reqs, qk_scale,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, num_reqs, qk_scale, window, soft_cap_log2,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_block, stride_c_slot, stride_c_head, stride_bt_req,
     stride_po_tok, stride_po_head, stride_po_split, stride_pl_tok, stride_pl_head,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, SLIDING: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     # grid: (num_query_tiles_upper_bound, num_kv_heads, NUM_SPLITS)
     tile_id = tl.program_id(0)
@@ -190,36 +209,59 @@ def _unified_attention_kernel(
     if DOT_IN_FP32:
         q = q.to(tl.float32)
 
-    # Keys this tile may see: up to the position of its last token.
+    # Keys this tile may see: up to the position of its last token, and with a window from the
+    # first key its first token sees.
     kv_end = tl.minimum(seq_len, context_len + q_block_start + BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, TILE_N)
-    # Tiles wholly at or below the tile's first query position need no mask.
+    # Tiles wholly at or below the tile's first query position need no causal mask.
     num_free_tiles = (context_len + q_block_start + 1) // TILE_N
+    if SLIDING:
+        kv_start = tl.maximum(context_len + q_block_start - window + 1, 0)
+        first_tile = kv_start // TILE_N
+        # Tiles from this one on lie wholly inside the window of the tile's last token (and so
+        # of every token of the tile).
+        window_free_lo = tl.cdiv(tl.maximum(kv_end - window, 0), TILE_N)
+    else:
+        kv_start = 0
+        first_tile = 0
+        window_free_lo = 0
     if NUM_SPLITS == 1:
-        tile_lo = 0
+        tile_lo = first_tile
         tile_hi = num_tiles
     else:
-        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-        tile_lo = tl.minimum(split * tiles_per_split, num_tiles)
+        tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+        tile_lo = tl.minimum(first_tile + split * tiles_per_split, num_tiles)
         tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-    free_hi = tl.minimum(tile_hi, tl.maximum(num_free_tiles, tile_lo))
+    # [tile_lo, free_lo): window-masked; [free_lo, free_hi): no mask; [free_hi, tile_hi): masked.
+    free_lo = tl.minimum(tile_hi, tl.maximum(window_free_lo, tile_lo))
+    free_hi = tl.minimum(tile_hi, tl.maximum(num_free_tiles, free_lo))
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     block_table_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt_req
-    for t in range(tile_lo, free_hi):
+    if SLIDING:
+        for t in range(tile_lo, free_lo):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, t * TILE_N, kv_start, kv_end, query_pos,
+                key_cache_ptr, value_cache_ptr, block_table_row_ptr, kv_head,
+                stride_c_block, stride_c_slot, stride_c_head, qk_scale, window, soft_cap_log2,
+                BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, True, DOT_PRECISION, DOT_IN_FP32,
+                SLIDING, SOFT_CAP)
+    for t in range(free_lo, free_hi):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, t * TILE_N, kv_end, query_pos,
+            q, acc, m_i, l_i, t * TILE_N, kv_start, kv_end, query_pos,
             key_cache_ptr, value_cache_ptr, block_table_row_ptr, kv_head,
-            stride_c_block, stride_c_slot, stride_c_head, qk_scale,
-            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, False, DOT_PRECISION, DOT_IN_FP32)
+            stride_c_block, stride_c_slot, stride_c_head, qk_scale, window, soft_cap_log2,
+            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, False, DOT_PRECISION, DOT_IN_FP32,
+            SLIDING, SOFT_CAP)
     for t in range(free_hi, tile_hi):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, t * TILE_N, kv_end, query_pos,
+            q, acc, m_i, l_i, t * TILE_N, kv_start, kv_end, query_pos,
             key_cache_ptr, value_cache_ptr, block_table_row_ptr, kv_head,
-            stride_c_block, stride_c_slot, stride_c_head, qk_scale,
-            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, True, DOT_PRECISION, DOT_IN_FP32)
+            stride_c_block, stride_c_slot, stride_c_head, qk_scale, window, soft_cap_log2,
+            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, True, DOT_PRECISION, DOT_IN_FP32,
+            SLIDING, SOFT_CAP)
 
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / safe_l[:, None]
@@ -280,6 +322,8 @@ def unified_paged_attention(
     max_query_len: int,
     max_seq_len: int,
     *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
     num_kv_splits: int | None = None,
     block_m: int | None = None,
     tile_n: int | None = None,
@@ -291,6 +335,8 @@ def unified_paged_attention(
     ``max_query_len``/``max_seq_len`` only pick tile sizes and the split count: the result is the
     same for any values (a CUDA graph captured with one value replays correctly with others).
     Rows of ``out`` past ``query_start_loc[-1]`` (padding) are left untouched.
+    ``sliding_window`` W: token at ``p`` sees keys ``p - W + 1 .. p`` only; ``logits_soft_cap`` c:
+    each scaled score ``s`` becomes ``c * tanh(s / c)``.
     ``num_kv_splits`` (power of two; None = heuristic), ``block_m`` (rows per program,
     token x GQA head), ``tile_n`` (keys per iteration) override the defaults, e.g. for tests.
     """
@@ -305,6 +351,10 @@ def unified_paged_attention(
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     if query.stride(2) != 1 or out.stride(2) != 1 or key_cache.stride(3) != 1:
         raise ValueError("unified_paged_attention needs a contiguous head_dim axis")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")
 
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -348,6 +398,7 @@ def unified_paged_attention(
     _unified_attention_kernel[(num_q_tiles, num_kv_heads, num_kv_splits)](
         query, key_cache, value_cache, out, partial_out, partial_lse,
         query_start_loc, seq_lens, block_table, num_reqs, scale * _LOG2E,
+        sliding_window or 0, (logits_soft_cap or 1.0) * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
         partial_out.stride(0), partial_out.stride(1),
@@ -359,6 +410,7 @@ def unified_paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         # Triton's CPU interpreter computes bf16 tl.dot wrongly; it only ever runs on CPU tensors.
         DOT_IN_FP32=query.device.type == "cpu" and query.dtype == torch.bfloat16,
+        SLIDING=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_kv_splits > 1:

@@ -56,7 +56,8 @@ def _load() -> Any:
 
 def get_paged_attention() -> Callable[..., None] | None:
     """``paged_attention(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens,
-    block_table, scale)`` writing ``out[rows]``, or None when the kernel cannot be built."""
+    block_table, scale, window, soft_cap)`` writing ``out[rows]`` (``window``/``soft_cap`` 0: off),
+    or None when the kernel cannot be built."""
     module = _load() if _enabled("SPARROW_CPU_NATIVE_ATTENTION") else None
     return None if module is None else module.paged_attention
 

@@ -4,6 +4,11 @@ Decode attention is memory-bound. The torch path gathers every request's blocks 
 copy and then reads the copy again, moving each cached key and value three times per layer and
 step. This kernel walks the block table directly and reads each cached row once, with the query
 heads of one KV head (GQA) sharing every load and an online softmax in fp32.
+
+A sliding window ``W > 0`` starts the walk at the block holding key ``position - W + 1`` and skips
+that block's earlier rows: blocks before the window (possibly freed and reused by the KV cache
+manager) are never read. ``soft_cap > 0`` replaces each scaled score ``s`` with
+``soft_cap * tanh(s / soft_cap)``. Zero turns either off.
 """
 
 SOURCE = r"""
@@ -39,12 +44,14 @@ static inline float softmax_exp(float x) {
 // query [T, Hq, D], kv_cache [2, NB, BS, Hkv, D], out [T, Hq, D] (same dtype as query)
 // rows [N] int64: which query rows to compute; row_req [N] int64: their request index
 // query_start_loc [R+1] int32, seq_lens [R] int32, block_table [R, MB] int32
+// window > 0: attend to keys (position - window, position] only; soft_cap > 0: cap * tanh(s / cap).
 // HEAD_DIM > 0 fixes the head size at compile time (unrolled loops); 0 reads it from the query.
 template <typename scalar_t, int64_t HEAD_DIM>
 static void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out,
                                  const at::Tensor& rows, const at::Tensor& row_req,
                                  const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                                 const at::Tensor& block_table, double scale) {
+                                 const at::Tensor& block_table, double scale, int64_t window,
+                                 double soft_cap) {
   const int64_t num_rows = rows.size(0);
   const int64_t num_heads = query.size(1);
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : query.size(2);
@@ -63,6 +70,7 @@ static void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_c
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* table = block_table.data_ptr<int32_t>();
   const float fscale = static_cast<float>(scale);
+  const float cap = static_cast<float>(soft_cap), inv_cap = soft_cap > 0 ? 1.f / cap : 0.f;
 
   // Few rows: split each row's KV heads across items so every thread has work. Many rows: one
   // item per row, so a block's [block_size, Hkv, D] keys and values stream through contiguously.
@@ -82,6 +90,7 @@ static void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_c
       const int64_t query_len = qsl[r + 1] - qsl[r];
       const int64_t position = lens[r] - query_len + (t - qsl[r]);  // causal: attend to [0, position]
       const int64_t context = position + 1;
+      const int64_t first_key = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
       for (int64_t lane = 0; lane < lanes; ++lane) {
         const scalar_t* src = q_ptr + (t * num_heads + h0 * group + lane) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) q[lane * head_dim + d] = to_float(src[d]) * fscale;
@@ -90,7 +99,7 @@ static void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_c
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       const int64_t num_blocks = std::min((context + block_size - 1) / block_size, max_blocks);
-      for (int64_t j = 0; j < num_blocks; ++j) {
+      for (int64_t j = first_key / block_size; j < num_blocks; ++j) {
         const int64_t block = table[r * max_blocks + j];
         if (chunks == 1 && j + 1 < num_blocks) {
           // Blocks are scattered: ask for the next one while this one is computed.
@@ -103,9 +112,10 @@ static void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_c
           }
         }
         const int64_t valid = std::min(block_size, context - j * block_size);
+        const int64_t skip = std::max<int64_t>(0, first_key - j * block_size);  // rows before the window
         const scalar_t* kb = k_ptr + block * block_stride + h0 * head_stride;
         const scalar_t* vb = v_ptr + block * block_stride + h0 * head_stride;
-        for (int64_t s = 0; s < valid; ++s) {
+        for (int64_t s = skip; s < valid; ++s) {
           for (int64_t hh = 0; hh < heads_per_item; ++hh) {
             const scalar_t* krow = kb + s * row_stride + hh * head_stride;
             for (int64_t g = 0; g < group; ++g) {
@@ -114,14 +124,14 @@ static void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_c
               float dot = 0.f;
 #pragma omp simd reduction(+:dot)
               for (int64_t d = 0; d < head_dim; ++d) dot += ql[d] * to_float(krow[d]);
-              scores[lane * block_size + s] = dot;
+              scores[lane * block_size + s] = soft_cap > 0 ? cap * std::tanh(dot * inv_cap) : dot;
             }
           }
         }
         for (int64_t lane = 0; lane < lanes; ++lane) {
           float block_max = m[lane];
           float* sc = scores.data() + lane * block_size;
-          for (int64_t s = 0; s < valid; ++s) block_max = std::max(block_max, sc[s]);
+          for (int64_t s = skip; s < valid; ++s) block_max = std::max(block_max, sc[s]);
           if (block_max > m[lane]) {  // rescale only when the running max grows (rare after a few blocks)
             const float correction = softmax_exp(m[lane] - block_max);
             l[lane] *= correction;
@@ -132,13 +142,13 @@ static void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_c
           }
           float sum = 0.f;
 #pragma omp simd reduction(+:sum)
-          for (int64_t s = 0; s < valid; ++s) {
+          for (int64_t s = skip; s < valid; ++s) {
             sc[s] = softmax_exp(sc[s] - block_max);
             sum += sc[s];
           }
           l[lane] += sum;
         }
-        for (int64_t s = 0; s < valid; ++s) {
+        for (int64_t s = skip; s < valid; ++s) {
           for (int64_t hh = 0; hh < heads_per_item; ++hh) {
             const scalar_t* vrow = vb + s * row_stride + hh * head_stride;
             for (int64_t g = 0; g < group; ++g) {
@@ -161,22 +171,23 @@ static void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_c
 }
 
 void paged_attention(at::Tensor query, at::Tensor kv_cache, at::Tensor out, at::Tensor rows, at::Tensor row_req,
-                     at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor block_table, double scale) {
+                     at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor block_table, double scale,
+                     int64_t window, double soft_cap) {
   TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && out.is_contiguous(), "contiguous tensors expected");
   TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "query and kv_cache dtypes differ");
-#define SPARROW_PAGED_ATTENTION(T)                                                                          \
-  switch (query.size(2)) {                                                                                  \
-    case 64:                                                                                                \
-      paged_attention_impl<T, 64>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens,           \
-                                  block_table, scale);                                                      \
-      break;                                                                                                \
-    case 128:                                                                                               \
-      paged_attention_impl<T, 128>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens,          \
-                                   block_table, scale);                                                     \
-      break;                                                                                                \
-    default:                                                                                                \
-      paged_attention_impl<T, 0>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens,            \
-                                 block_table, scale);                                                       \
+#define SPARROW_PAGED_ATTENTION(T)                                                               \
+  switch (query.size(2)) {                                                                       \
+    case 64:                                                                                     \
+      paged_attention_impl<T, 64>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens, \
+                                  block_table, scale, window, soft_cap);                         \
+      break;                                                                                     \
+    case 128:                                                                                    \
+      paged_attention_impl<T, 128>(query, kv_cache, out, rows, row_req, query_start_loc,         \
+                                   seq_lens, block_table, scale, window, soft_cap);              \
+      break;                                                                                     \
+    default:                                                                                     \
+      paged_attention_impl<T, 0>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens,  \
+                                 block_table, scale, window, soft_cap);                          \
   }
   if (query.scalar_type() == at::kFloat) {
     SPARROW_PAGED_ATTENTION(float)

@@ -1,0 +1,198 @@
+"""Mixture-of-experts layers: the ``fused_moe`` op and the sparse MoE block the MoE models share.
+
+The block routes each token to ``top_k`` of ``num_experts`` gated MLPs (HF transformers' rule:
+softmax over the router logits in float32, top-k, optionally renormalised) and mixes their outputs
+with the routing weights. The experts' weights are stacked, one tensor per projection:
+
+* ``gate_up_proj``: ``[E, 2 * I_per_rank, H]`` (this rank's gate rows, then its up rows)
+* ``down_proj``:    ``[E, H, I_per_rank]``
+
+Tensor parallelism splits every expert's intermediate size, as a dense MLP is split (gate/up
+column-parallel, down row-parallel): each rank computes a partial sum over its slice of the
+intermediate features, and the layer all-reduces it. The op call itself is rank-local.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparrow.layers.parallel import (
+    ParallelContext,
+    copy_checked,
+    default_weight_loader,
+    divide,
+    loaded_shape,
+    narrow_loaded,
+    resolve_tp,
+)
+from sparrow.ops.base import CustomOp
+
+# shard ids of one expert's checkpoint tensor: (projection, expert index)
+GATE, UP, DOWN = "gate", "up", "down"
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, E]`` router logits -> (``[T, k]`` float32 weights, ``[T, k]`` int64 expert ids).
+
+    Softmax in float32 over all experts, then the top k; with ``renormalize`` the k weights are
+    divided by their sum (Mixtral always, Qwen3-MoE when ``norm_topk_prob``), as transformers does.
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class FusedMoE(CustomOp):
+    """The ``fused_moe`` op: every token's chosen experts' gated MLPs, mixed by routing weight.
+
+    The op call is ``(hidden [T, H], topk_weights [T, k], topk_ids [T, k]) -> [T, H]`` on this
+    rank's expert slices (a partial sum under tensor parallelism); ``forward`` adds the all-reduce.
+    A platform's implementation may repack ``gate_up_proj`` / ``down_proj`` when bound.
+    """
+
+    op_name = "fused_moe"
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
+                 tp: ParallelContext | None = None, reduce_results: bool = True,
+                 params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        self.tp = resolve_tp(tp)
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.intermediate_size_per_rank = divide(intermediate_size, self.tp.world_size, "moe_intermediate_size")
+        self.reduce_results = reduce_results
+        inter = self.intermediate_size_per_rank
+        # Uninitialised on purpose: every value is overwritten by load_weights.
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, dtype=params_dtype),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inter, dtype=params_dtype),
+                                      requires_grad=False)
+        self.gate_up_proj.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.down_proj.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        impl = self._op_impl
+        out = impl(hidden, topk_weights, topk_ids) if impl is not None else \
+            self.forward_native(hidden, topk_weights, topk_ids)
+        if self.reduce_results:
+            out = self.tp.all_reduce(out)
+        return out
+
+    def forward_native(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor) -> torch.Tensor:
+        # The (token, expert) pairs are sorted by expert so that each expert runs one matmul over
+        # all its tokens; the Python loop is over experts, never over tokens.
+        num_tokens, top_k = topk_ids.shape
+        inter = self.gate_up_proj.shape[1] // 2
+        flat_ids = topk_ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)  # [T*k] pair indices grouped by expert
+        token_of_pair = order // top_k
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        x = hidden.index_select(0, token_of_pair)  # [T*k, H] in expert order
+        expert_out = torch.empty_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = slice(start, start + count)
+            gate_up = F.linear(x[rows], self.gate_up_proj[expert])  # [n, 2 * inter]
+            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            expert_out[rows] = F.linear(act, self.down_proj[expert])  # [n, H]
+            start += count
+        # As transformers does: the routing weight multiplies each expert's output in the weights'
+        # dtype (float32 for Mixtral), then the products are summed per token in the model's dtype.
+        weighted = (expert_out * topk_weights.reshape(-1)[order].unsqueeze(1)).to(hidden.dtype)
+        out = torch.zeros(num_tokens, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+        return out.index_add_(0, token_of_pair, weighted)
+
+    # -- weight loading ------------------------------------------------------------------------
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Hashable = None) -> None:
+        """Copy this rank's part of a checkpoint tensor into ``param``.
+
+        ``shard_id`` is ``(projection, expert)`` for one expert's ``[I, H]`` gate or up tensor or
+        ``[H, I]`` down tensor (the hub layout), or None for the whole stack of every expert
+        (transformers 5's fused ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``).
+        """
+        inter, full = self.intermediate_size_per_rank, self.intermediate_size
+        start = self.tp.rank * inter
+        shape = loaded_shape(loaded)
+        if shard_id is None:
+            if param is self.gate_up_proj:
+                self._check(shape, (self.num_experts, 2 * full, self.hidden_size), "gate_up_proj")
+                copy_checked(param.data[:, :inter], narrow_loaded(loaded, 1, start, inter))
+                copy_checked(param.data[:, inter:], narrow_loaded(loaded, 1, full + start, inter))
+            else:
+                self._check(shape, (self.num_experts, self.hidden_size, full), "down_proj")
+                copy_checked(param.data, narrow_loaded(loaded, 2, start, inter))
+            return
+        if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id[0] in (GATE, UP, DOWN)
+                and isinstance(shard_id[1], int) and 0 <= shard_id[1] < self.num_experts):
+            raise ValueError(f"unknown shard_id {shard_id!r} for FusedMoE; expected (projection, expert) with "
+                             f"projection one of {GATE!r}, {UP!r}, {DOWN!r} and expert < {self.num_experts}")
+        projection, expert = shard_id
+        if projection == DOWN:
+            self._check(shape, (self.hidden_size, full), "down_proj")
+            copy_checked(self.down_proj.data[expert], narrow_loaded(loaded, 1, start, inter))
+        else:
+            self._check(shape, (full, self.hidden_size), f"{projection}_proj")
+            offset = 0 if projection == GATE else inter
+            copy_checked(self.gate_up_proj.data[expert, offset:offset + inter], narrow_loaded(loaded, 0, start, inter))
+
+    @staticmethod
+    def _check(shape: tuple[int, ...], expected: tuple[int, ...], what: str) -> None:
+        if tuple(shape) != expected:
+            raise ValueError(f"checkpoint shape {tuple(shape)} does not match the experts' {what}: expected {expected}")
+
+    def layer_repr(self) -> str:
+        return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
+                f"intermediate_per_rank={self.intermediate_size_per_rank}, tp={self.tp.rank}/{self.tp.world_size}")
+
+
+class MoeRouter(nn.Module):
+    """The router's ``[E, H]`` weight, replicated on every rank (it is tiny and every rank routes)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=params_dtype), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)  # [T, E]
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (``gate``) and experts (``experts``): the MLP of a mixture-of-experts layer.
+
+    ``weights_in_model_dtype``: Qwen3-MoE casts the routing weights to the model's dtype before
+    they multiply the experts' outputs; Mixtral keeps them in float32.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, *,
+                 renormalize: bool, weights_in_model_dtype: bool, tp: ParallelContext | None = None,
+                 params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok ({top_k}) must be between 1 and the number of experts "
+                             f"({num_experts})")
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.weights_in_model_dtype = weights_in_model_dtype
+        self.gate = MoeRouter(hidden_size, num_experts, params_dtype)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, tp=tp, params_dtype=params_dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # [T, H] -> [T, H]
+        weights, ids = select_experts(self.gate(hidden), self.top_k, self.renormalize)
+        if self.weights_in_model_dtype:
+            weights = weights.to(hidden.dtype)
+        return self.experts(hidden, weights, ids)

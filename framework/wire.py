@@ -44,6 +44,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     num_computed_tokens: int
     # Output so far: non-empty only for a request resumed after preemption, which is recomputed.
     output_token_ids: list[int] = []
+    # Hybrid KV cache (sliding and full-attention layers): block ids of KV cache groups 1..,
+    # one list each; ``block_ids`` are group 0's. Empty when every layer is in one group.
+    extra_group_block_ids: list[list[int]] = []
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -53,6 +56,9 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     # Blocks appended since the previous step (often empty).
     new_block_ids: list[list[int]] = []
     num_computed_tokens: list[int] = []
+    # Hybrid KV cache: per request, the blocks appended to each of KV cache groups 1.. (empty
+    # when every layer is in one group; ``new_block_ids`` are group 0's).
+    new_extra_group_block_ids: list[list[list[int]]] = []
 
     @property
     def num_reqs(self) -> int:

@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from sparrow.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
+from sparrow.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock, group_block_hash
 
 if TYPE_CHECKING:
     from sparrow.core.request import Request
@@ -26,14 +26,20 @@ class BlockPool:
     moment its cached content is evicted.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+    def __init__(self, num_blocks: int, enable_caching: bool = True, reserve_null_block: bool = False) -> None:
+        min_num_blocks = 2 if reserve_null_block else 1
+        if not isinstance(num_blocks, int) or num_blocks < min_num_blocks:
+            raise ValueError(f"num_blocks must be an integer >= {min_num_blocks}, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         # block_id -> block; index == block_id
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        # Sliding windows: a request's blocks that slid out of the window are freed and replaced
+        # in its table by this block, so that block index == position // block_size still holds.
+        # It is never handed out, written or cached; kernels may read it (and mask what they read).
+        self.null_block: KVCacheBlock | None = self.free_block_queue.popleft() if reserve_null_block else None
+        self.num_usable_blocks = num_blocks - min_num_blocks + 1
         # block_hash -> {block_id: block}. Several blocks may hold the same content when two
         # requests computed the same prefix before either was cached; any one of them serves a
         # hit, and evicting one must not forget the others.
@@ -53,12 +59,14 @@ class BlockPool:
         num_cached_blocks: int,
         num_full_blocks: int,
         block_size: int,
+        kv_cache_group_id: int = 0,
     ) -> None:
         """Index ``blocks[num_cached_blocks:num_full_blocks]``, which have just become full.
 
-        Their hashes come from ``request.block_hashes`` (which must already cover them). Blocks
-        that already carry a hash (prefix-cache hits shared with another request) are left as
-        they are. ``block_size`` is accepted to mirror the manager's call; hashes are already
+        Their hashes come from ``request.block_hashes`` (which must already cover them), keyed by
+        ``kv_cache_group_id`` (see ``group_block_hash``). Blocks that already carry a hash
+        (prefix-cache hits shared with another request) and the null block are left as they
+        are. ``block_size`` is accepted to mirror the manager's call; hashes are already
         per-block so it is only used for the error message.
         """
         if not self.enable_caching or num_full_blocks <= num_cached_blocks:
@@ -78,9 +86,9 @@ class BlockPool:
             )
         for block_index in range(num_cached_blocks, num_full_blocks):
             block = blocks[block_index]
-            if block.block_hash is not None:
+            if block.block_hash is not None or block is self.null_block:
                 continue
-            block_hash = block_hashes[block_index]
+            block_hash = group_block_hash(block_hashes[block_index], kv_cache_group_id)
             block.block_hash = block_hash
             self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
 
@@ -98,7 +106,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only possible while no block is in use; returns success."""
-        if self.get_num_free_blocks() != self.num_blocks:
+        if self.get_num_free_blocks() != self.num_usable_blocks:
             return False
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
@@ -125,6 +133,8 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on blocks found in the prefix cache, reviving free ones."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
@@ -133,9 +143,11 @@ class BlockPool:
         """Drop one reference per listed block; blocks reaching 0 join the free queue's tail.
 
         The order is the eviction order among these blocks: the first listed is evicted first.
-        Validated before anything changes, so a bad call leaves the pool as it was.
+        The null block is skipped. Validated before anything changes, so a bad call leaves the
+        pool as it was.
         """
-        ordered_blocks = list(ordered_blocks)
+        null_block = self.null_block
+        ordered_blocks = [block for block in ordered_blocks if block is not null_block]
         num_releases = Counter(block.block_id for block in ordered_blocks)
         for block_id, count in num_releases.items():
             ref_cnt = self.blocks[block_id].ref_cnt
@@ -154,5 +166,6 @@ class BlockPool:
         return self.free_block_queue.num_free_blocks
 
     def get_usage(self) -> float:
-        """Fraction of blocks held by requests (0.0 when idle, 1.0 when full)."""
-        return 1.0 - self.get_num_free_blocks() / self.num_blocks
+        """Fraction of blocks held by requests (0.0 when idle, 1.0 when full); the null block
+        counts for neither."""
+        return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks

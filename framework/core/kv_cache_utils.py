@@ -7,7 +7,7 @@ the engine core and must stay cheap to import.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NewType
 
@@ -49,6 +49,17 @@ def hash_block_tokens(
     return BlockHash(hashlib.sha256(payload).digest())
 
 
+def group_block_hash(block_hash: BlockHash, kv_cache_group_id: int) -> BlockHash:
+    """The prefix-cache key of a block of KV cache group ``kv_cache_group_id``.
+
+    Every group of a hybrid cache holds the same tokens in its own blocks, so the key must name
+    the group too; group 0 keeps the bare hash (what a single-group cache and a KV connector use).
+    """
+    if kv_cache_group_id == 0:
+        return block_hash
+    return BlockHash(block_hash + kv_cache_group_id.to_bytes(2, "little"))
+
+
 def update_request_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
     """Extend ``request.block_hashes`` to cover every full block of ``request.all_token_ids``.
 
@@ -66,6 +77,61 @@ def update_request_block_hashes(request: Request, block_size: int) -> list[Block
         parent = hash_block_tokens(parent, tuple(token_ids[start:start + block_size]))
         block_hashes.append(parent)
     return block_hashes
+
+
+@dataclass(slots=True, frozen=True)
+class KVCacheGroupSpec:
+    """Layers that share one block table: same attention kind, same window.
+
+    ``sliding_window`` W (None: full attention) means a token at position p reads only the keys at
+    p - W + 1 .. p, so a request needs only its last W tokens' blocks in this group.
+    """
+
+    sliding_window: int | None
+    layer_indices: tuple[int, ...]
+
+
+def make_kv_cache_groups(layer_windows: Sequence[int | None], max_model_len: int | None = None,
+                         ) -> list[KVCacheGroupSpec]:
+    """Split the layers (``layer_windows[i]``: layer i's window, None for full attention) into
+    KV cache groups of equal size, full attention first, then windows in increasing size.
+
+    One kind of layer makes one group (a plain model; or Mistral, every layer sliding). Several
+    kinds (Gemma 2/3 interleave sliding and global layers) make groups of ``min(count per kind)``
+    layers each, so that layer j of every group can share one physical cache tensor: the groups
+    hand out disjoint block ids of one pool, and a pool block costs one group's layers. A window
+    that covers ``max_model_len`` is full attention. (The idea is vLLM V1's hybrid KV cache.)
+    """
+    by_window: dict[int | None, list[int]] = {}
+    for layer_index, window in enumerate(layer_windows):
+        if window is not None and max_model_len is not None and window >= max_model_len:
+            window = None
+        by_window.setdefault(window, []).append(layer_index)
+    if not by_window:
+        raise ValueError("make_kv_cache_groups needs at least one layer")
+    kinds = sorted(by_window, key=lambda window: -1 if window is None else window)
+    group_size = min(len(layers) for layers in by_window.values())
+    return [
+        KVCacheGroupSpec(window, tuple(layers[start:start + group_size]))
+        for window in kinds
+        for layers in (by_window[window],)
+        for start in range(0, len(layers), group_size)
+    ]
+
+
+def request_capacity_tokens(num_blocks: int, block_size: int, hf_config: Any, max_model_len: int) -> int:
+    """The most tokens the frontend lets one request ask for (its cheap check before sending).
+
+    ``num_blocks * block_size`` slots, unless every layer attends through a window shorter than
+    ``max_model_len``: such a request holds about its window only, and the engine core's
+    ``KVCacheManager.can_fit`` decides.
+    """
+    from sparrow.models.windows import layer_sliding_windows
+
+    windows = layer_sliding_windows(hf_config) if hf_config is not None else []
+    if windows and all(window is not None and window < max_model_len for window in windows):
+        return max_model_len
+    return num_blocks * block_size
 
 
 @dataclass(slots=True, eq=False)

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from sparrow.config import EngineConfig
+from sparrow.core.kv_cache_utils import request_capacity_tokens
 from sparrow.engine.exceptions import EngineDeadError
 from sparrow.engine.input_processor import PromptType
 from sparrow.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
@@ -113,7 +114,8 @@ class AsyncLLM:
         else:
             self.engine_core = AsyncMPClient(self.config, executor_factory=executor_factory)
         kv_info = self.engine_core.kv_cache_info
-        self.kv_cache_capacity_tokens = kv_info["num_blocks"] * kv_info["block_size"]
+        self.kv_cache_capacity_tokens = request_capacity_tokens(
+            kv_info["num_blocks"], kv_info["block_size"], self.hf_config, self.model_config.max_model_len or 0)
 
     @classmethod
     def from_engine_args(cls, executor_factory: str | None = None, **engine_args: Any) -> AsyncLLM:

@@ -10,6 +10,7 @@ from typing import Any
 
 from sparrow.config import EngineConfig
 from sparrow.core.kv_cache_manager import KVCacheManager
+from sparrow.core.kv_cache_utils import KVCacheGroupSpec
 from sparrow.core.request import FinishReason, Request, RequestStatus
 from sparrow.core.sched.interface import SchedulerInterface
 from sparrow.core.sched.output import SchedulerOutput
@@ -36,9 +37,16 @@ class EngineCore:
                     time.perf_counter() - started, kv_info.num_blocks, kv_info.block_size)
         self.num_kv_blocks = kv_info.num_blocks
         self.block_size = kv_info.block_size
+        kv_cache_groups = worker_kv_cache_groups(self.executor)
+        try:
+            check_connector_supports(config, kv_cache_groups)
+        except ValueError:
+            self.executor.shutdown()  # the workers are up: do not leave them behind
+            raise
         self.kv_cache_manager = KVCacheManager(
             num_blocks=kv_info.num_blocks, block_size=kv_info.block_size,
-            enable_caching=config.cache.enable_prefix_caching,
+            enable_caching=config.cache.enable_prefix_caching, kv_cache_groups=kv_cache_groups,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.scheduler = build_scheduler(config, self.kv_cache_manager, self.pm)
         self._schedule = schedule_step(self.pm, self.scheduler)
@@ -182,6 +190,32 @@ class EngineCore:
         if self._structured_output is not None:
             self._structured_output.shutdown()
         self.executor.shutdown()
+
+
+def worker_kv_cache_groups(executor: Executor) -> list[KVCacheGroupSpec] | None:
+    """How the workers split the layers into KV cache groups (rank 0's answer: every rank loads
+    the same model), or None, one group of full-attention layers, for a worker that does not say
+    (one not built on ``WorkerBase``, a test's fake)."""
+    try:
+        groups = executor.collective_rpc("kv_cache_groups")[0]
+    except (AttributeError, NotImplementedError):
+        return None
+    except RuntimeError as exc:  # how the multiprocess executor reports a worker's AttributeError
+        if "has no method 'kv_cache_groups'" not in str(exc):
+            raise
+        return None
+    return [KVCacheGroupSpec(window, tuple(layer_indices)) for window, layer_indices in groups]
+
+
+def check_connector_supports(config: EngineConfig, kv_cache_groups: list[KVCacheGroupSpec] | None) -> None:
+    """A KV connector moves whole prefixes block by block; a sliding-window group no longer holds
+    the blocks that slid out of its window, so the two do not mix (yet)."""
+    windows = sorted({group.sliding_window for group in kv_cache_groups or () if group.sliding_window})
+    if windows and config.kv_transfer.kv_connector is not None:
+        raise ValueError(
+            f"kv_transfer.kv_connector={config.kv_transfer.kv_connector!r} needs every layer to keep the "
+            f"whole context, but this model has sliding-window attention layers (window {windows[0]}) "
+            "whose KV cache keeps only the window; serve it without a KV connector")
 
 
 def model_vocab_size(model_dir: str | None) -> int | None:

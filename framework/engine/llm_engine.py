@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from sparrow.config import EngineConfig
+from sparrow.core.kv_cache_utils import request_capacity_tokens
 from sparrow.engine.input_processor import PromptType
 from sparrow.engine.messages import EngineCoreOutput, SchedulerStats
 from sparrow.engine.setup import build_frontend, finalize_config
@@ -37,7 +38,8 @@ class LLMEngine:
         self.output_processor = frontend.output_processor
         self.engine_core = make_engine_client(self.config, multiprocess)
         kv_info = self.engine_core.call_utility("get_kv_cache_info")
-        self.kv_cache_capacity_tokens = kv_info["num_blocks"] * kv_info["block_size"]
+        self.kv_cache_capacity_tokens = request_capacity_tokens(
+            kv_info["num_blocks"], kv_info["block_size"], self.hf_config, self.config.model.max_model_len or 0)
         self.last_stats: SchedulerStats | None = None
         # Outputs of a step that also raised (another request failed): handed out by the next step.
         self._held_outputs: list[RequestOutput] = []

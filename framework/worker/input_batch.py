@@ -28,6 +28,8 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    # Hybrid KV cache: block ids of KV cache groups 1.., one list each (``block_ids``: group 0's).
+    extra_group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -35,7 +37,8 @@ class CachedRequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int,
+                 num_kv_cache_groups: int = 1) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         # [max_num_reqs, max_model_len]: prompt then output token ids of the request in each row
@@ -44,6 +47,10 @@ class InputBatch:
         # [max_num_reqs, max_num_blocks_per_req]: physical block ids, 0 past num_blocks
         self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Hybrid KV cache: KV cache groups 1.. have tables of their own, shaped like block_table
+        # (which is group 0's).
+        self.extra_block_tables = [np.zeros_like(self.block_table) for _ in range(num_kv_cache_groups - 1)]
+        self.extra_num_blocks = [np.zeros_like(self.num_blocks) for _ in range(num_kv_cache_groups - 1)]
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.req_ids: list[str] = []  # row -> req_id
         self.req_id_to_row: dict[str, int] = {}
@@ -67,6 +74,13 @@ class InputBatch:
         self.num_tokens[row] = len(tokens)
         self.block_table[row, : len(state.block_ids)] = state.block_ids
         self.num_blocks[row] = len(state.block_ids)
+        if len(state.extra_group_block_ids) != len(self.extra_block_tables):
+            raise ValueError(f"request {state.req_id!r} has block ids for {1 + len(state.extra_group_block_ids)} "
+                             f"KV cache groups, the batch has {1 + len(self.extra_block_tables)}")
+        for table, num_blocks, block_ids in zip(self.extra_block_tables, self.extra_num_blocks,
+                                                state.extra_group_block_ids):
+            table[row, : len(block_ids)] = block_ids
+            num_blocks[row] = len(block_ids)
         self.num_computed_tokens[row] = state.num_computed_tokens
         self.req_ids.append(state.req_id)
         self.req_id_to_row[state.req_id] = row
@@ -91,6 +105,10 @@ class InputBatch:
         self.num_tokens[dst] = n_tok
         self.block_table[dst, :n_blk] = self.block_table[src, :n_blk]
         self.num_blocks[dst] = n_blk
+        for table, num_blocks in zip(self.extra_block_tables, self.extra_num_blocks):
+            n_blk = int(num_blocks[src])
+            table[dst, :n_blk] = table[src, :n_blk]
+            num_blocks[dst] = n_blk
         self.num_computed_tokens[dst] = self.num_computed_tokens[src]
         self.req_ids[dst] = self.req_ids[src]
         self.states[dst] = self.states[src]
@@ -102,6 +120,14 @@ class InputBatch:
         start = int(self.num_blocks[row])
         self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
+
+    def append_extra_group_blocks(self, row: int, extra_group_block_ids: list[list[int]]) -> None:
+        """Hybrid KV cache: append blocks to the row's tables of groups 1.., one list each."""
+        for table, num_blocks, block_ids in zip(self.extra_block_tables, self.extra_num_blocks,
+                                                extra_group_block_ids):
+            start = int(num_blocks[row])
+            table[row, start : start + len(block_ids)] = block_ids
+            num_blocks[row] = start + len(block_ids)
 
     def append_token(self, row: int, token_id: int) -> None:
         n = int(self.num_tokens[row])

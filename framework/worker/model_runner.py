@@ -6,6 +6,7 @@ overriding :meth:`ModelRunner.run_model` and the tensor-transfer helpers.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -14,7 +15,9 @@ import torch
 
 from sparrow.attention import AttentionMetadata
 from sparrow.config import EngineConfig
+from sparrow.core.kv_cache_utils import KVCacheGroupSpec, make_kv_cache_groups
 from sparrow.core.sched.output import SchedulerOutput
+from sparrow.layers.attention import Attention
 from sparrow.sample.logits_processor.load import build_logits_processors
 from sparrow.sample.logprobs import compute_token_logprobs
 from sparrow.sample.metadata import SamplingTensors
@@ -62,7 +65,11 @@ class ModelRunner:
         self.max_num_blocks_per_req = -(-self.max_model_len // block_size)
         self.vocab_size = model.vocab_size
         self.requests: dict[str, CachedRequestState] = {}  # req_id -> state, scheduled or not
-        self.batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_blocks_per_req)
+        # Layers that share a block table; several groups when sliding-window and full-attention
+        # layers are mixed (a hybrid cache). The engine core's KV cache manager asks for these.
+        self.kv_cache_groups = assign_kv_cache_groups(model, self.max_model_len)
+        self.batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_blocks_per_req,
+                                num_kv_cache_groups=len(self.kv_cache_groups))
         # The built-in logits processors and those the configuration enables, built once.
         self.logits_processors = build_logits_processors(config, device, self.pin_memory)
         self.sampling_tensors = SamplingTensors(self.vocab_size, device, self.logits_processors)
@@ -75,18 +82,27 @@ class ModelRunner:
         self.kv_connector: Any = None  # worker half of a KV connector, set by the worker
 
     # -- KV cache ---------------------------------------------------------------------------
+    def num_kv_cache_tensors(self) -> int:
+        """Layer j of every KV cache group shares tensor j (the groups use disjoint block ids),
+        so there are as many tensors as the largest group has layers: every layer with one group."""
+        return max(len(group.layer_indices) for group in self.kv_cache_groups)
+
     def kv_cache_bytes_per_block(self) -> int:
-        num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
+        _, num_kv_heads, head_dim = self.model.kv_cache_spec()
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * num_layers * self.block_size * num_kv_heads * head_dim * element_size
+        return 2 * self.num_kv_cache_tensors() * self.block_size * num_kv_heads * head_dim * element_size
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
-        # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_caches = [
+        # each: [2, num_blocks, block_size, num_kv_heads, head_dim]
+        tensors = [
             torch.zeros(2, num_blocks, self.block_size, num_kv_heads, head_dim, dtype=self.dtype, device=self.device)
-            for _ in range(num_layers)
+            for _ in range(self.num_kv_cache_tensors())
         ]
+        # layer index -> its tensor: every layer is in exactly one group
+        layer_tensors = {layer_index: tensors[position] for group in self.kv_cache_groups
+                         for position, layer_index in enumerate(group.layer_indices)}
+        self.kv_caches = [layer_tensors[layer_index] for layer_index in range(num_layers)]
 
     # -- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -124,6 +140,7 @@ class ModelRunner:
                 req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
                 sampling_params=new.sampling_params, block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens, output_token_ids=list(new.output_token_ids),
+                extra_group_block_ids=[list(block_ids) for block_ids in new.extra_group_block_ids],
             )
         cached = so.scheduled_cached_reqs
         for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
@@ -135,6 +152,13 @@ class ModelRunner:
             if row is not None:
                 batch.append_blocks(row, new_block_ids)
                 batch.num_computed_tokens[row] = num_computed
+        for req_id, extra_group_block_ids in zip(cached.req_ids, cached.new_extra_group_block_ids):
+            state = self.requests[req_id]
+            for block_ids, new_block_ids in zip(state.extra_group_block_ids, extra_group_block_ids):
+                block_ids.extend(new_block_ids)
+            row = batch.req_id_to_row.get(req_id)
+            if row is not None:
+                batch.append_extra_group_blocks(row, extra_group_block_ids)
         scheduled = so.num_scheduled_tokens
         for req_id in [r for r in batch.req_ids if r not in scheduled]:
             batch.remove(req_id)  # kept in self.requests until it is scheduled again
@@ -158,10 +182,17 @@ class ModelRunner:
         block_ids = batch.block_table[rows, positions // block_size].astype(np.int64)
         slot_mapping = block_ids * block_size + positions % block_size
         padded = self.padded_num_tokens(total)
+        # Hybrid KV cache: [T] slots of groups 1.., from their own tables.
+        extra_slot_mappings = [
+            table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+            for table in batch.extra_block_tables
+        ]
         if padded > total:  # padding rows: token 0 at position 0, written nowhere (slot -1)
             input_ids = np.concatenate([input_ids, np.zeros(padded - total, dtype=input_ids.dtype)])
             positions = np.concatenate([positions, np.zeros(padded - total, dtype=positions.dtype)])
             slot_mapping = np.concatenate([slot_mapping, np.full(padded - total, -1, dtype=np.int64)])
+            extra_slot_mappings = [np.concatenate([slots, np.full(padded - total, -1, dtype=np.int64)])
+                                   for slots in extra_slot_mappings]
         seq_lens = (num_computed + num_scheduled).astype(np.int32)  # [num_reqs]
         max_blocks = int(batch.num_blocks[:num_reqs].max())
         complete_rows = seq_lens >= batch.num_tokens[:num_reqs]
@@ -174,6 +205,14 @@ class ModelRunner:
             query_start_loc_cpu=torch.from_numpy(query_start_loc), seq_lens_cpu=torch.from_numpy(seq_lens),
             is_decode_only=bool(total == num_reqs),
         )
+        if extra_slot_mappings:
+            metadata.groups = [metadata] + [
+                dataclasses.replace(
+                    metadata, block_table=self.to_device(table[:num_reqs, :int(num_blocks[:num_reqs].max())]),
+                    slot_mapping=self.to_device(slots))
+                for table, num_blocks, slots in zip(batch.extra_block_tables, batch.extra_num_blocks,
+                                                    extra_slot_mappings)
+            ]
         batch.num_computed_tokens[:num_reqs] += num_scheduled
         return StepInputs(
             input_ids=self.to_device(input_ids), positions=self.to_device(positions), metadata=metadata,
@@ -202,8 +241,15 @@ class ModelRunner:
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass; subclasses may replay a CUDA graph here."""
-        self.model.attn_backend.prepare(inputs.metadata)
+        self.prepare_attention(inputs.metadata)
         return self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+
+    def prepare_attention(self, metadata: AttentionMetadata) -> None:
+        """The backend's per-step planning, once per KV cache group (each has its own tables)."""
+        backend = self.model.attn_backend
+        backend.prepare(metadata)
+        for group_metadata in (metadata.groups or ())[1:]:
+            backend.prepare(group_metadata)
 
     def sample(self, hidden_states: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
         batch = self.batch
@@ -273,3 +319,22 @@ class ModelRunner:
             chosen = torch.tensor(state.prompt_token_ids[start + 1 : stop + 1], device=logits.device)
             out[state.req_id] = compute_token_logprobs(logits.log_softmax(dim=-1), chosen, k)
         return out
+
+
+def assign_kv_cache_groups(model: Any, max_model_len: int) -> list[KVCacheGroupSpec]:
+    """Group the model's layers by their attention layers' sliding windows and set each
+    attention layer's ``kv_group``. A model whose attention layers are not ``Attention`` modules
+    numbered 0..num_layers-1 (a plugin's own) keeps one group of full-attention layers."""
+    num_layers = model.kv_cache_spec()[0]
+    layers = sorted((module for module in model.modules() if isinstance(module, Attention)),
+                    key=lambda layer: layer.layer_index)
+    if [layer.layer_index for layer in layers] != list(range(num_layers)):
+        return [KVCacheGroupSpec(None, tuple(range(num_layers)))]
+    groups = make_kv_cache_groups([layer.sliding_window for layer in layers], max_model_len)
+    for group_id, group in enumerate(groups):
+        for layer_index in group.layer_indices:
+            layers[layer_index].kv_group = group_id
+    if len(groups) > 1:
+        logger.info("hybrid KV cache: %d groups of %d layers (sliding windows %s)", len(groups),
+                    len(groups[0].layer_indices), [group.sliding_window for group in groups])
+    return groups

@@ -97,6 +97,13 @@ class WorkerBase:
             )
         return int(num_blocks)
 
+    def kv_cache_groups(self) -> list[tuple[int | None, list[int]]]:
+        """``(sliding_window, layer_indices)`` of each KV cache group, for the engine core's KV
+        cache manager: one group of every layer unless the model mixes sliding-window and
+        full-attention layers."""
+        assert self.model_runner is not None
+        return [(group.sliding_window, list(group.layer_indices)) for group in self.model_runner.kv_cache_groups]
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         assert self.model_runner is not None
         self.model_runner.initialize_kv_cache(num_blocks)

@@ -74,6 +74,11 @@ class CudaModelRunner(ModelRunner):
     # -- CUDA graphs ------------------------------------------------------------------------
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:
+        if len(self.kv_cache_groups) > 1:
+            # The static buffers hold one block table and one slot mapping; a hybrid cache has
+            # one per group. Such models decode eagerly.
+            logger.info("CUDA graphs off: the hybrid KV cache has %d groups", len(self.kv_cache_groups))
+            return
         sizes = graph_batch_sizes(self.max_num_reqs)
         max_bs = sizes[-1]
         dev = self.device

@@ -46,6 +46,8 @@ class StepPlan:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # req_id -> block ids added this step (running requests only)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Hybrid KV cache only: req_id -> block ids added to each of KV cache groups 1..
+    new_extra_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)
     scheduled_running: list[Request] = field(default_factory=list)
     scheduled_new: list[Request] = field(default_factory=list)
     # Memory ran out this step: no waiting request is admitted.
@@ -205,6 +207,7 @@ class Scheduler(SchedulerInterface):
                     # Already scheduled this step: give its budget back.
                     plan.token_budget += plan.num_scheduled_tokens.pop(victim.request_id)
                     plan.new_block_ids.pop(victim.request_id, None)
+                    plan.new_extra_block_ids.pop(victim.request_id, None)
                     plan.scheduled_running.remove(victim)
                 if self.running.index(victim) < index:
                     index -= 1
@@ -216,6 +219,8 @@ class Scheduler(SchedulerInterface):
             plan.scheduled_running.append(request)
             plan.num_scheduled_tokens[request.request_id] = num_new_tokens
             plan.new_block_ids[request.request_id] = new_blocks.get_block_ids()
+            if new_blocks.extra_groups is not None:
+                plan.new_extra_block_ids[request.request_id] = new_blocks.get_extra_group_block_ids()
             plan.token_budget -= num_new_tokens
             index += 1
 
@@ -272,6 +277,8 @@ class Scheduler(SchedulerInterface):
                 req_ids=[r.request_id for r in plan.scheduled_running],
                 new_block_ids=[plan.new_block_ids[r.request_id] for r in plan.scheduled_running],
                 num_computed_tokens=[r.num_computed_tokens for r in plan.scheduled_running],
+                new_extra_group_block_ids=[plan.new_extra_block_ids[r.request_id] for r in plan.scheduled_running]
+                if plan.new_extra_block_ids else [],
             ),
             num_scheduled_tokens=plan.num_scheduled_tokens,
             total_num_scheduled_tokens=self.max_num_batched_tokens - plan.token_budget,
@@ -293,6 +300,7 @@ class Scheduler(SchedulerInterface):
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             output_token_ids=list(request.output_token_ids),
+            extra_group_block_ids=self.kv_cache_manager.get_extra_group_block_ids(request.request_id),
         )
 
     # -- after the forward ------------------------------------------------------------------

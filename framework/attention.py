@@ -42,6 +42,9 @@ class AttentionMetadata:
     # metadata per group, index = the layer's ``kv_group``; each has its own ``block_table`` and
     # ``slot_mapping`` (and ``backend_state``). None when every layer is in one group (this one).
     groups: list[AttentionMetadata] | None = None
+    # Which KV cache group this metadata describes (its index in ``groups``; 0 with one group).
+    # Backends that keep per-step state across layers key it by group (FlashInfer's wrappers).
+    kv_group: int = 0
 
     def for_group(self, kv_group: int) -> AttentionMetadata:
         """The metadata a layer of KV cache group ``kv_group`` attends with."""

@@ -267,6 +267,7 @@ class _FakeWrapper:
 
     def plan(self, *args, **kwargs):
         self.plans.append(kwargs)
+        self.plan_args = args
 
     def run(self, query, kv_cache, out):
         self.runs += 1
@@ -291,10 +292,43 @@ def test_flashinfer_plans_one_wrapper_per_window_and_soft_cap(monkeypatch):
         backend.prepare(step.metadata)
         for layer in layers:
             layer(step.query, step.new_keys, step.new_values, step.cache, step.metadata)
-    windowed_prefill, windowed_decode = backend._wrappers[(WINDOW, 5.0)]
-    plain_prefill, plain_decode = backend._wrappers[(None, None)]
+    windowed_prefill, windowed_decode = backend._wrappers[(0, WINDOW, 5.0)]
+    plain_prefill, plain_decode = backend._wrappers[(0, None, None)]
     assert [(p["window_left"], p["logits_soft_cap"]) for p in windowed_prefill.plans] == [(WINDOW - 1, 5.0)] * 2
     plain = [(p["window_left"], p["logits_soft_cap"], p["causal"]) for p in plain_prefill.plans]
     assert plain == [(-1, None, True)] * 2
     assert [(p["window_left"], p["logits_soft_cap"]) for p in windowed_decode.plans] == [(WINDOW - 1, 5.0)]
     assert len(plain_decode.plans) == 1 and windowed_prefill.runs == 4 and plain_prefill.runs == 2
+
+
+def test_flashinfer_plans_each_kv_cache_group_on_its_own_wrappers(monkeypatch):
+    # A hybrid cache: two groups of sliding layers with the same window but their own block
+    # tables. Planning the second group must not replace the first group's plan.
+    import dataclasses
+    import types
+
+    fake = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=_FakeWrapper,
+                                 BatchDecodeWithPagedKVCacheWrapper=_FakeWrapper)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    from sparrow_cuda.attention import FlashInferAttentionBackend
+
+    backend = FlashInferAttentionBackend(6, 2, 16, 0.25, torch.float32, torch.device("cpu"), block_size=4,
+                                         workspace_bytes=16)
+    backend._ops = types.SimpleNamespace(reshape_and_cache=lambda *args: None)
+    layers = [Attention(backend, index, sliding_window=WINDOW) for index in range(4)]
+    for index, layer in enumerate(layers):
+        layer.kv_group = index % 2
+    step = Step(MIXED, heads=6, kv_heads=2, head_dim=16, block_size=4, window=None)
+    metadata = step.metadata
+    other_table = metadata.block_table.flip(-1).contiguous()  # the second group's own block ids
+    metadata.groups = [metadata, dataclasses.replace(metadata, block_table=other_table, kv_group=1)]
+    for group_metadata in metadata.groups:
+        backend.prepare(group_metadata)
+    for layer in layers:
+        layer(step.query, step.new_keys, step.new_values, step.cache, metadata)
+    first, _ = backend._wrappers[(0, WINDOW, None)]
+    second, _ = backend._wrappers[(1, WINDOW, None)]
+    assert first is not second and len(first.plans) == len(second.plans) == 1
+    assert first.runs == second.runs == 2
+    # Each wrapper was planned with its own group's pages (kv_indices, the plan's third argument).
+    assert not torch.equal(first.plan_args[2], second.plan_args[2])

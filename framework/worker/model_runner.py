@@ -209,9 +209,9 @@ class ModelRunner:
             metadata.groups = [metadata] + [
                 dataclasses.replace(
                     metadata, block_table=self.to_device(table[:num_reqs, :int(num_blocks[:num_reqs].max())]),
-                    slot_mapping=self.to_device(slots))
-                for table, num_blocks, slots in zip(batch.extra_block_tables, batch.extra_num_blocks,
-                                                    extra_slot_mappings)
+                    slot_mapping=self.to_device(slots), kv_group=group)
+                for group, (table, num_blocks, slots) in enumerate(
+                    zip(batch.extra_block_tables, batch.extra_num_blocks, extra_slot_mappings), start=1)
             ]
         batch.num_computed_tokens[:num_reqs] += num_scheduled
         return StepInputs(

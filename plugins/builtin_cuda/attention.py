@@ -68,6 +68,7 @@ class _FlashInferPlan:
     is_decode_only: bool
     # The plan() arguments every variant shares: (positional, keyword) for the chosen wrapper kind.
     plan_args: tuple[tuple, dict]
+    kv_group: int = 0  # the KV cache group whose block table was planned
 
 
 def paged_kv_layout(
@@ -108,6 +109,8 @@ class FlashInferAttentionBackend(AttentionBackend):
     Layers with a sliding window or logit soft-capping need wrappers planned with them
     (``window_left = W - 1``, ``logits_soft_cap``): one pair of wrappers per distinct
     (window, soft cap), made on first use and planned by the step's first layer that needs it.
+    A hybrid KV cache (``metadata.groups``) plans each group's block table separately, so wrappers
+    are kept per (KV cache group, window, soft cap): one group's plan never replaces another's.
     They share the workspace, as the prefill and decode wrappers do: their runs are sequential on
     one stream.
     """
@@ -132,10 +135,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._ops = triton_ops
         self.block_size = block_size
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
-        # (sliding_window, logits_soft_cap) -> (prefill wrapper, decode wrapper)
-        self._wrappers: dict[tuple[int | None, float | None], tuple[Any, Any]] = {}
+        # (kv_group, sliding_window, logits_soft_cap) -> (prefill wrapper, decode wrapper)
+        self._wrappers: dict[tuple[int, int | None, float | None], tuple[Any, Any]] = {}
 
-    def _wrapper_pair(self, variant: tuple[int | None, float | None]) -> tuple[Any, Any]:
+    def _wrapper_pair(self, variant: tuple[int, int | None, float | None]) -> tuple[Any, Any]:
         pair = self._wrappers.get(variant)
         if pair is None:
             flashinfer = self._flashinfer
@@ -169,7 +172,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             plan_args = ((qo_indptr_cpu, kv_indptr, kv_indices, last_page_len, self.num_heads,
                           self.num_kv_heads, self.head_dim, page_size), dict(common, causal=True))
         plan = _FlashInferPlan(wrappers={}, page_size=page_size, num_tokens=int(qo_indptr_cpu[-1]),
-                               owner=id(self), is_decode_only=metadata.is_decode_only, plan_args=plan_args)
+                               owner=id(self), is_decode_only=metadata.is_decode_only, plan_args=plan_args,
+                               kv_group=metadata.kv_group)
         # Wrappers are planned by the first layer that runs each variant (see _planned_wrapper).
         return plan
 
@@ -177,7 +181,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         """The wrapper of ``variant`` planned for this step (planned now on first use)."""
         wrapper = plan.wrappers.get(variant)
         if wrapper is None:
-            prefill, decode = self._wrapper_pair(variant)
+            prefill, decode = self._wrapper_pair((plan.kv_group, *variant))
             wrapper = decode if plan.is_decode_only else prefill
             sliding_window, soft_cap = variant
             args, kwargs = plan.plan_args

@@ -6,6 +6,13 @@ token-id prompt (length uniform in [input_len_min, input_len_max)) sent to /v1/c
 ``max_tokens`` uniform in [output_len_min, output_len_max), ``ignore_eos`` and streaming, like
 the offline CPU workload. Reported with vLLM's names: completed, failed, request throughput,
 output token throughput, TTFT, TPOT, ITL and E2EL (mean, median, p99, in ms).
+
+``--trace FILE`` replays a request trace (sparrow.bench.trace) instead: each request is sent at its
+``arrival_s`` with its prompt (token ids, or ``prompt_len`` ids drawn so that a ``prefix_group`` shares
+its prefix), ``output_len`` as ``max_tokens`` and its ``priority``; ``--trace-answers server`` puts
+the server's real answer to a conversation's previous turn into the next turn's prompt (which then
+waits for that answer). When the server exposes /metrics,
+the prefix-cache hit rate and the preemptions over the run are reported too.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import platform
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -27,6 +34,13 @@ from typing import Any
 class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
+    priority: int = 0
+    arrival_s: float | None = None  # from a trace; None: Poisson arrivals at --request-rate
+    # --trace-answers server: this request's prefix runs into the answer of request ``extends``
+    # (an earlier turn of its conversation), so it waits for that answer and splices it in.
+    extends: int | None = None
+    prefix_len: int = 0
+    return_ids: bool = False  # a later request extends this one: ask for its output token ids
 
 
 @dataclass(slots=True)
@@ -38,6 +52,8 @@ class RequestResult:
     ttft: float = 0.0  # seconds to the first streamed text
     latency: float = 0.0  # seconds to the end of the stream
     itl: list[float] = field(default_factory=list)  # gaps between streamed chunks
+    prompt_ids: list[int] = field(default_factory=list)  # as sent
+    output_ids: list[int] = field(default_factory=list)  # only when the request asked for them
 
 
 def make_requests(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
@@ -52,6 +68,65 @@ def make_requests(num_prompts: int, input_len: tuple[int, int], output_len: tupl
     return requests
 
 
+def trace_requests(path: str, num_prompts: int | None, vocab_size: int, seed: int,
+                   server_answers: bool = False) -> list[BenchRequest]:
+    """The first ``num_prompts`` requests of a trace file (all when None), with their prompt ids.
+    With ``server_answers``, a request whose ``prefix_len`` goes past its group's latest earlier
+    prompt (a conversation's next turn) is chained to that request, to splice in its real answer."""
+    from sparrow.bench.trace import load_trace, prompt_tokens
+
+    trace = load_trace(path)
+    if num_prompts is not None:
+        trace = trace[:num_prompts]
+    requests = [BenchRequest(ids, request.output_len, request.priority, request.arrival_s,
+                             prefix_len=request.prefix_len)
+                for request, ids in zip(trace, prompt_tokens(trace, vocab_size, seed))]
+    if server_answers:
+        latest: dict[str, int] = {}
+        for index, request in enumerate(trace):
+            if request.prefix_group is None:
+                continue
+            before = latest.get(request.prefix_group)
+            if before is not None and request.prefix_len > trace[before].num_prompt_tokens:
+                requests[index].extends = before
+                requests[before].return_ids = True
+            latest[request.prefix_group] = index
+    return requests
+
+
+def splice_answer(request: BenchRequest, previous: RequestResult) -> BenchRequest:
+    """``request`` with its prefix taken from the previous turn's prompt and real answer (where the
+    answer is missing, failed or short, the drawn ids stay; the prompt keeps its length)."""
+    head = (previous.prompt_ids + previous.output_ids)[:request.prefix_len]
+    return replace(request, prompt_token_ids=head + request.prompt_token_ids[len(head):])
+
+
+# Counters read from /metrics before and after a run (any "prefix:" namespace, vLLM's or ours).
+SERVER_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+
+
+async def server_counters(client: Any, base_url: str) -> dict[str, float] | None:
+    """The server's cumulative counters, summed over labels; None when it has no /metrics."""
+    try:
+        response = await client.get(base_url.rstrip("/") + "/metrics")
+    except Exception:  # noqa: BLE001 - a server without metrics is still benchmarked
+        return None
+    if response.status_code != 200:
+        return None
+    values: dict[str, float] = {}
+    for line in response.text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        base = name.split("{", 1)[0].rsplit(":", 1)[-1].removesuffix("_total")
+        if base in SERVER_COUNTERS:
+            try:
+                values[base] = values.get(base, 0.0) + float(value)
+            except ValueError:
+                continue
+    return values if "prefix_cache_queries" in values else None
+
+
 async def send_request(client: Any, url: str, model: str | None, request: BenchRequest,
                        temperature: float) -> RequestResult:
     payload: dict[str, Any] = {
@@ -60,7 +135,11 @@ async def send_request(client: Any, url: str, model: str | None, request: BenchR
     }
     if model:
         payload["model"] = model
-    result = RequestResult(prompt_len=len(request.prompt_token_ids))
+    if request.priority:
+        payload["priority"] = request.priority
+    if request.return_ids:
+        payload.update(logprobs=0, return_tokens_as_token_ids=True)
+    result = RequestResult(prompt_len=len(request.prompt_token_ids), prompt_ids=request.prompt_token_ids)
     started = last = time.perf_counter()
     try:
         async with client.stream("POST", url, json=payload) as response:
@@ -80,6 +159,9 @@ async def send_request(client: Any, url: str, model: str | None, request: BenchR
                 now = time.perf_counter()
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
+                if request.return_ids:
+                    for choice in chunk.get("choices", []):
+                        result.output_ids.extend(_token_ids(choice.get("logprobs")))
                 if any(choice.get("text") for choice in chunk.get("choices", [])):
                     if result.ttft == 0.0:
                         result.ttft = now - started
@@ -93,7 +175,19 @@ async def send_request(client: Any, url: str, model: str | None, request: BenchR
     return result
 
 
-async def run_benchmark(args: argparse.Namespace, requests: list[BenchRequest]) -> tuple[list[RequestResult], float]:
+def _token_ids(logprobs: dict[str, Any] | None) -> list[int]:
+    """Ids from a streamed chunk's ``logprobs.tokens`` labelled 'token_id:N' (others are skipped)."""
+    ids = []
+    for label in (logprobs or {}).get("tokens") or []:
+        prefix, _, number = str(label).partition("token_id:")
+        if not prefix and number.isdigit():
+            ids.append(int(number))
+    return ids
+
+
+async def run_benchmark(args: argparse.Namespace, requests: list[BenchRequest]
+                        ) -> tuple[list[RequestResult], float, dict[str, float] | None]:
+    """The results, the duration and the server's counters over the run (None without /metrics)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -102,7 +196,11 @@ async def run_benchmark(args: argparse.Namespace, requests: list[BenchRequest]) 
     semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     rng = random.Random(args.seed + 1)
 
+    tasks: list[asyncio.Task] = []
+
     async def one(client: httpx.AsyncClient, request: BenchRequest) -> RequestResult:
+        if request.extends is not None:  # the previous turn's answer first (not holding a slot)
+            request = splice_answer(request, await tasks[request.extends])
         if semaphore is None:
             return await send_request(client, url, args.model, request, args.temperature)
         async with semaphore:
@@ -113,22 +211,33 @@ async def run_benchmark(args: argparse.Namespace, requests: list[BenchRequest]) 
     # Finished requests out of those planned (--max-seconds may stop sending early); on stderr.
     bar = tqdm(total=len(requests), desc="requests", unit="req", dynamic_ncols=True)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout), headers=headers, limits=limits) as client:
-        tasks = []
+        before = await server_counters(client, args.base_url)
         started = time.perf_counter()
         with bar:
             for request in requests:
-                if time.perf_counter() - started > args.max_seconds:
-                    bar.total = len(tasks)
-                    bar.refresh()
+                if request.arrival_s is not None:  # a trace: wait for the request's arrival time
+                    if request.arrival_s > args.max_seconds:
+                        break
+                    delay = started + request.arrival_s - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                elif time.perf_counter() - started > args.max_seconds:
                     break
                 task = asyncio.create_task(one(client, request))
                 task.add_done_callback(lambda _: bar.update(1))
                 tasks.append(task)
-                if args.request_rate != float("inf"):
+                if request.arrival_s is None and args.request_rate != float("inf"):
                     await asyncio.sleep(rng.expovariate(args.request_rate))
+            if len(tasks) < len(requests):
+                bar.total = len(tasks)
+                bar.refresh()
             results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - started
-    return list(results), duration
+        after = await server_counters(client, args.base_url) if before is not None else None
+    counters = None
+    if before is not None and after is not None:
+        counters = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in SERVER_COUNTERS}
+    return list(results), duration, counters
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -180,6 +289,10 @@ def print_table(summary: dict[str, Any]) -> None:
         for stat in ("mean", "median", "p99"):
             rows.append((f"{stat.capitalize() if stat != 'p99' else 'P99'} {name.upper()} (ms)",
                          f"{summary[f'{stat}_{name}_ms']:.2f}"))
+    if "prefix_cache_hit_rate" in summary:
+        rows += [("-- Server (/metrics) --", ""),
+                 ("Prefix cache hit rate (%)", f"{100 * summary['prefix_cache_hit_rate']:.2f}"),
+                 ("Preemptions", f"{summary['num_preemptions']}")]
     for name, value in rows:
         print(f"{name:<44}{value:>16}")
     print("=" * 60)
@@ -187,18 +300,43 @@ def print_table(summary: dict[str, Any]) -> None:
         print(f"error: {error}")
 
 
+def add_server_counters(summary: dict[str, Any], counters: dict[str, float] | None) -> None:
+    if counters is None:
+        return
+    queries, hits = int(counters["prefix_cache_queries"]), int(counters["prefix_cache_hits"])
+    summary.update({"prefix_cache_queries": queries, "prefix_cache_hits": hits,
+                    "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+                    "num_preemptions": int(counters["num_preemptions"])})
+
+
 def run(args: argparse.Namespace) -> int:
-    requests = make_requests(args.num_prompts, (args.input_len_min, args.input_len_max),
-                             (args.output_len_min, args.output_len_max), args.vocab_size, args.seed)
-    results, duration = asyncio.run(run_benchmark(args, requests))
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.trace_answers != "drawn" and not args.trace:
+        raise ValueError("--trace-answers applies only with --trace")
+    if args.trace:
+        if args.request_rate is not None:
+            raise ValueError("--request-rate does not apply with --trace: the trace's arrival_s times are replayed")
+        requests = trace_requests(args.trace, args.num_prompts, args.vocab_size, args.seed,
+                                  server_answers=args.trace_answers == "server")
+        rate = f"trace {args.trace}"
+    else:
+        args.request_rate = float("inf") if args.request_rate is None else args.request_rate
+        args.num_prompts = 64 if args.num_prompts is None else args.num_prompts
+        requests = make_requests(args.num_prompts, (args.input_len_min, args.input_len_max),
+                                 (args.output_len_min, args.output_len_max), args.vocab_size, args.seed)
+        rate = f"rate: {args.request_rate} req/s"
+    results, duration, counters = asyncio.run(run_benchmark(args, requests))
     summary = summarize(results, duration)
+    add_server_counters(summary, counters)
     summary.update({
-        "benchmark": "serve", "base_url": args.base_url, "request_rate": args.request_rate,
-        "num_prompts": args.num_prompts, "max_seconds": args.max_seconds,
+        "benchmark": "serve", "base_url": args.base_url, "request_rate": args.request_rate, "trace": args.trace,
+        "trace_answers": args.trace_answers if args.trace else None,
+        "num_prompts": len(requests), "max_seconds": args.max_seconds,
         "machine": f"{platform.node()} {platform.machine()}",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     })
-    print(f"machine: {summary['machine']}  {summary['date']}  rate: {args.request_rate} req/s")
+    print(f"machine: {summary['machine']}  {summary['date']}  {rate}")
     print_table(summary)
     if args.result_file:
         path = Path(args.result_file)
@@ -214,16 +352,25 @@ def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's address")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's)")
     parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: none)")
-    parser.add_argument("--request-rate", type=float, default=float("inf"),
-                        help="Poisson arrival rate in requests/s (default: inf, all at once)")
-    parser.add_argument("--num-prompts", type=int, default=64, help="requests to send")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="replay a JSONL request trace (arrival times, prompts, output lengths; see "
+                             "docs/benchmarks.md) instead of the random workload below")
+    parser.add_argument("--trace-answers", choices=("drawn", "server"), default="drawn",
+                        help="a conversation turn's copy of the previous answer: 'drawn' ids, sent at the "
+                             "trace's arrival time, or the 'server''s real answer, sent at the arrival time "
+                             "or when that answer ends, whichever is later (default: drawn)")
+    parser.add_argument("--request-rate", type=float, default=None,
+                        help="Poisson arrival rate in requests/s (default: inf, all at once; not with --trace)")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="requests to send (default: 64; with --trace, the whole trace)")
     parser.add_argument("--max-seconds", type=float, default=600.0, help="no request starts after this many seconds")
     parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (default: none)")
     parser.add_argument("--input-len-min", type=int, default=16, help="shortest prompt, in tokens")
     parser.add_argument("--input-len-max", type=int, default=400, help="prompt lengths are below this")
     parser.add_argument("--output-len-min", type=int, default=16, help="smallest max_tokens of a request")
     parser.add_argument("--output-len-max", type=int, default=200, help="max_tokens values are below this")
-    parser.add_argument("--vocab-size", type=int, default=4096, help="prompt token ids are drawn below this")
+    parser.add_argument("--vocab-size", type=int, default=4096,
+                        help="prompt token ids are drawn below this minus 16 (the tokenizer's special tokens)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrival times")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")

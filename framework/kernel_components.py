@@ -16,3 +16,9 @@ def sparrow_register_model_loaders(register) -> None:
 @hookimpl
 def sparrow_register_device_communicators(register) -> None:
     register("torch_distributed", "sparrow.distributed:TorchDistributedCommunicator")
+
+
+@hookimpl
+def sparrow_register_platforms(register) -> None:
+    # The simulated device (sparrow.sim): always present, below every real platform for device="auto".
+    register("sim", lambda: "sparrow.sim.platform:SimPlatform", priority=-1000)

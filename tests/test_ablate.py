@@ -93,3 +93,25 @@ def test_tiny_grid_writes_table_json_and_chart(qwen3_dir, tmp_path):
     import matplotlib.image
 
     assert matplotlib.image.imread(str(out_dir / "results.png")).ndim == 3
+
+
+def test_real_engine_replays_a_trace_at_its_arrival_times(qwen3_dir, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    lines = [{"arrival_s": 0.0, "prompt_len": 12, "output_len": 4},
+             {"arrival_s": 0.0, "prompt_len": 20, "output_len": 3, "prefix_group": "sys", "prefix_len": 16},
+             {"arrival_s": 0.4, "prompt_len": 24, "output_len": 5, "prefix_group": "sys", "prefix_len": 16}]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out_dir = tmp_path / "ablate"
+    engine_args = {"dtype": "float32", "max_model_len": 128, "num_kv_blocks": 32}
+    assert main(["bench", "ablate", qwen3_dir, "--trace", str(trace), "--no-multiprocess",
+                 "--engine-args", json.dumps(engine_args), "--output-dir", str(out_dir)]) == 0
+    report = json.loads((out_dir / "results.json").read_text())
+    assert report["workload"] == "trace" and report["trace"] == str(trace) and report["num_prompts"] == 3
+    point, = report["points"]
+    assert point["output_tokens"] == 12 and point["prompt_tokens"] == 56
+    # The last request was submitted at 0.4 s, not at t0: the run cannot end before it arrived.
+    assert point["elapsed_s"] >= 0.4
+    assert 0 < point["mean_ttft_s"] <= point["p99_ttft_s"] <= point["p99_e2e_s"]
+    # It shares its group's 16-token prefix with the second request: one full block hits.
+    assert point["prefix_cache_hits"] >= 16
+    assert "trace" in (out_dir / "results.md").read_text().splitlines()[0]

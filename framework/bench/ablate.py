@@ -15,7 +15,13 @@ Workloads (BENCHMARKS.md):
   20% long ones ([256, 512) prompt, [128, 256) output), interleaved at random.
 
 Every request also gets a random priority in {0, 1, 2}, read only by the ``priority`` scheduler.
-Writes ``results.md`` (table), ``results.json`` and ``results.png`` (chart) to ``--output-dir``.
+``--trace FILE`` replays a request trace instead (``sparrow.bench.trace``): each request is submitted
+at its arrival time, latencies count from that time.
+
+``--device sim --sim-gpu h100`` runs every point on the simulated device (``sparrow.sim``): the
+real scheduler and KV cache on simulated time, so a GPU-sized grid runs on a CPU in seconds per
+point and the same seed gives the same table. Per point, both kinds of run report TTFT and TPOT
+too. Writes ``results.md`` (table), ``results.json`` and ``results.png`` (chart) to ``--output-dir``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from sparrow.bench.ablate_report import COLUMNS, markdown_table, write_chart  # noqa: F401 - re-exported
 
 WORKLOADS = ("offline", "shared-prefix", "mixed")
 # (flag dest, engine argument, short label for chart and table)
@@ -49,6 +57,7 @@ class WorkItem:
     prompt_token_ids: list[int]
     max_tokens: int
     priority: int
+    arrival_s: float = 0.0  # seconds after the run starts (a trace's arrival time)
 
 
 # -- command line -----------------------------------------------------------------------------
@@ -84,6 +93,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--workload", choices=WORKLOADS, default="mixed",
                    help="offline (nothing shared), shared-prefix, or mixed (short and long requests)")
     p.add_argument("--num-prompts", type=_positive_int, default=64, help="requests in the workload")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="replay every request of this JSONL trace (sparrow.bench.trace) instead of --workload "
+                        "and --num-prompts: arrival times, prompt and output lengths, prefix groups, priorities")
+    p.add_argument("--device", default=None,
+                   help="device of every engine (default: the engine's); 'sim' runs the grid on the "
+                        "simulated device, in simulated time, in this process")
+    p.add_argument("--sim-gpu", default=None,
+                   help="the card simulated with --device sim: h100 (default), h200, a100, l40s")
     grid = p.add_argument_group("grid (comma-separated values; every combination is one point)")
     grid.add_argument("--schedulers", type=str, default="fcfs",
                       help="scheduler names, or 'all' for every registered scheduler")
@@ -100,7 +117,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--engine-args", default="{}",
                    help='JSON dict of extra engine arguments, e.g. \'{"dtype": "float32"}\'')
     p.add_argument("--multiprocess", action=argparse.BooleanOptionalAction, default=None,
-                   help="engine core in its own process (default: the engine's default, yes)")
+                   help="engine core in its own process (default: the engine's default, yes; "
+                        "--device sim always runs in this process)")
     p.add_argument("--output-dir", default="bench-results/ablate", help="where results.md, .json and .png go")
     p.set_defaults(func=run)
     return p
@@ -136,6 +154,16 @@ def make_workload(name: str, num_prompts: int, vocab_size: int, seed: int = 0,
     return items
 
 
+def trace_workload(path: str, vocab_size: int, seed: int = 0) -> list[WorkItem]:
+    """The requests of a trace file, with deterministic prompt ids (``prompt_tokens``)."""
+    from sparrow.bench.trace import load_trace, prompt_tokens
+
+    requests = load_trace(path)
+    prompts = prompt_tokens(requests, vocab_size, seed=seed)
+    return [WorkItem(prompt, request.output_len, request.priority, request.arrival_s)
+            for request, prompt in zip(requests, prompts)]
+
+
 # -- the grid ---------------------------------------------------------------------------------
 def grid_points(axes: dict[str, list[Any] | None]) -> list[dict[str, Any]]:
     """Engine-argument dicts, one per combination; an axis left at None is not set."""
@@ -158,6 +186,15 @@ def point_label(point: dict[str, Any], varying: set[str]) -> str:
     return " ".join(parts) or "default"
 
 
+def run_sim_point(model_path: str, workload: list[WorkItem], point: dict[str, Any], engine_args: dict[str, Any],
+                  seed: int, sim_gpu: str) -> dict[str, Any]:
+    """One point on the simulated device: a fresh engine core, simulated time (sparrow.sim)."""
+    from sparrow.sim import SimRequest, simulate
+
+    requests = [SimRequest(item.prompt_token_ids, item.max_tokens, item.arrival_s, item.priority) for item in workload]
+    return simulate(model_path, requests, sim_gpu=sim_gpu, seed=seed, **{**engine_args, **point}).summary()
+
+
 def run_point(model_path: str, workload: list[WorkItem], point: dict[str, Any], engine_args: dict[str, Any],
               multiprocess: bool | None, seed: int) -> dict[str, Any]:
     from sparrow import LLM, SamplingParams
@@ -176,7 +213,8 @@ def run_point(model_path: str, workload: list[WorkItem], point: dict[str, Any], 
 
 
 def measure(engine: Any, workload: list[WorkItem]) -> dict[str, Any]:
-    """Submit the whole workload at t0 and step the engine until every request finishes."""
+    """Submit each request at its arrival time (all at t0 for the built-in workloads) and step the
+    engine until every request finishes; latencies count from each request's arrival time."""
     import numpy as np
     from tqdm.auto import tqdm
 
@@ -185,13 +223,25 @@ def measure(engine: Any, workload: list[WorkItem]) -> dict[str, Any]:
     # Scheduler counters are cumulative: the run's share is the last snapshot minus the first.
     start_stats = engine.last_stats
     finished: dict[str, Any] = {}  # request id -> final RequestOutput
-    t0 = time.monotonic()
-    for index, item in enumerate(workload):
-        params = SamplingParams(max_tokens=item.max_tokens, ignore_eos=True, temperature=0.0)
-        engine.add_request(f"ablate-{index}", {"prompt_token_ids": item.prompt_token_ids}, params,
-                           priority=item.priority)
+    order = sorted(range(len(workload)), key=lambda index: workload[index].arrival_s)
+    arrivals: dict[str, float] = {}  # request id -> its arrival, seconds after t0
+    next_arrival = 0
     bar = tqdm(total=len(workload), desc="requests", unit="req", leave=False, dynamic_ncols=True)
-    while engine.has_unfinished_requests():
+    t0 = time.monotonic()
+    while next_arrival < len(order) or engine.has_unfinished_requests():
+        now = time.monotonic() - t0
+        while next_arrival < len(order) and workload[order[next_arrival]].arrival_s <= now:
+            index = order[next_arrival]
+            item = workload[index]
+            params = SamplingParams(max_tokens=item.max_tokens, ignore_eos=True, temperature=0.0)
+            engine.add_request(f"ablate-{index}", {"prompt_token_ids": item.prompt_token_ids}, params,
+                               priority=item.priority)
+            arrivals[f"ablate-{index}"] = item.arrival_s
+            next_arrival += 1
+        if not engine.has_unfinished_requests():
+            # Idle until the next arrival: the engine has nothing to step.
+            time.sleep(max(0.0, workload[order[next_arrival]].arrival_s - (time.monotonic() - t0)))
+            continue
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = output
@@ -209,21 +259,30 @@ def measure(engine: Any, workload: list[WorkItem]) -> dict[str, Any]:
     if len(finished) != len(workload):
         raise RuntimeError(f"only {len(finished)} of {len(workload)} requests finished")
 
-    latencies = np.array([out.metrics.finished_time - t0 for out in finished.values()])
+    def stats(name: str, values: list[float]) -> dict[str, float | None]:
+        if not values:
+            return {f"mean_{name}": None, f"median_{name}": None, f"p99_{name}": None}
+        array = np.array(values)
+        return {f"mean_{name}": float(array.mean()), f"median_{name}": float(np.percentile(array, 50)),
+                f"p99_{name}": float(np.percentile(array, 99))}
+
+    outputs = finished.values()
+    e2e = [out.metrics.finished_time - t0 - arrivals[out.request_id] for out in outputs]
+    ttft = [out.metrics.first_token_time - t0 - arrivals[out.request_id] for out in outputs
+            if out.metrics.first_token_time is not None]
+    tpot = [gap for out in outputs if (gap := out.metrics.mean_inter_token_latency) is not None]
     prompt_tokens = sum(len(item.prompt_token_ids) for item in workload)
-    output_tokens = sum(len(out.outputs[0].token_ids) for out in finished.values())
+    output_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
     return {
         "elapsed_s": elapsed,
         "request_throughput": len(workload) / elapsed,
         "output_tok_s": output_tokens / elapsed,
         "total_tok_s": (prompt_tokens + output_tokens) / elapsed,
-        "mean_e2e_s": float(latencies.mean()),
-        "median_e2e_s": float(np.percentile(latencies, 50)),
-        "p99_e2e_s": float(np.percentile(latencies, 99)),
+        **stats("e2e_s", e2e), **stats("ttft_s", ttft), **stats("tpot_s", tpot),
         "prefix_cache_queries": queries,
         "prefix_cache_hits": hits,
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-        "cached_prompt_tokens": sum(out.num_cached_tokens or 0 for out in finished.values()),
+        "cached_prompt_tokens": sum(out.num_cached_tokens or 0 for out in outputs),
         "num_preemptions": preemptions,
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
@@ -247,6 +306,24 @@ def resolve_axes(args: argparse.Namespace) -> dict[str, list[Any] | None]:
     }
 
 
+def resolve_device(args: argparse.Namespace, engine_args: dict[str, Any]) -> str | None:
+    """The device of every point (None: the engine's default); ValueError naming the flag."""
+    device = args.device
+    if device is not None and engine_args.get("device", device) != device:
+        raise ValueError(f"--device {device} and --engine-args device {engine_args['device']!r} disagree")
+    device = device or engine_args.get("device")
+    if device == "sim":
+        engine_args.pop("device", None)
+        from sparrow.sim.platform import sim_settings
+
+        sim_settings({"sim_gpu": args.sim_gpu or "h100"})  # a wrong name fails before anything runs
+    elif args.sim_gpu is not None:
+        raise ValueError("--sim-gpu needs --device sim")
+    elif device is not None:
+        engine_args["device"] = device
+    return device
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import platform
 
@@ -258,13 +335,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine_args = json.loads(args.engine_args)
     if not isinstance(engine_args, dict):
         raise ValueError(f"--engine-args must be a JSON object, got {args.engine_args!r}")
+    device = resolve_device(args, engine_args)
+    sim_gpu = (args.sim_gpu or "h100").lower() if device == "sim" else None
     axes = resolve_axes(args)
     overlap = sorted(set(engine_args) & {arg for arg, values in axes.items() if values})
     if overlap:
         raise ValueError(f"--engine-args sets {', '.join(overlap)}, which the grid varies; use the grid flag")
     model_path = resolve_model_path(args.model)
-    workload = make_workload(args.workload, args.num_prompts, get_hf_config(model_path).vocab_size,
-                             seed=args.seed, length_scale=args.length_scale)
+    vocab_size = get_hf_config(model_path).vocab_size
+    if args.trace is not None:
+        if args.length_scale != 1.0:
+            raise ValueError("--length-scale scales the built-in workloads; a --trace is replayed as written")
+        workload = trace_workload(args.trace, vocab_size, seed=args.seed)
+    else:
+        workload = make_workload(args.workload, args.num_prompts, vocab_size, seed=args.seed,
+                                 length_scale=args.length_scale)
     points = grid_points(axes)
     varying = {arg for arg, values in axes.items() if values and len(values) > 1}
     from tqdm.auto import tqdm
@@ -275,12 +360,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for point in points:
             label = point_label(point, varying)
             bar.set_postfix_str(label)
-            measured = run_point(model_path, workload, point, engine_args, args.multiprocess, args.seed)
+            if sim_gpu is not None:
+                measured = run_sim_point(model_path, workload, point, engine_args, args.seed, sim_gpu)
+            else:
+                measured = run_point(model_path, workload, point, engine_args, args.multiprocess, args.seed)
             results.append({"label": label, "settings": point, **measured})
             bar.update(1)
 
     report = {
-        "benchmark": "ablate", "workload": args.workload, "model": model_path,
+        "benchmark": "ablate", "workload": "trace" if args.trace else args.workload, "trace": args.trace,
+        "model": model_path, "device": device, "sim_gpu": sim_gpu,
         "num_prompts": len(workload), "length_scale": args.length_scale, "seed": args.seed,
         "engine_args": engine_args,
         "axes": {arg: values for arg, values in axes.items() if values},
@@ -298,73 +387,3 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"wrote {out_dir / 'results.md'}, results.json" + (", results.png" if charted else
           " (no chart: matplotlib is not installed; pip install 'sparrow-llm[bench]')"))
     return report
-
-
-# -- reports ----------------------------------------------------------------------------------
-COLUMNS = (
-    # (header, key, format)
-    ("req/s", "request_throughput", "{:.2f}"),
-    ("output tok/s", "output_tok_s", "{:.1f}"),
-    ("total tok/s", "total_tok_s", "{:.1f}"),
-    ("mean E2E (s)", "mean_e2e_s", "{:.3f}"),
-    ("p99 E2E (s)", "p99_e2e_s", "{:.3f}"),
-    ("prefix hit rate", "prefix_cache_hit_rate", "{:.1%}"),
-    ("preemptions", "num_preemptions", "{}"),
-    ("elapsed (s)", "elapsed_s", "{:.2f}"),
-)
-
-
-def markdown_table(report: dict[str, Any]) -> str:
-    first = report["points"][0]
-    lines = [
-        f"# sparrow bench ablate: {report['workload']} workload",
-        "",
-        f"- model: `{report['model']}`",
-        f"- requests: {report['num_prompts']} ({first['prompt_tokens']} prompt tokens), "
-        f"length scale {report['length_scale']}, seed {report['seed']}",
-        f"- engine args: `{json.dumps(report['engine_args'])}`",
-        f"- machine: {report['machine']}, torch {report['torch']}, {report['date']}",
-        "",
-        "| point | " + " | ".join(header for header, _, _ in COLUMNS) + " |",
-        "| --- | " + " | ".join("---:" for _ in COLUMNS) + " |",
-    ]
-    for point in report["points"]:
-        cells = [fmt.format(point[key]) for _, key, fmt in COLUMNS]
-        lines.append(f"| {point['label']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def write_chart(report: dict[str, Any], path: Path) -> bool:
-    """Draw the chart; False when matplotlib is missing (it is an extra, not needed to run)."""
-    try:
-        import matplotlib
-    except ImportError:
-        return False
-
-    matplotlib.use("Agg")  # files only: no display on benchmark machines
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    points = report["points"]
-    labels = [point["label"] for point in points]
-    x = np.arange(len(points))
-    fig, (ax_tput, ax_lat, ax_hit) = plt.subplots(1, 3, figsize=(min(30, 8 + 1.2 * len(points)), 4.5))
-    ax_tput.bar(x, [p["output_tok_s"] for p in points], color="tab:blue")
-    ax_tput.set_title("output throughput (tok/s)")
-    width = 0.4
-    ax_lat.bar(x - width / 2, [p["mean_e2e_s"] for p in points], width, label="mean", color="tab:green")
-    ax_lat.bar(x + width / 2, [p["p99_e2e_s"] for p in points], width, label="p99", color="tab:red")
-    ax_lat.set_title("end-to-end latency (s)")
-    ax_lat.legend()
-    ax_hit.bar(x, [100 * p["prefix_cache_hit_rate"] for p in points], color="tab:purple")
-    ax_hit.set_title("prefix-cache hit rate (%)")
-    ax_hit.set_ylim(0, 100)
-    for ax in (ax_tput, ax_lat, ax_hit):
-        ax.set_xticks(x)
-        ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
-    fig.suptitle(f"sparrow bench ablate: {report['workload']} ({report['num_prompts']} requests)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
-

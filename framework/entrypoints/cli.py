@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_check_arguments(plugins)
     plugins.set_defaults(func=cmd_plugins)
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, ablate, trace")
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, ablate, trace, sim")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     from sparrow.bench import synthetic, throughput
 
@@ -294,6 +294,9 @@ def _optional_parsers(sub: Any, bench_sub: Any) -> None:
         pass
     else:
         add_ablate_parser(bench_sub)
+    from sparrow.sim.bench import add_parser as add_sim_parser
+
+    add_sim_parser(bench_sub)
 
 
 # -- errors and logging -------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""The kernel's built-in model loaders and device communicator, registered through the same hooks
-a plugin uses (so ``sparrow plugins`` lists them and a plugin may replace one with
-``override=True``). Import paths only: nothing heavy is imported until a worker uses one."""
+"""The kernel's built-in model loaders, device communicator, quantization methods and other
+components, registered through the same hooks a plugin uses (so ``sparrow plugins`` lists them
+and a plugin may replace one with ``override=True``). Import paths only: nothing heavy is
+imported until a worker uses one."""
 
 from __future__ import annotations
 
@@ -22,3 +23,11 @@ def sparrow_register_device_communicators(register) -> None:
 def sparrow_register_platforms(register) -> None:
     # The simulated device (sparrow.sim): always present, below every real platform for device="auto".
     register("sim", lambda: "sparrow.sim.platform:SimPlatform", priority=-1000)
+
+
+@hookimpl
+def sparrow_register_quantization_methods(register) -> None:
+    register("int8", "sparrow.quantization.int8:Int8Method")
+    register("fp8", "sparrow.quantization.fp8:Fp8Method")
+    register("awq", "sparrow.quantization.int4:AwqMethod")
+    register("gptq", "sparrow.quantization.int4:GptqMethod")

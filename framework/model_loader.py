@@ -157,7 +157,11 @@ def load_model(
     hf_config = get_hf_config(model_dir)
     model_cls = resolve_model_class(hf_config, _architectures(registry))
     loader = get_model_loader(config, registry)
-    with torch.no_grad():
+    from sparrow.quantization import get_quantization_method, quantization_scope
+
+    # A quantization method decides how the linear layers hold the checkpoint's weights.
+    method = get_quantization_method(config, hf_config) if config is not None else None
+    with torch.no_grad(), quantization_scope(method):
         model = model_cls(hf_config, attn_backend_cls, dtype, torch.device(device), tp)
         loader.load_weights(model, model_dir, tp)
     return model.eval()

@@ -413,5 +413,5 @@ def test_sparrow_register_quantization_methods_serves_linear_layers(vendor, qwen
     with pytest.raises(ConfigError, match=r"'dtype': quantization 'round_test' needs float32"):
         finalized(model=qwen3_dir, quantization="round_test", dtype="bfloat16")
     with pytest.raises(ConfigError, match=r"'quantization': unknown quantization method 'nope'; registered: "
-                                          r"round_test"):
+                                          r"awq, fp8, gptq, int8, round_test"):
         finalized(model=qwen3_dir, quantization="nope")

@@ -50,6 +50,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--result-file", default="bench-results/throughput.json", help="JSON report path ('' for none)")
     p.add_argument("--engine-args", default="{}",
                    help='JSON dict of extra engine arguments, e.g. \'{"max_num_seqs": 64}\'')
+    p.add_argument("--quantization", default=None,
+                   help="quantization method of the engine (e.g. int8 on the CPU; the same as "
+                        "--engine-args '{\"quantization\": ...}')")
     p.add_argument("--structured-outputs", choices=("none", "json"), default="none",
                    help="json: constrain every request to a JSON array of strings too long to end before its "
                    "max_tokens, so outputs are as long as unconstrained ones (structured outputs' overhead)")
@@ -97,6 +100,8 @@ def check_args(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--engine-args is not valid JSON ({exc}): {args.engine_args!r}") from None
     if not isinstance(engine_args, dict):
         raise ValueError(f"--engine-args must be a JSON object, got {args.engine_args!r}")
+    if getattr(args, "quantization", None) is not None:
+        engine_args["quantization"] = args.quantization
     return engine_args
 
 

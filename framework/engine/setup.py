@@ -54,6 +54,16 @@ def _check_max_model_len(max_model_len: int, model_max: int) -> None:
         )
 
 
+def _quantization(requested: str | None, hf_config: Any) -> str | None:
+    # A quantized checkpoint names its method in config.json (vLLM's detection).
+    from sparrow.quantization import resolve_quantization
+
+    try:
+        return resolve_quantization(requested, hf_config)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def finalize_config(config: EngineConfig) -> EngineConfig:
     """Fill what the user left to defaults (model path, tokenizer, max_model_len, served name), let
     the platform adjust the configuration (its ``check_and_update_config``), fill the platform's
@@ -71,6 +81,7 @@ def finalize_config(config: EngineConfig) -> EngineConfig:
         "tokenizer": config.model.tokenizer or model_path,
         "max_model_len": max_model_len,
         "served_model_name": config.model.served_model_name or (config.model.model or "sparrow-tiny"),
+        "quantization": _quantization(config.model.quantization, hf_config),
     })
     # Deep: the platform's hook changes sections in place, and the caller's config must stay as given.
     finalized = config.model_copy(deep=True, update={"model": model})

@@ -5,8 +5,17 @@ Column-parallel layers split the output dimension (each rank holds a slice of th
 the group. A fused layer (QKV, gate/up) is one column-parallel weight made of several shards; each
 shard is sliced per rank separately so that rank r holds ``[q_r; k_r; v_r]``.
 
-Every weight carries ``weight.weight_loader(param, loaded, shard_id=None)``, which takes the *full*
-checkpoint tensor (or a lazy safetensors slice) and copies this rank's part into ``param``.
+How a layer stores its weight is a :class:`LinearWeights` (the "create weights" seam): a dense
+``weight`` by default; a quantization method may give the layers it builds its own (int4
+``qweight``/``qzeros``/``scales``, fp8 ``weight`` with ``weight_scale``...) through
+:meth:`sparrow.quantization.QuantizationMethod.linear_weights`. Every parameter is registered with
+:meth:`LinearBase.add_weight`, which says which of its dimensions follow the layer's output and
+input dimensions (and how many of the layer's rows or columns one stored row stands for: 8 for a
+dimension packed eight int4 values per int32, the group size for per-group scales), so one loader
+slices every layout per rank and per shard.
+
+Every parameter carries ``param.weight_loader(param, loaded, shard_id=None)``, which takes the
+*full* checkpoint tensor (or a lazy safetensors slice) and copies this rank's part into ``param``.
 """
 
 from __future__ import annotations
@@ -30,26 +39,6 @@ from sparrow.layers.parallel import (
 from sparrow.ops.base import CustomOp
 
 
-class LinearBase(CustomOp):
-    """The ``linear`` op: ``x @ W^T + bias``, the matrix product of every linear layer.
-
-    The op call is ``(x, bias or None) -> x @ W^T + bias`` on this rank's weight; a platform's
-    implementation does the GEMM only (and may pack ``weight`` into its own layout when bound).
-    Tensor-parallel gathers and reductions stay in the layers' ``forward``, around the op call.
-    """
-
-    op_name = "linear"
-    weight: nn.Parameter
-
-    def forward_native(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, self.weight, bias)
-
-
-def _new_parameter(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
-    # Uninitialised on purpose: every value is overwritten by load_weights.
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
 @dataclass(slots=True, frozen=True)
 class OutputShard:
     """Where one logical output block (e.g. ``k``) of a fused weight lives."""
@@ -59,6 +48,180 @@ class OutputShard:
     loaded_start: int  # first row this rank reads from the shard's checkpoint tensor
     fused_offset: int  # first row of the shard in a checkpoint that stores the fused tensor
     full_size: int  # rows of the shard's whole checkpoint tensor (all ranks)
+
+
+@dataclass(slots=True, frozen=True)
+class WeightLayout:
+    """How one parameter of a linear layer maps onto the layer's ``[out, in]`` matrix.
+
+    ``output_dim`` / ``input_dim``: the parameter's dimension that follows the layer's output rows
+    / input columns (None: the parameter is whole on every rank along it, e.g. a per-tensor
+    scale). ``output_div`` / ``input_div``: layer rows / columns per stored element along that
+    dimension (1 dense, 8 for int4 packed in int32, the group size for per-group scales).
+    ``per_shard``: one value per output shard (``[num_shards]``: fp8 per-tensor scales of a
+    fused layer, loaded from each projection's scalar)."""
+
+    output_dim: int | None = None
+    input_dim: int | None = None
+    output_div: int = 1
+    input_div: int = 1
+    per_shard: bool = False
+
+
+class LinearWeights:
+    """How a linear layer holds its weight: a quantization method's seam into the layers.
+
+    ``create_weights`` registers the parameters (through ``layer.add_weight``) when the layer is
+    built; the checkpoint then fills them by name; ``dense_weight`` gives the ``[out, in]`` matrix
+    in the layer's dtype, which the torch reference (``forward_native``) multiplies by. An
+    implementation of the ``linear`` op (an OpImpl) reads the parameters directly.
+    """
+
+    name = "dense"
+
+    def create_weights(self, layer: LinearBase) -> None:
+        raise NotImplementedError
+
+    def dense_weight(self, layer: LinearBase) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class DenseWeights(LinearWeights):
+    """One ``weight`` ``[out_per_rank, in_per_rank]`` in the layer's dtype."""
+
+    def create_weights(self, layer: LinearBase) -> None:
+        layer.add_weight("weight", _new_tensor(layer.output_size_per_rank, layer.input_size_per_rank,
+                                               dtype=layer.params_dtype), WeightLayout(output_dim=0, input_dim=1))
+
+    def dense_weight(self, layer: LinearBase) -> torch.Tensor:
+        return layer.weight
+
+
+DENSE = DenseWeights()
+
+
+def _new_tensor(*shape: int, dtype: torch.dtype | None) -> torch.Tensor:
+    # Uninitialised on purpose: every value is overwritten by load_weights.
+    return torch.empty(*shape, dtype=dtype)
+
+
+class LinearBase(CustomOp):
+    """The ``linear`` op: ``x @ W^T + bias``, the matrix product of every linear layer.
+
+    The op call is ``(x, bias or None) -> x @ W^T + bias`` on this rank's weight; a platform's
+    implementation does the GEMM only (and may pack ``weight`` into its own layout when bound).
+    Tensor-parallel gathers and reductions stay in the layers' ``forward``, around the op call.
+
+    Sizes every layer has: ``input_size`` / ``output_size`` (whole layer), ``input_size_per_rank``
+    / ``output_size_per_rank`` (this rank's weight), ``shards`` (output blocks; one, ``None``, for
+    an unfused layer), ``input_is_parallel`` (row-parallel), ``params_dtype``, ``weights`` (its
+    :class:`LinearWeights`).
+    """
+
+    op_name = "linear"
+    weight: nn.Parameter
+    input_is_parallel = False
+
+    def _create(self, *, input_size: int, output_size: int, input_size_per_rank: int,
+                shards: dict[Hashable, OutputShard], bias: bool, params_dtype: torch.dtype | None) -> None:
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_size_per_rank = input_size_per_rank
+        self.shards = shards
+        self.output_size_per_rank = sum(shard.size for shard in shards.values())
+        self.params_dtype = params_dtype if params_dtype is not None else torch.get_default_dtype()
+        from sparrow.quantization import linear_weights_for
+
+        # The quantization method the model is being built under decides the parameters.
+        self.weights: LinearWeights = linear_weights_for(self) or DENSE
+        self.weights.create_weights(self)
+        if bias:
+            self.add_weight("bias", _new_tensor(self.output_size_per_rank, dtype=self.params_dtype),
+                            WeightLayout(output_dim=0))
+        else:
+            self.register_parameter("bias", None)
+
+    def add_weight(self, name: str, tensor: torch.Tensor, layout: WeightLayout) -> nn.Parameter:
+        """Register ``tensor`` as parameter ``name``, loaded per ``layout`` by this layer's loader.
+        Raises ValueError when this rank's shards do not fall on whole stored elements (a
+        packed or grouped dimension that the tensor-parallel split would cut)."""
+        for shard_id, shard in self.shards.items():
+            div = layout.output_div
+            if layout.output_dim is not None and (shard.size % div or shard.param_offset % div
+                                                  or shard.fused_offset % div):
+                raise ValueError(f"{type(self).__name__} {name!r}: output shard {shard_id!r} of {shard.size} rows per "
+                                 f"rank is not a multiple of {layout.output_div} (the rows one stored element holds)")
+        if layout.input_dim is not None and self.input_size_per_rank % layout.input_div:
+            raise ValueError(f"{type(self).__name__} {name!r}: {self.input_size_per_rank} input columns per rank are "
+                             f"not a multiple of {layout.input_div} (the columns one stored element holds)")
+        param = nn.Parameter(tensor, requires_grad=False)
+        param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        param.linear_layout = layout  # type: ignore[attr-defined]
+        self.register_parameter(name, param)
+        return param
+
+    def make_dense(self, weight: torch.Tensor) -> None:
+        """Replace a quantized layout by the dense ``weight`` ``[out_per_rank, in_per_rank]``
+        (an implementation that dequantizes once, when bound): the quantized parameters are
+        released and the layer is an ordinary dense one from then on."""
+        for name in [n for n, _ in self.named_parameters(recurse=False) if n != "bias"]:
+            delattr(self, name)
+        self.weights = DENSE
+        self.replace_parameter("weight", weight)
+
+    def forward_native(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        weights = self.weights
+        return F.linear(x, self.weight if weights is DENSE else weights.dense_weight(self).to(x.dtype), bias)
+
+    # -- loading -------------------------------------------------------------------------------
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Hashable = None) -> None:
+        """Copy this rank's part of ``loaded`` (one shard's checkpoint tensor, or the whole fused
+        tensor when ``shard_id`` is None) into ``param``."""
+        layout: WeightLayout = getattr(param, "linear_layout", WeightLayout(0, 1))
+        if shard_id in self.shards and (shard_id is not None or len(self.shards) == 1):
+            targets, fused = [(shard_id, self.shards[shard_id])], False
+        elif shard_id is None:
+            targets, fused = list(self.shards.items()), True
+        else:
+            expected = sorted(map(repr, self.shards)) if None not in self.shards else "none"
+            raise ValueError(f"unknown shard_id {shard_id!r} for {type(self).__name__}; expected one of {expected}")
+        if layout.per_shard:
+            self._load_per_shard(param, loaded, [sid for sid, _ in targets])
+            return
+        self._check_loaded_shape(param, loaded, layout, fused, targets[0][1])
+        if layout.input_dim is not None and self.input_is_parallel:
+            columns = self.input_size_per_rank // layout.input_div
+            loaded = narrow_loaded(loaded, layout.input_dim, self.tp.rank * columns, columns)
+        for _, shard in targets:
+            if layout.output_dim is None:
+                copy_checked(param.data, materialize(loaded))
+                continue
+            div = layout.output_div
+            start = (shard.loaded_start + (shard.fused_offset if fused else 0)) // div
+            rows = narrow_loaded(loaded, layout.output_dim, start, shard.size // div)
+            copy_checked(param.data.narrow(layout.output_dim, shard.param_offset // div, shard.size // div), rows)
+
+    def _check_loaded_shape(self, param: nn.Parameter, loaded: Any, layout: WeightLayout, fused: bool,
+                            shard: OutputShard) -> None:
+        expected = list(param.shape)
+        if layout.output_dim is not None:
+            full_rows = sum(s.full_size for s in self.shards.values()) if fused else shard.full_size
+            expected[layout.output_dim] = full_rows // layout.output_div
+        if layout.input_dim is not None and self.input_is_parallel:
+            expected[layout.input_dim] = self.input_size_per_rank * self.tp.world_size // layout.input_div
+        shape = loaded_shape(loaded)
+        if shape != tuple(expected):
+            raise ValueError(f"checkpoint shape {shape} does not match {type(self).__name__}: "
+                             f"expected {tuple(expected)}")
+
+    def _load_per_shard(self, param: nn.Parameter, loaded: Any, shard_ids: list[Hashable]) -> None:
+        value = materialize(loaded).reshape(-1)
+        if value.numel() != 1:
+            raise ValueError(f"checkpoint shape {loaded_shape(loaded)} does not match {type(self).__name__}: "
+                             "expected one value per projection")
+        order = list(self.shards)
+        for shard_id in shard_ids:
+            param.data[order.index(shard_id)] = value[0]
 
 
 class ColumnParallelLinear(LinearBase):
@@ -79,17 +242,10 @@ class ColumnParallelLinear(LinearBase):
     ) -> None:
         super().__init__()
         self.tp = resolve_tp(tp)
-        self.input_size = input_size
         self.gather_output = gather_output
-        self.shards = self._make_shards(output_size)
-        self.output_size_per_rank = sum(shard.size for shard in self.shards.values())
-        self.weight = _new_parameter(self.output_size_per_rank, input_size, dtype=params_dtype)
-        self.weight.weight_loader = self.weight_loader
-        if bias:
-            self.bias = _new_parameter(self.output_size_per_rank, dtype=params_dtype)
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
+        shards = self._make_shards(output_size)
+        self._create(input_size=input_size, output_size=sum(s.full_size for s in shards.values()),
+                     input_size_per_rank=input_size, shards=shards, bias=bias, params_dtype=params_dtype)
 
     def _make_shards(self, output_size: int) -> dict[Hashable, OutputShard]:
         size = divide(output_size, self.tp.world_size, "output_size")
@@ -103,35 +259,11 @@ class ColumnParallelLinear(LinearBase):
             out = self.tp.all_gather(out, dim=-1)
         return out
 
-    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Hashable = None) -> None:
-        """Copy this rank's rows of ``loaded`` (one shard, or the whole fused tensor) into ``param``."""
-        if shard_id in self.shards:
-            self._load_shard(param, loaded, self.shards[shard_id], fused=False)
-        elif shard_id is None:
-            for shard in self.shards.values():
-                self._load_shard(param, loaded, shard, fused=True)
-        else:
-            raise ValueError(
-                f"unknown shard_id {shard_id!r} for {type(self).__name__}; "
-                f"expected one of {sorted(map(repr, self.shards))}"
-            )
-
-    def _load_shard(self, param: nn.Parameter, loaded: Any, shard: OutputShard, fused: bool) -> None:
-        expected_rows = sum(s.full_size for s in self.shards.values()) if fused else shard.full_size
-        shape = loaded_shape(loaded)
-        if shape[0] != expected_rows or shape[1:] != tuple(param.shape[1:]):
-            raise ValueError(
-                f"checkpoint shape {shape} does not match {type(self).__name__}: expected "
-                f"{(expected_rows, *param.shape[1:])}"
-            )
-        start = shard.loaded_start + (shard.fused_offset if fused else 0)
-        rows = narrow_loaded(loaded, 0, start, shard.size)
-        copy_checked(param.data.narrow(0, shard.param_offset, shard.size), rows)
-
     def layer_repr(self) -> str:
+        quantized = f", weights={self.weights.name}" if self.weights is not DENSE else ""
         return (
             f"in={self.input_size}, out_per_rank={self.output_size_per_rank}, "
-            f"bias={self.bias is not None}, tp={self.tp.rank}/{self.tp.world_size}"
+            f"bias={self.bias is not None}, tp={self.tp.rank}/{self.tp.world_size}{quantized}"
         )
 
 
@@ -229,6 +361,8 @@ class RowParallelLinear(LinearBase):
     The input is expected already split (the output of a column-parallel layer).
     """
 
+    input_is_parallel = True
+
     def __init__(
         self,
         input_size: int,
@@ -241,16 +375,12 @@ class RowParallelLinear(LinearBase):
     ) -> None:
         super().__init__()
         self.tp = resolve_tp(tp)
-        self.output_size = output_size
-        self.input_size_per_rank = divide(input_size, self.tp.world_size, "input_size")
         self.reduce_results = reduce_results
-        self.weight = _new_parameter(output_size, self.input_size_per_rank, dtype=params_dtype)
-        self.weight.weight_loader = self.weight_loader
-        if bias:
-            self.bias = _new_parameter(output_size, dtype=params_dtype)
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
+        # The output is whole on every rank: one shard, read from row 0.
+        self._create(input_size=input_size, output_size=output_size,
+                     input_size_per_rank=divide(input_size, self.tp.world_size, "input_size"),
+                     shards={None: OutputShard(0, output_size, 0, 0, output_size)}, bias=bias,
+                     params_dtype=params_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [num_tokens, input_size_per_rank] -> [num_tokens, output_size]
@@ -266,19 +396,11 @@ class RowParallelLinear(LinearBase):
         """Copy this rank's input columns of ``loaded`` (the bias whole) into ``param``."""
         if shard_id is not None:
             raise ValueError(f"RowParallelLinear takes no shard_id, got {shard_id!r}")
-        if param is self.bias:
-            copy_checked(param.data, materialize(loaded))
-            return
-        start = self.tp.rank * self.input_size_per_rank
-        if len(loaded_shape(loaded)) != 2 or loaded_shape(loaded)[1] < start + self.input_size_per_rank:
-            raise ValueError(
-                f"checkpoint shape {loaded_shape(loaded)} does not fit RowParallelLinear "
-                f"[{self.output_size}, {self.input_size_per_rank} x {self.tp.world_size}]"
-            )
-        copy_checked(param.data, narrow_loaded(loaded, 1, start, self.input_size_per_rank))
+        super().weight_loader(param, loaded, None)
 
     def layer_repr(self) -> str:
+        quantized = f", weights={self.weights.name}" if self.weights is not DENSE else ""
         return (
             f"in_per_rank={self.input_size_per_rank}, out={self.output_size}, "
-            f"bias={self.bias is not None}, tp={self.tp.rank}/{self.tp.world_size}"
+            f"bias={self.bias is not None}, tp={self.tp.rank}/{self.tp.world_size}{quantized}"
         )

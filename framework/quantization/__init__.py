@@ -24,19 +24,36 @@ weights there (``layer.replace_parameter``)::
     def sparrow_register_quantization_methods(register):
         register("int4", Int4)
 
+A method may also decide how the linear layers hold their weights while the model is built
+(``linear_weights``: int4 ``qweight``/``qzeros``/``scales`` loaded from an AWQ or GPTQ checkpoint,
+fp8 weights with their scales): the worker builds the model inside :func:`quantization_scope`,
+and every :class:`sparrow.layers.linear.LinearBase` asks :func:`linear_weights_for` when created.
+
+The built-in methods (``int8``, ``fp8``, ``awq``, ``gptq``, registered in
+``sparrow.kernel_components`` through the same hook) are in this package's modules. A checkpoint
+whose config.json has a ``quantization_config`` selects its method by itself
+(:func:`resolve_quantization`, as vLLM does).
+
 Importing this package is cheap (no torch).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+import contextlib
+import contextvars
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
 if TYPE_CHECKING:
     from sparrow.config import EngineConfig
+    from sparrow.layers.linear import LinearBase, LinearWeights
     from sparrow.ops.base import OpImpl
 
-__all__ = ["QuantizationMethod", "get_quantization_method", "hf_quant_config", "op_overrides_for",
-           "quantization_method_class"]
+__all__ = ["QuantizationMethod", "get_quantization_method", "hf_quant_config", "linear_weights_for",
+           "op_overrides_for", "quantization_method_class", "quantization_scope", "resolve_quantization"]
+
+# The method the model being built is quantized with (see quantization_scope).
+_BUILDING: contextvars.ContextVar[QuantizationMethod | None] = contextvars.ContextVar("sparrow_quantization",
+                                                                                     default=None)
 
 
 class QuantizationMethod:
@@ -49,6 +66,8 @@ class QuantizationMethod:
         # The checkpoint's ``quantization_config`` from config.json (None for an unquantized one,
         # which a method that quantizes on load accepts).
         self.hf_quant_config = hf_quant_config
+        # The model's transformers config, set by get_quantization_method (None when built bare).
+        self.hf_config: Any = None
 
     def check_config(self, config: EngineConfig) -> None:
         """Refuse, before any engine process starts, what this method cannot serve: raise
@@ -59,6 +78,46 @@ class QuantizationMethod:
         """``{op name: OpImpl class}`` serving those ops on ``platform`` instead of the platform's
         own implementations (layers whose ``supports`` refuses keep the torch reference)."""
         return {}
+
+    def linear_weights(self, layer: LinearBase) -> LinearWeights | None:
+        """How ``layer`` (a linear layer being built under this method) holds its weight: a
+        :class:`sparrow.layers.linear.LinearWeights` creating the parameters the checkpoint
+        stores, or None for the dense ``weight`` (a method that quantizes after loading)."""
+        return None
+
+
+@contextlib.contextmanager
+def quantization_scope(method: QuantizationMethod | None) -> Iterator[None]:
+    """Build a model's layers under ``method`` (None: unquantized): linear layers created inside
+    take their parameters from ``method.linear_weights``."""
+    token = _BUILDING.set(method)
+    try:
+        yield
+    finally:
+        _BUILDING.reset(token)
+
+
+def linear_weights_for(layer: LinearBase) -> LinearWeights | None:
+    """What a linear layer being built asks: the current method's weights for it, or None (dense)."""
+    method = _BUILDING.get()
+    return method.linear_weights(layer) if method is not None else None
+
+
+def resolve_quantization(requested: str | None, hf_config: Any) -> str | None:
+    """The method an engine runs: the ``quantization`` argument, or the checkpoint's own
+    (``quantization_config.quant_method`` in config.json) when it is unset, as vLLM does. Raises
+    ValueError naming 'quantization' when the two disagree."""
+    quant = hf_quant_config(hf_config)
+    stored = str(quant.get("quant_method", "")).lower() if quant else ""
+    if not stored:
+        return requested
+    if requested is None:
+        return stored
+    if requested != stored:
+        raise ValueError(f"invalid engine argument 'quantization': {requested!r}, but the checkpoint is already "
+                         f"quantized with quant_method {stored!r} (its config.json quantization_config); leave "
+                         f"quantization unset or pass {stored!r}")
+    return requested
 
 
 def hf_quant_config(hf_config: Any) -> dict[str, Any] | None:
@@ -90,7 +149,9 @@ def get_quantization_method(config: EngineConfig, hf_config: Any = None,
         from sparrow.model_loader import get_hf_config
 
         hf_config = get_hf_config(config.model.model)
-    return cls(hf_quant_config(hf_config))
+    method = cls(hf_quant_config(hf_config))
+    method.hf_config = hf_config
+    return method
 
 
 def op_overrides_for(config: EngineConfig, platform: str, hf_config: Any = None,

@@ -1,0 +1,166 @@
+"""``quantization="fp8"``: fp8 (e4m3) W8A8, dynamic per-token activations, on CUDA.
+
+Weights come two ways:
+
+* from an unquantized (bf16/fp16/fp32) checkpoint, quantized when the model is bound, per output
+  channel: ``w ~= q[n, :] * s[n]``, ``s[n] = max|w[n, :]| / 448``;
+* from an fp8 checkpoint (config.json ``quantization_config.quant_method == "fp8"``, the AutoFP8 /
+  vLLM layout): ``weight`` in float8_e4m3fn and a per-tensor ``weight_scale`` per projection, loaded
+  as they are (a fused layer's per-projection scales become per-channel ones, so nothing is
+  requantized). A static ``input_scale`` (``activation_scheme: static``) is read and not used:
+  activations are always scaled per token, which is at least as accurate. Block-wise checkpoints
+  (``weight_block_size``) are refused.
+
+Activations: ``x ~= q[m, :] * s[m]`` per token, computed on every call. The GEMM is
+``torch._scaled_mm`` with row-wise scales on GPUs that have fp8 tensor cores (compute capability
+8.9+); elsewhere (and on the CPU, which has the float8 dtypes but no fp8 GEMM) the same quantized
+operands are multiplied in float32, which is how the arithmetic is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from sparrow.layers.linear import DENSE, LinearBase, LinearWeights, WeightLayout
+from sparrow.ops.base import OpImpl
+from sparrow.quantization.common import BuiltinQuantization, config_error
+
+if TYPE_CHECKING:
+    from sparrow.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of a 2-D tensor: ``(q float8_e4m3fn [R, C], scale float32 [R])``, ``x ~= q * scale``."""
+    x = x.float()
+    scale = x.abs().amax(dim=1) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (x / scale.unsqueeze(1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def dequantize_fp8_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float().unsqueeze(1)
+
+
+class Fp8CheckpointWeights(LinearWeights):
+    """An fp8 checkpoint's linear: ``weight`` float8_e4m3fn ``[N, K]`` and ``weight_scale`` float32
+    ``[num_shards]`` (one per fused projection), ``input_scale`` too when static."""
+
+    name = "fp8"
+
+    def __init__(self, static_input: bool) -> None:
+        self.static_input = static_input
+
+    def create_weights(self, layer: LinearBase) -> None:
+        layer.add_weight("weight", torch.empty(layer.output_size_per_rank, layer.input_size_per_rank, dtype=FP8),
+                         WeightLayout(output_dim=0, input_dim=1))
+        layer.add_weight("weight_scale", torch.empty(len(layer.shards), dtype=torch.float32),
+                         WeightLayout(per_shard=True))
+        if self.static_input:
+            layer.add_weight("input_scale", torch.empty(len(layer.shards), dtype=torch.float32),
+                             WeightLayout(per_shard=True))
+
+    @staticmethod
+    def channel_scales(layer: LinearBase) -> torch.Tensor:
+        """The per-projection scales repeated over each projection's rows: ``[N]``."""
+        sizes = torch.tensor([shard.size for shard in layer.shards.values()], device=layer.weight_scale.device)
+        return torch.repeat_interleave(layer.weight_scale.float(), sizes)
+
+    def dense_weight(self, layer: LinearBase) -> torch.Tensor:
+        return dequantize_fp8_rows(layer.weight, self.channel_scales(layer)).to(layer.params_dtype)
+
+
+def _scaled_mm_works(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` runs here with row-wise scales (fp8 tensor cores)."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class Fp8Linear(OpImpl):
+    """``linear`` with fp8 weights (per channel) and fp8 activations (per token)."""
+
+    name = "fp8_w8a8"
+
+    def __init__(self, layer: Any) -> None:
+        super().__init__(layer)
+        self.use_scaled_mm = False
+
+    def process_weights(self) -> None:
+        layer = self.layer
+        if layer.weights is DENSE:
+            q, scale = quantize_fp8_rows(layer.weight.data)
+        else:
+            q, scale = layer.weight.data, Fp8CheckpointWeights.channel_scales(layer)
+            for name in ("weight_scale", "input_scale"):
+                if hasattr(layer, name):
+                    delattr(layer, name)
+        layer.weights = DENSE  # from here the layer holds fp8 ``weight`` and per-channel ``weight_scale``
+        layer.replace_parameter("weight", q)
+        layer.replace_parameter("weight_scale", scale.float().reshape(1, -1).contiguous())
+        self.use_scaled_mm = _scaled_mm_works(q.device) and q.shape[0] % 16 == 0 and q.shape[1] % 16 == 0
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        layer = self.layer
+        x2 = x.reshape(-1, x.shape[-1])
+        q, x_scale = quantize_fp8_rows(x2)
+        if self.use_scaled_mm and x2.shape[0] > 0:
+            out = self._scaled_mm(q, x_scale, x.dtype)
+        else:
+            # Emulated: the same fp8 operands multiplied in float32.
+            out = torch.mm(q.float(), layer.weight.t().float()) * (x_scale.unsqueeze(1) * layer.weight_scale)
+            out = out.to(x.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def _scaled_mm(self, q: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        layer = self.layer
+        if dtype == torch.bfloat16:  # row-wise scales inside the GEMM (bf16 output only)
+            return torch._scaled_mm(q, layer.weight.t(), scale_a=x_scale.unsqueeze(1), scale_b=layer.weight_scale,
+                                    out_dtype=dtype)
+        one = torch.ones((), device=q.device, dtype=torch.float32)
+        out = torch._scaled_mm(q, layer.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return (out * (x_scale.unsqueeze(1) * layer.weight_scale)).to(dtype)
+
+
+class Fp8Method(BuiltinQuantization):
+    """fp8 W8A8: weights quantized on load, or an fp8 checkpoint loaded as it is."""
+
+    name = "fp8"
+    implementations: ClassVar[dict[str, dict[str, str]]] = {"cuda": {"linear": "sparrow.quantization.fp8:Fp8Linear"}}
+
+    def check_config(self, config: EngineConfig) -> None:
+        # Both unquantized and fp8 checkpoints are accepted: decide which before the shared checks.
+        self.needs_checkpoint = bool(self.hf_quant_config)  # type: ignore[misc]
+        super().check_config(config)
+
+    def check_checkpoint(self, config: EngineConfig) -> None:
+        quant = self.hf_quant_config
+        if not quant:
+            return
+        if str(quant.get("quant_method", "")).lower() != "fp8":
+            raise config_error("quantization", f"'fp8' loads fp8 checkpoints; this one's quant_method is "
+                               f"{quant.get('quant_method')!r}")
+        if quant.get("weight_block_size"):
+            raise config_error("quantization", "'fp8': block-wise fp8 checkpoints (weight_block_size "
+                               f"{quant['weight_block_size']}) are not supported")
+        fmt = str(quant.get("fmt", "e4m3")).lower()
+        if fmt != "e4m3":
+            raise config_error("quantization", f"'fp8' loads e4m3 checkpoints, not {fmt!r}")
+        scheme = str(quant.get("activation_scheme", "dynamic")).lower()
+        if scheme not in ("dynamic", "static"):
+            raise config_error("quantization", f"'fp8': unknown activation_scheme {scheme!r}")
+
+    def linear_weights(self, layer: LinearBase) -> LinearWeights | None:
+        if not self.hf_quant_config:
+            return None  # dense, quantized when bound
+        return Fp8CheckpointWeights(str(self.hf_quant_config.get("activation_scheme", "dynamic")).lower() == "static")

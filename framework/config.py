@@ -13,6 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# kv_cache_dtype values; "fp8" and "fp8_e4m3" both mean float8_e4m3fn (vLLM's names).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 class ConfigError(ValueError):
@@ -86,12 +88,28 @@ class CacheConfig(_Section):
     block_size: int | None = Field(None, gt=0, le=1024, description="Tokens per KV cache block "
                                    "(default: the platform's, 16 on CPU and CUDA).")
     enable_prefix_caching: bool = Field(True, description="Reuse the KV blocks of prompt prefixes already computed.")
+    kv_eviction_policy: str = Field("lru", description="Which free cached KV block is evicted first when a new "
+                                    "one is needed: lru (least recently freed), lfu (least used, with aging), "
+                                    "or a plugin's (`sparrow plugins` lists them).")
     kv_cache_memory_bytes: int | None = Field(None, gt=0, description="KV cache size in bytes on CPU-like devices "
                                               "(default: a quarter of free RAM, at most 1 GiB).")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="Share of GPU memory for weights, "
                                           "activations and the KV cache, in (0, 1].")
     num_kv_blocks: int | None = Field(None, gt=0, description="Number of KV cache blocks, instead of sizing the "
                                       "cache from memory (default: measured).")
+    kv_cache_dtype: str = Field(
+        "auto", description="Storage dtype of the KV cache: auto (the model's dtype), or fp8 / fp8_e4m3 "
+        "(float8_e4m3fn with a per-tensor scale per layer, half the memory of bf16; CUDA only).")
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _check_kv_cache_dtype(cls, value: str) -> str:
+        # vLLM's names. Which of them a device can store is the platform's call (preflight).
+        if value == "fp8_e5m2":
+            raise ValueError("fp8_e5m2 is not implemented; use fp8 (fp8_e4m3) or auto")
+        if value not in KV_CACHE_DTYPES:
+            raise ValueError(f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+        return value
 
 
 class SchedulerConfig(_Section):
@@ -156,6 +174,19 @@ class KVTransferConfig(_Section):
         default_factory=dict, description='The connector\'s settings, e.g. {"storage_path": "/dir"}.')
 
 
+class SpeculativeSection(_Section):
+    speculative_config: dict[str, Any] | None = Field(
+        None, description='Speculative decoding, vLLM\'s dictionary, e.g. {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1} (default: off).')
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _check_speculative(cls, value: Any) -> Any:
+        from sparrow.spec_decode.config import parse_speculative_config
+
+        return parse_speculative_config(value)
+
+
 class PluginsConfig(_Section):
     additional_config: dict[str, Any] = Field(
         default_factory=dict, description='Settings for plugins (a platform\'s, say), passed through untouched '
@@ -185,6 +216,7 @@ class EngineConfig(BaseModel):
     kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
     load: LoadConfig = Field(default_factory=LoadConfig)
     plugins: PluginsConfig = Field(default_factory=PluginsConfig)
+    speculative: SpeculativeSection = Field(default_factory=SpeculativeSection)
 
     @property
     def additional_config(self) -> dict[str, Any]:

@@ -15,6 +15,12 @@ def sparrow_register_model_loaders(register) -> None:
 
 
 @hookimpl
+def sparrow_register_kv_eviction_policies(register) -> None:
+    register("lru", "sparrow.core.eviction:LRUPolicy")
+    register("lfu", "sparrow.core.eviction:LFUPolicy")
+
+
+@hookimpl
 def sparrow_register_device_communicators(register) -> None:
     register("torch_distributed", "sparrow.distributed:TorchDistributedCommunicator")
 
@@ -31,3 +37,8 @@ def sparrow_register_quantization_methods(register) -> None:
     register("fp8", "sparrow.quantization.fp8:Fp8Method")
     register("awq", "sparrow.quantization.int4:AwqMethod")
     register("gptq", "sparrow.quantization.int4:GptqMethod")
+
+
+@hookimpl
+def sparrow_register_spec_proposers(register) -> None:
+    register("ngram", "sparrow.spec_decode.ngram:NgramProposer")

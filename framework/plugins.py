@@ -172,6 +172,8 @@ class Registry:
     device_communicators: dict[str, Any] = field(default_factory=dict)  # name -> class or "module:Class"
     quantization_methods: dict[str, Any] = field(default_factory=dict)  # name -> class or "module:Class"
     model_loaders: dict[str, Any] = field(default_factory=dict)  # name -> class or "module:Class"
+    kv_eviction_policies: dict[str, Any] = field(default_factory=dict)  # name -> class or "module:Class"
+    spec_proposers: dict[str, Any] = field(default_factory=dict)  # method -> class or "module:Class"
 
 
 def _collect(pm: pluggy.PluginManager, hook_name: str, make_register: Callable) -> None:
@@ -255,6 +257,10 @@ def build_registry(pm: pluggy.PluginManager) -> Registry:
     _collect(pm, "sparrow_register_quantization_methods",
              lambda plugin: parsers("quantization method", reg.quantization_methods, plugin))
     _collect(pm, "sparrow_register_model_loaders", lambda plugin: parsers("model loader", reg.model_loaders, plugin))
+    _collect(pm, "sparrow_register_kv_eviction_policies",
+             lambda plugin: parsers("kv eviction policy", reg.kv_eviction_policies, plugin))
+    _collect(pm, "sparrow_register_spec_proposers",
+             lambda plugin: parsers("speculative proposer", reg.spec_proposers, plugin))
     return reg
 
 

@@ -84,6 +84,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # ranks mask identically without a tokenizer or a grammar each.
     structured_output_request_ids: list[str] = []
     grammar_bitmask: bytes | None = None
+    # Speculative decoding: req_id -> the draft tokens scheduled after its last token (counted in
+    # num_scheduled_tokens); the workers verify them in this step's forward pass.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
     @property
     def is_empty(self) -> bool:
@@ -114,6 +117,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # req_id -> logprobs of the prompt positions computed this step (prompt_logprobs requests).
     # Position i holds the logprob of prompt token i+1 given tokens [0..i].
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+    # Speculative decoding: per request (as req_ids), the drafts proposed for the next step
+    # (empty lists, or no list at all when speculation is off).
+    spec_token_ids: list[list[int]] = []
 
 
 # -- frontend -> engine core --------------------------------------------------------------------
@@ -186,11 +192,20 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_free_blocks: int = 0  # gauge
     num_total_blocks: int = 0  # gauge
     kv_connector_loaded_tokens: int = 0  # counter: tokens loaded through a KV connector
+    # Speculative decoding (vLLM's spec_decode_* names), counters: verification steps of a
+    # request with drafts, draft tokens verified, draft tokens accepted, and per draft position
+    # (0 = the first draft) the drafts accepted there; acceptance rate = accepted / draft tokens,
+    # mean accepted length per step = 1 + accepted / drafts.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
 
 # Fields of SchedulerStats that are cumulative counters (the others are gauges).
 SCHEDULER_STATS_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
-                            "kv_connector_loaded_tokens")
+                            "kv_connector_loaded_tokens", "spec_decode_num_drafts",
+                            "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -238,6 +238,48 @@ def sparrow_register_model_loaders(register: Callable[..., None]) -> None:
     """
 
 
+@hookspec
+def sparrow_register_kv_eviction_policies(register: Callable[..., None]) -> None:
+    """Register KV-cache eviction policies by the name the ``kv_eviction_policy`` engine argument takes.
+
+    When: once per process that resolves one: the frontend (the name is checked when the engine
+        configuration is validated) and the engine core, when it builds its KV cache manager.
+    Args:
+        register: ``register(name, policy_cls, override=False)``; ``policy_cls`` subclasses
+            :class:`sparrow.core.eviction.EvictionPolicy` (or is its import path
+            ``"package.module:Class"``) and is built once per block pool (and again when the prefix
+            cache is reset) as ``policy_cls(num_blocks)``. It orders the free blocks that hold cached prefixes: the
+            pool pushes a block when its last holder frees it, removes it on a prefix-cache hit
+            and pops the next victim when it needs a block (blocks without cached content are
+            always handed out first, without asking the policy). The built-ins ``lru`` (the
+            default) and ``lfu`` (LFU with dynamic aging) register through this hook.
+    Returns: nothing.
+    Semantics: collecting; a name registered twice is an error naming both plugins, unless the
+        later registration passes ``override=True`` (how a plugin replaces a built-in).
+    """
+
+
+@hookspec
+def sparrow_register_spec_proposers(register: Callable[..., None]) -> None:
+    """Register speculative-decoding proposers by the name ``speculative_config["method"]`` takes.
+
+    When: once per process that resolves one: the frontend (a method that is not built in is
+        checked when the engine configuration is validated) and each worker, at start-up, when
+        ``speculative_config`` is set (the worker builds the proposer once).
+    Args:
+        register: ``register(name, proposer_cls, override=False)``; ``proposer_cls`` subclasses
+            :class:`sparrow.spec_decode.proposer.SpecProposer` (or is its import path
+            ``"package.module:Class"``, imported only when used) and is built once per worker as
+            ``proposer_cls(spec_config, model_runner)``. After every step the worker calls its
+            ``propose`` for the requests that sampled a token and may speculate; the drafts come
+            back as ``ModelRunnerOutput.spec_token_ids`` and the target model verifies them in the
+            next step. The built-in ``ngram`` registers through this hook.
+    Returns: nothing.
+    Semantics: collecting; a name registered twice is an error naming both plugins, unless the
+        later registration passes ``override=True`` (how a plugin replaces a built-in).
+    """
+
+
 # --------------------------------------------------------------------------------------------
 # Core decision hooks: called on the hot path.
 # --------------------------------------------------------------------------------------------

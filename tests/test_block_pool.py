@@ -217,7 +217,8 @@ def test_hash_is_stable_and_keyed_by_extra_keys() -> None:
 
 # -- state machine: the pool against a list model ------------------------------------------------
 class BlockPoolMachine(RuleBasedStateMachine):
-    """Random allocate / cache / touch / free sequences; the model is a list (the LRU order)."""
+    """Random allocate / cache / touch / free sequences; the model is a list (the LRU order), of
+    which blocks without cached content are handed out first (``_model_order``)."""
 
     BLOCK_SIZE = 2
 
@@ -229,6 +230,12 @@ class BlockPoolMachine(RuleBasedStateMachine):
         # Each holder is a request owning one reference on each of its blocks.
         self.holders: list[tuple[Request, list[KVCacheBlock]]] = []
         self.num_requests = 0
+
+    def _model_order(self) -> list[int]:
+        # Reusing a block without cached content evicts nothing: those go first, in free order.
+        uncached = [block_id for block_id in self.model_free if self.pool.blocks[block_id].block_hash is None]
+        cached = [block_id for block_id in self.model_free if self.pool.blocks[block_id].block_hash is not None]
+        return uncached + cached
 
     def _new_request(self, token_ids: list[int]) -> Request:
         self.num_requests += 1
@@ -242,6 +249,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
             with pytest.raises(ValueError):
                 self.pool.get_new_blocks(num_blocks)
             return
+        self.model_free = self._model_order()
         blocks = self.pool.get_new_blocks(num_blocks)
         assert ids(blocks) == self.model_free[:num_blocks]
         del self.model_free[:num_blocks]
@@ -295,13 +303,16 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @rule()
     def reset_prefix_cache(self) -> None:
         in_use = any(self.model_ref_cnt)
+        order = self._model_order()  # a reset keeps the order of the moment, all uncached
         assert self.pool.reset_prefix_cache() is (not in_use)
+        if not in_use:
+            self.model_free = order
         if not in_use:
             assert not self.pool.cached_block_hash_to_block
 
     @invariant()
     def matches_model(self) -> None:
-        assert ids(self.pool.free_block_queue.get_all_free_blocks()) == self.model_free
+        assert ids(self.pool.free_block_queue.get_all_free_blocks()) == self._model_order()
         assert [block.ref_cnt for block in self.pool.blocks] == self.model_ref_cnt
         check_pool_invariants(self.pool)
 

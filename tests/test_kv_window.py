@@ -138,10 +138,11 @@ def test_sliding_prefix_hit_needs_only_the_window_before_the_hit() -> None:
     step(manager, first, 1)
     assert [block is null_block for block in manager.get_blocks("first").blocks] == [True] * 8 + [False] * 3
     manager.free(first)
-    # 23 usable blocks: 12 never used, then the prompt's slid-out ones, oldest first. A filler
-    # of 13 blocks takes the unused ones and evicts the prompt's first block.
-    filler = make_request("filler", list(range(500, 552)))
-    admit(manager, filler, chunk=52)
+    # 23 usable blocks: 12 never used and the prompt's partial last block (no cached content, so
+    # reused first), then the prompt's slid-out ones, oldest first. A filler of 14 blocks takes
+    # those 13 and evicts the prompt's first block.
+    filler = make_request("filler", list(range(500, 556)))
+    admit(manager, filler, chunk=56)
     assert manager.block_pool.get_cached_block(first.block_hashes[0]) is None
 
     again = make_request("again", prompt + [99, 98])

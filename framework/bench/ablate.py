@@ -46,6 +46,7 @@ AXES = (
     ("max_num_batched_tokens", "max_num_batched_tokens", "mbt"),
     ("block_size", "block_size", "bs"),
     ("max_num_seqs", "max_num_seqs", "seqs"),
+    ("kv_eviction_policies", "kv_eviction_policy", "evict"),
 )
 NUM_PRIORITIES = 3
 # The tiny tokenizer keeps its special tokens at the top of the vocabulary: prompts stay below.
@@ -111,6 +112,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help="KV block sizes (default: platform's)")
     grid.add_argument("--max-num-seqs", type=_csv(_positive_int), default=None,
                       help="running-batch caps (default: engine's); small values make requests queue")
+    grid.add_argument("--kv-eviction-policies", type=_csv(str), default=None,
+                      help="KV eviction policies, e.g. lru,lfu (default: engine's, lru; `sparrow plugins` lists them)")
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="multiply every prompt and output length of the workload (e.g. 0.25 for a quick run)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and of every engine")
@@ -303,6 +306,7 @@ def resolve_axes(args: argparse.Namespace) -> dict[str, list[Any] | None]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "block_size": args.block_size,
         "max_num_seqs": args.max_num_seqs,
+        "kv_eviction_policy": args.kv_eviction_policies,
     }
 
 

@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from sparrow.core.eviction import EvictionPolicy, LRUPolicy, overrides_on_hit
 from sparrow.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock, group_block_hash
 
 if TYPE_CHECKING:
@@ -23,18 +24,27 @@ class BlockPool:
       (``block_hash`` set) that a later request can revive with ``touch``.
 
     A free block keeps its hash until it is handed out again by ``get_new_blocks``: that is the
-    moment its cached content is evicted.
+    moment its cached content is evicted. Which free block goes first is the free queue's call:
+    blocks without cached content, then cached ones in the order of ``eviction_policy`` (an
+    ``EvictionPolicy`` subclass, built once per pool; default ``LRUPolicy``).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, reserve_null_block: bool = False) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, reserve_null_block: bool = False,
+                 eviction_policy: type[EvictionPolicy] | None = None) -> None:
         min_num_blocks = 2 if reserve_null_block else 1
         if not isinstance(num_blocks, int) or num_blocks < min_num_blocks:
             raise ValueError(f"num_blocks must be an integer >= {min_num_blocks}, got {num_blocks!r}")
+        if eviction_policy is None:
+            eviction_policy = LRUPolicy
+        if not (isinstance(eviction_policy, type) and issubclass(eviction_policy, EvictionPolicy)):
+            raise TypeError(f"eviction_policy must be a subclass of sparrow.core.eviction.EvictionPolicy, "
+                            f"got {eviction_policy!r}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.eviction_policy_cls = eviction_policy
         # block_id -> block; index == block_id
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.free_block_queue = self._new_free_queue(self.blocks)
         # Sliding windows: a request's blocks that slid out of the window are freed and replaced
         # in its table by this block, so that block index == position // block_size still holds.
         # It is never handed out, written or cached; kernels may read it (and mask what they read).
@@ -44,6 +54,12 @@ class BlockPool:
         # requests computed the same prefix before either was cached; any one of them serves a
         # hit, and evicting one must not forget the others.
         self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+
+    def _new_free_queue(self, blocks: Iterable[KVCacheBlock]) -> FreeKVCacheBlockQueue:
+        policy = self.eviction_policy_cls(self.num_blocks)
+        # Bound once: a policy that ignores hits (LRU) costs touch() nothing.
+        self._on_hit = policy.on_hit if overrides_on_hit(policy) else None
+        return FreeKVCacheBlockQueue(blocks, policy)
 
     # -- prefix cache -------------------------------------------------------------------------
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
@@ -108,14 +124,20 @@ class BlockPool:
         """Forget every cached hash. Only possible while no block is in use; returns success."""
         if self.get_num_free_blocks() != self.num_usable_blocks:
             return False
+        # Every free block loses its content: rebuild the queue (with a fresh policy, whose
+        # counts were about contents now gone), all in the uncached tier, keeping their order.
+        free_blocks = self.free_block_queue.get_all_free_blocks()
+        self.free_block_queue.popleft_n(len(free_blocks))
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.block_hash = None
+        self.free_block_queue = self._new_free_queue(free_blocks)
         return True
 
     # -- allocation ---------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Hand out ``num_blocks`` blocks from the head of the free queue (least recently freed).
+        """Hand out ``num_blocks`` blocks from the head of the free queue (uncached blocks first,
+        then the eviction policy's victims; with LRU, least recently freed first).
 
         Each comes back with ``ref_cnt == 1`` and no hash: whatever prefix it cached is evicted.
         """
@@ -132,17 +154,21 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on blocks found in the prefix cache, reviving free ones."""
+        on_hit = self._on_hit
         for block in blocks:
             if block is self.null_block:
                 continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
+            if on_hit is not None:
+                on_hit(block)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference per listed block; blocks reaching 0 join the free queue's tail.
+        """Drop one reference per listed block; blocks reaching 0 join the free queue.
 
-        The order is the eviction order among these blocks: the first listed is evicted first.
+        The order is the eviction order among these blocks under LRU (the first listed is
+        evicted first) and breaks ties under other policies.
         The null block is skipped. Validated before anything changes, so a bad call leaves the
         pool as it was.
         """

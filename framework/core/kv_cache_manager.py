@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sparrow.core.block_pool import BlockPool
+from sparrow.core.eviction import EvictionPolicy
 from sparrow.core.kv_cache_utils import (
     KVCacheBlock,
     KVCacheGroupSpec,
@@ -59,6 +60,7 @@ class KVCacheManager:
         enable_caching: bool = True,
         kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
         max_num_batched_tokens: int | None = None,
+        eviction_policy: type[EvictionPolicy] | None = None,
     ) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
@@ -70,7 +72,8 @@ class KVCacheManager:
         self.kv_cache_groups = list(kv_cache_groups or [KVCacheGroupSpec(None, ())])
         windows = [group.sliding_window for group in self.kv_cache_groups]
         self.block_pool = BlockPool(num_blocks, enable_caching,
-                                    reserve_null_block=any(window is not None for window in windows))
+                                    reserve_null_block=any(window is not None for window in windows),
+                                    eviction_policy=eviction_policy)
         self.managers: list[FullAttentionManager] = [
             make_single_type_manager(self.block_pool, block_size, window, group_id)
             for group_id, window in enumerate(windows)

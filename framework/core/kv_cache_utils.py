@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, NewType
 
 import msgspec
 
+from sparrow.core.eviction import EvictionPolicy, LRUPolicy
+
 if TYPE_CHECKING:
     from sparrow.core.request import Request
 
@@ -146,6 +148,8 @@ class KVCacheBlock:
     # Links of FreeKVCacheBlockQueue; only meaningful while the block is free.
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
+    # The tier of FreeKVCacheBlockQueue holding the block; None while it is not free.
+    free_tier: EvictionPolicy | None = None
 
     def __repr__(self) -> str:
         # The default repr would follow the free-list links through every free block.
@@ -154,33 +158,50 @@ class KVCacheBlock:
 
 
 class FreeKVCacheBlockQueue:
-    """Doubly linked list of free blocks, threaded through the blocks themselves.
+    """Every free block, in the order they are handed out (which evicts their cached content).
 
-    ``head -> ... -> tail``: allocation pops the head, freeing appends to the tail, so the block
-    freed longest ago is reused first (LRU eviction of cached-but-unused blocks). Removing a
-    block from the middle (a prefix-cache hit on a free block) is O(1), which a deque can't do.
+    Two tiers: blocks without cached content (no ``block_hash``: never filled, or reset) come
+    first, in the order they were freed, since reusing them evicts nothing; then the cached ones,
+    in the order the eviction ``policy`` picks (default ``LRUPolicy``: least recently freed
+    first). Every operation is O(1) plus the policy's cost; removing a block from the middle
+    (a prefix-cache hit on a free block) included.
+
+    A block's tier is decided when it joins the queue: the pool only sets or clears hashes of
+    blocks that are not in it (``reset_prefix_cache`` rebuilds the queue).
     """
 
-    __slots__ = ("_head", "_tail", "num_free_blocks")
+    __slots__ = ("_uncached", "_cached", "num_free_blocks")
 
-    def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
-        self._head: KVCacheBlock | None = None
-        self._tail: KVCacheBlock | None = None
+    def __init__(self, blocks: Iterable[KVCacheBlock] = (), policy: EvictionPolicy | None = None) -> None:
+        self._uncached = LRUPolicy()
+        self._cached: EvictionPolicy = LRUPolicy() if policy is None else policy
         self.num_free_blocks = 0
         self.append_n(blocks)
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._cached
 
     def __len__(self) -> int:
         return self.num_free_blocks
 
     def contains(self, block: KVCacheBlock) -> bool:
-        # A queued block has a predecessor unless it is the head; O(1), no set needed.
-        return block.prev_free_block is not None or block is self._head
+        tier = block.free_tier
+        return tier is not None and (tier is self._uncached or tier is self._cached)
 
     def popleft(self) -> KVCacheBlock:
-        block = self._head
-        if block is None:
+        uncached = self._uncached
+        if uncached._num_blocks:  # len(uncached) without the call: allocation is on the hot path
+            block = uncached.pop()
+        elif self.num_free_blocks:
+            block = self._cached.pop()
+            if block.free_tier is not self._cached:
+                raise RuntimeError(f"eviction policy {type(self._cached).__name__} popped {block!r}, "
+                                   "which it does not hold")
+        else:
             raise ValueError("FreeKVCacheBlockQueue.popleft: no free blocks")
-        self._unlink(block)
+        block.free_tier = None
+        self.num_free_blocks -= 1
         return block
 
     def popleft_n(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -191,20 +212,19 @@ class FreeKVCacheBlockQueue:
         return [self.popleft() for _ in range(num_blocks)]
 
     def remove(self, block: KVCacheBlock) -> None:
-        if not self.contains(block):
+        tier = block.free_tier
+        if tier is None or not (tier is self._uncached or tier is self._cached):
             raise ValueError(f"{block!r} is not in the free queue")
-        self._unlink(block)
+        tier.remove(block)
+        block.free_tier = None
+        self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        if self.contains(block):
+        if block.free_tier is not None:
             raise ValueError(f"{block!r} is already in the free queue")
-        block.prev_free_block = self._tail
-        block.next_free_block = None
-        if self._tail is None:
-            self._head = block
-        else:
-            self._tail.next_free_block = block
-        self._tail = block
+        tier = self._uncached if block.block_hash is None else self._cached
+        tier.push(block)
+        block.free_tier = tier
         self.num_free_blocks += 1
 
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -212,26 +232,8 @@ class FreeKVCacheBlockQueue:
             self.append(block)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        """Every free block, head (next to be reused) first. O(n): for tests and debugging."""
-        blocks: list[KVCacheBlock] = []
-        block = self._head
-        while block is not None:
-            blocks.append(block)
-            block = block.next_free_block
-        return blocks
-
-    def _unlink(self, block: KVCacheBlock) -> None:
-        prev_block, next_block = block.prev_free_block, block.next_free_block
-        if prev_block is None:
-            self._head = next_block
-        else:
-            prev_block.next_free_block = next_block
-        if next_block is None:
-            self._tail = prev_block
-        else:
-            next_block.prev_free_block = prev_block
-        block.prev_free_block = block.next_free_block = None
-        self.num_free_blocks -= 1
+        """Every free block, next to be reused first. O(n) or more: for tests and debugging."""
+        return self._uncached.blocks_in_order() + self._cached.blocks_in_order()
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from sparrow.core.sched.output import SchedulerOutput
 from sparrow.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from sparrow.executor import Executor, make_executor
 from sparrow.kv_transfer import KVConnectorRole, build_connector
-from sparrow.plugins import get_plugin_manager, get_registry, kernel_default_only, resolve_hook
+from sparrow.plugins import get_plugin_manager, get_registry, kernel_default_only, resolve_hook, resolve_parser
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,8 @@ class EngineCore:
             raise ValueError("EngineCore needs a resolved max_model_len (see sparrow.engine.setup)")
         self.config = config
         self.pm = get_plugin_manager()
+        # Resolved before any worker starts: an unknown name must not leave workers behind.
+        eviction_policy = eviction_policy_class(config.cache.kv_eviction_policy, self.pm)
         self.executor = executor if executor is not None else make_executor(config)
         started = time.perf_counter()
         kv_info = self.executor.initialize()
@@ -47,6 +49,7 @@ class EngineCore:
             num_blocks=kv_info.num_blocks, block_size=kv_info.block_size,
             enable_caching=config.cache.enable_prefix_caching, kv_cache_groups=kv_cache_groups,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            eviction_policy=eviction_policy,
         )
         self.scheduler = build_scheduler(config, self.kv_cache_manager, self.pm)
         self._schedule = schedule_step(self.pm, self.scheduler)
@@ -283,6 +286,11 @@ def schedule_step(pm: Any, scheduler: SchedulerInterface) -> Callable[[], Schedu
         return scheduler.schedule
     hook = pm.hook.sparrow_schedule
     return lambda: hook(scheduler=scheduler)
+
+
+def eviction_policy_class(name: str, pm: Any = None) -> type:
+    """The KV eviction policy class registered as ``name`` (``sparrow_register_kv_eviction_policies``)."""
+    return resolve_parser("kv_eviction_policy", name, get_registry(pm or get_plugin_manager()).kv_eviction_policies)
 
 
 def build_scheduler(config: EngineConfig, kv_cache_manager: KVCacheManager, pm: Any = None) -> SchedulerInterface:

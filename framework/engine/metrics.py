@@ -73,6 +73,15 @@ class EngineMetrics:
         self._request_success = Counter(
             "sparrow:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"],
             registry=self.registry)
+        # Speculative decoding (vLLM's spec_decode_* names; all stay 0 with speculation off).
+        self.spec_decode_num_drafts = counter("sparrow:spec_decode_num_drafts",
+                                              "Verification steps of requests with drafts.")
+        self.spec_decode_num_draft_tokens = counter("sparrow:spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter("sparrow:spec_decode_num_accepted_tokens",
+                                                       "Draft tokens accepted.")
+        self._spec_decode_num_accepted_tokens_per_pos = Counter(
+            "sparrow:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position (0 = first).",
+            ["model_name", "position"], registry=self.registry)
         self._model_name = model_name
         # engine-core request id -> its timestamps while unfinished
         self._requests: dict[str, _RequestTimes] = {}
@@ -121,11 +130,23 @@ class EngineMetrics:
         counted = self._counted
         for name, metric in (("prefix_cache_queries", self.prefix_cache_queries),
                              ("prefix_cache_hits", self.prefix_cache_hits),
-                             ("num_preemptions", self.num_preemptions)):
+                             ("num_preemptions", self.num_preemptions),
+                             ("spec_decode_num_drafts", self.spec_decode_num_drafts),
+                             ("spec_decode_num_draft_tokens", self.spec_decode_num_draft_tokens),
+                             ("spec_decode_num_accepted_tokens", self.spec_decode_num_accepted_tokens)):
             new = getattr(stats, name) - getattr(counted, name)
             if new > 0:
                 metric.inc(new)
                 setattr(counted, name, getattr(stats, name))
+        per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+        if per_pos:
+            seen = counted.spec_decode_num_accepted_tokens_per_pos
+            seen.extend([0] * (len(per_pos) - len(seen)))
+            for position, total in enumerate(per_pos):
+                if total > seen[position]:
+                    self._spec_decode_num_accepted_tokens_per_pos.labels(
+                        model_name=self._model_name, position=str(position)).inc(total - seen[position])
+                    seen[position] = total
 
 
 def render(metrics: EngineMetrics) -> bytes:

@@ -15,12 +15,14 @@ What is checked:
     scheduler, device,     names the plugin registry knows (the device present on this machine);
     kv_connector,          kv_role set with a connector
     load_format,
-    quantization
+    quantization,
+    kv_eviction_policy
     reasoning_parser       a registered reasoning parser
     logits_processors      registered names, or 'package.module:Class' names that import here and
                            name a logits processor class
     attention_backend      offered by the platform (its ``sparrow_attention_backend`` hook answers)
     dtype                  supported by the platform
+    kv_cache_dtype         in the platform's supported_kv_cache_dtypes (and the requested backend's)
     quantization           the method accepts the configuration (``QuantizationMethod.check_config``)
     communicator           with tensor_parallel_size > 1, the platform's device communicator is
                            registered
@@ -99,6 +101,10 @@ def check_plugin_names(config: EngineConfig, registry: Registry) -> None:
     scheduler = config.scheduler.scheduler
     if scheduler not in registry.schedulers:
         raise _error("scheduler", f"unknown scheduler {scheduler!r}; registered: {_registered(registry.schedulers)}")
+    eviction_policy = config.cache.kv_eviction_policy
+    if eviction_policy not in registry.kv_eviction_policies:
+        raise _error("kv_eviction_policy", f"unknown kv_eviction_policy {eviction_policy!r}; registered: "
+                     f"{_registered(registry.kv_eviction_policies)}")
     device = config.device.device
     if device != "auto" and device not in registry.platforms:
         raise _error("device", f"unknown device {device!r}; installed platforms: {_registered(registry.platforms)}")
@@ -222,6 +228,11 @@ def check_platform_settings(config: EngineConfig, platform: Any, hf_config: Any)
         platform.resolve_dtype(config.model.dtype)
     except ValueError as exc:
         raise _error("dtype", str(exc)) from None
+    kv_cache_dtype = config.cache.kv_cache_dtype
+    supported_kv = getattr(platform, "supported_kv_cache_dtypes", ("auto",))
+    if kv_cache_dtype not in supported_kv:
+        raise _error("kv_cache_dtype", f"{kv_cache_dtype!r} is not supported on platform "
+                     f"{getattr(platform, 'name', platform)!r}; supported: {', '.join(supported_kv)}")
     requested = config.device.attention_backend
     if requested == "auto":
         return
@@ -238,6 +249,8 @@ def check_platform_settings(config: EngineConfig, platform: Any, hf_config: Any)
     if backend is None:
         raise _error("attention_backend", f"no plugin offers attention backend {requested!r} for platform "
                      f"{getattr(platform, 'name', platform)!r}")
+    if kv_cache_dtype != "auto" and kv_cache_dtype not in getattr(backend, "supported_kv_cache_dtypes", ("auto",)):
+        raise _error("kv_cache_dtype", f"{kv_cache_dtype!r} is not supported by attention backend {requested!r}")
 
 
 # -- numbers --------------------------------------------------------------------------------------

@@ -186,6 +186,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print(f"  {name} (priority {entry.priority}, {state}, from {entry.plugin})")
     print("schedulers:", ", ".join(sorted(registry.schedulers)))
     print("kv connectors:", ", ".join(sorted(registry.kv_connectors)) or "none")
+    print("kv eviction policies:", ", ".join(sorted(registry.kv_eviction_policies)) or "none")
     print("architectures:", ", ".join(sorted(registry.architectures)))
     print("logits processors:", ", ".join(sorted(registry.logits_processors)))
     print("tool parsers:", ", ".join(sorted(registry.tool_parsers)) or "none")

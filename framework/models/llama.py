@@ -34,7 +34,10 @@ STACKED_PARAMS: dict[str, tuple[tuple[str, Hashable], ...]] = {
     "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
 }
 # Checkpoint tensors that hold no weights (rotary caches some exporters saved).
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# KV cache scales (fp8 exporters write them) are not parameters: the CUDA runner reads them itself
+# for kv_cache_dtype="fp8" (sparrow_cuda.model_runner.checkpoint_kv_scales); otherwise unused.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached",
+                    "self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale")
 
 
 class MissingWeightsError(ValueError):

@@ -20,6 +20,10 @@ class Platform:
     default_max_num_batched_tokens: int = 8192
     default_dtype: str = "float32"
     supported_dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    # kv_cache_dtype values this platform can store its KV cache in ("auto" = the model dtype).
+    # A platform that lists "fp8" / "fp8_e4m3" allocates float8_e4m3fn caches and its attention
+    # backends take per-layer ``k_scale`` / ``v_scale`` keywords (see docs/plugins.md).
+    supported_kv_cache_dtypes: tuple[str, ...] = ("auto",)
     # "package.module:WorkerClass"
     worker_cls: str = ""
     # The device communicator (collectives of tensor parallelism) by its registered name

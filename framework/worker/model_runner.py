@@ -20,8 +20,10 @@ from sparrow.core.sched.output import SchedulerOutput
 from sparrow.layers.attention import Attention
 from sparrow.sample.logits_processor.load import build_logits_processors
 from sparrow.sample.logprobs import compute_token_logprobs
-from sparrow.sample.metadata import SamplingTensors
+from sparrow.sample.metadata import SamplingMetadata, SamplingTensors
 from sparrow.sample.sampler import Sampler
+from sparrow.spec_decode.proposer import build_proposer
+from sparrow.spec_decode.worker import propose_drafts, verify_drafts, write_draft_tokens
 from sparrow.worker.input_batch import CachedRequestState, InputBatch
 from sparrow.worker.outputs import ModelRunnerOutput, TokenLogprobs
 
@@ -34,7 +36,7 @@ class StepInputs:
     """One step's flat inputs; host arrays are numpy, device tensors torch."""
 
     __slots__ = ("input_ids", "positions", "metadata", "num_scheduled", "logits_indices", "complete_rows",
-                 "grammar_bitmask")
+                 "grammar_bitmask", "spec_decode_tokens")
 
     def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                  num_scheduled: np.ndarray, logits_indices: torch.Tensor, complete_rows: np.ndarray) -> None:
@@ -46,6 +48,8 @@ class StepInputs:
         self.complete_rows = complete_rows  # [num_reqs] bool: the row samples a token this step
         # Structured outputs: (rows [G] int64, bitmask [G, ceil(V / 32)] int32) on the device, or None.
         self.grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Speculative decoding: req_id -> the drafts this step verifies (empty: none).
+        self.spec_decode_tokens: dict[str, list[int]] = {}
 
 
 class ModelRunner:
@@ -58,6 +62,9 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.dtype = dtype
+        # The KV cache's storage dtype: the model's, unless a platform's runner stores it in
+        # another (CUDA: float8_e4m3fn for kv_cache_dtype="fp8").
+        self.kv_cache_dtype = dtype
         self.block_size = block_size
         self.tp_rank = tp_rank
         self.max_model_len = config.model.max_model_len
@@ -80,6 +87,10 @@ class ModelRunner:
         self.sampler = Sampler(generator, platform)
         self.kv_caches: list[torch.Tensor] = []
         self.kv_connector: Any = None  # worker half of a KV connector, set by the worker
+        # Speculative decoding: the proposer (None: off). Requests speculate only when nothing
+        # the verification cannot apply per position is in play (sparrow.spec_decode.proposer).
+        self.plugin_logits_processors = bool(config.model.logits_processors)
+        self.proposer = build_proposer(config.speculative.speculative_config, self)
 
     # -- KV cache ---------------------------------------------------------------------------
     def num_kv_cache_tensors(self) -> int:
@@ -89,14 +100,15 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self) -> int:
         _, num_kv_heads, head_dim = self.model.kv_cache_spec()
-        element_size = torch.empty((), dtype=self.dtype).element_size()
+        element_size = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * self.num_kv_cache_tensors() * self.block_size * num_kv_heads * head_dim * element_size
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
         # each: [2, num_blocks, block_size, num_kv_heads, head_dim]
         tensors = [
-            torch.zeros(2, num_blocks, self.block_size, num_kv_heads, head_dim, dtype=self.dtype, device=self.device)
+            torch.zeros(2, num_blocks, self.block_size, num_kv_heads, head_dim, dtype=self.kv_cache_dtype,
+                        device=self.device)
             for _ in range(self.num_kv_cache_tensors())
         ]
         # layer index -> its tensor: every layer is in exactly one group
@@ -112,6 +124,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         inputs = self.prepare_inputs(scheduler_output)
         inputs.grammar_bitmask = self.grammar_bitmask(scheduler_output)
+        inputs.spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         connector_meta = scheduler_output.kv_connector_metadata
         if self.kv_connector is not None and connector_meta is not None:
             self.kv_connector.start_load_kv(self.kv_connector_meta(connector_meta))
@@ -165,6 +178,8 @@ class ModelRunner:
         for req_id in scheduled:
             if req_id not in batch.req_id_to_row:
                 batch.add(self.requests[req_id])
+        if so.scheduled_spec_decode_tokens:
+            write_draft_tokens(batch, so.scheduled_spec_decode_tokens)
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         batch, block_size = self.batch, self.block_size
@@ -251,10 +266,9 @@ class ModelRunner:
         for group_metadata in (metadata.groups or ())[1:]:
             backend.prepare(group_metadata)
 
-    def sample(self, hidden_states: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
+    def sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:
+        """The step's sampling metadata, one row per request in batch order."""
         batch = self.batch
-        num_reqs = batch.num_reqs
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])  # [num_reqs, vocab]
         if self._sampling_version != batch.version:
             # None: the rows changed and changed back (a request unscheduled for a step and
             # scheduled again into its old row), so the tensors are still right.
@@ -265,7 +279,28 @@ class ModelRunner:
             self._sampling_version = batch.version
         sampling_metadata = self.sampling_tensors.metadata([s.output_token_ids for s in batch.states])
         sampling_metadata.grammar_bitmask = inputs.grammar_bitmask
-        sampler_output = self.sampler(logits, sampling_metadata)
+        return sampling_metadata
+
+    def sample(self, hidden_states: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
+        if inputs.spec_decode_tokens:
+            sampled_token_ids, logprobs = verify_drafts(self, hidden_states, inputs)
+        else:
+            sampled_token_ids, logprobs = self.sample_tokens(hidden_states, inputs)
+        output = ModelRunnerOutput(
+            req_ids=list(self.batch.req_ids), sampled_token_ids=sampled_token_ids, logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs(hidden_states, inputs),
+        )
+        if self.proposer is not None:
+            output.spec_token_ids = propose_drafts(self, sampled_token_ids, hidden_states)
+        return output
+
+    def sample_tokens(self, hidden_states: torch.Tensor,
+                      inputs: StepInputs) -> tuple[list[list[int]], dict[str, list[TokenLogprobs]]]:
+        """One token per row that completed its tokens (the plain path, without drafts)."""
+        batch = self.batch
+        num_reqs = batch.num_reqs
+        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])  # [num_reqs, vocab]
+        sampler_output = self.sampler(logits, self.sampling_metadata(inputs))
         sampled = self.agree_on_sampled(sampler_output.sampled_token_ids).tolist()
         logprobs_rows = sampler_output.logprobs_lists()
 
@@ -282,10 +317,7 @@ class ModelRunner:
             sampled_token_ids.append([token_id])
             if logprobs_rows is not None and logprobs_rows[row] is not None:
                 logprobs[state.req_id] = [logprobs_rows[row]]
-        return ModelRunnerOutput(
-            req_ids=list(batch.req_ids), sampled_token_ids=sampled_token_ids, logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs(hidden_states, inputs),
-        )
+        return sampled_token_ids, logprobs
 
     def agree_on_sampled(self, sampled_token_ids: torch.Tensor) -> torch.Tensor:
         """Tensor parallel: make rank 0's sampled tokens every rank's tokens.

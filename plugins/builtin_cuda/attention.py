@@ -1,7 +1,9 @@
 """Attention backends of the CUDA platform: Triton kernels (default) and FlashInfer (optional).
 
 Both write the step's new keys/values with the Triton ``reshape_and_cache`` kernel and then attend
-over the paged cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]``. Heavy imports
+over the paged cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]``. Both read an fp8 cache
+(``kv_cache_dtype="fp8"``: float8_e4m3fn, told by the cache tensor's dtype) with the layer's
+``k_scale`` / ``v_scale`` keywords, which the CUDA model runner sets on every attention layer. Heavy imports
 (triton, flashinfer) happen when a backend is constructed, so importing this module is cheap.
 """
 
@@ -15,6 +17,8 @@ import torch
 from sparrow.attention import AttentionBackend, AttentionMetadata
 
 _FLASHINFER_WORKSPACE_BYTES = 256 * 1024 * 1024
+# kv_cache_dtype values both backends serve ("fp8" and "fp8_e4m3" are float8_e4m3fn caches).
+FP8_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 def _empty_output(query: torch.Tensor) -> torch.Tensor:
@@ -28,6 +32,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    supported_kv_cache_dtypes = FP8_KV_CACHE_DTYPES
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -46,13 +51,15 @@ class TritonAttentionBackend(AttentionBackend):
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows past the last request unset
-        self._ops.reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
+        self._ops.reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         out = _empty_output(query)
         self._ops.unified_paged_attention(
             query, kv_cache, out, metadata.query_start_loc, metadata.seq_lens,
             metadata.block_table, self.scale, metadata.max_query_len, metadata.max_seq_len,
-            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale)
         return out
 
 
@@ -69,6 +76,7 @@ class _FlashInferPlan:
     # The plan() arguments every variant shares: (positional, keyword) for the chosen wrapper kind.
     plan_args: tuple[tuple, dict]
     kv_group: int = 0  # the KV cache group whose block table was planned
+    kv_dtype: torch.dtype | None = None  # the cache dtype the wrappers were planned for
 
 
 def paged_kv_layout(
@@ -118,6 +126,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    supported_kv_cache_dtypes = FP8_KV_CACHE_DTYPES
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  dtype: torch.dtype, device: torch.device, *, block_size: int | None = None,
@@ -134,6 +143,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._flashinfer = flashinfer
         self._ops = triton_ops
         self.block_size = block_size
+        # The cache dtype plans made in prepare() assume; the CUDA runner sets float8_e4m3fn for an
+        # fp8 cache (forward re-plans if the cache it gets differs).
+        self.kv_cache_dtype = dtype
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
         # (kv_group, sliding_window, logits_soft_cap) -> (prefill wrapper, decode wrapper)
         self._wrappers: dict[tuple[int, int | None, float | None], tuple[Any, Any]] = {}
@@ -152,9 +164,9 @@ class FlashInferAttentionBackend(AttentionBackend):
     def prepare(self, metadata: AttentionMetadata) -> None:
         metadata.backend_state = None
         if self.block_size is not None:
-            metadata.backend_state = self._plan(metadata, self.block_size)
+            metadata.backend_state = self._plan(metadata, self.block_size, self.kv_cache_dtype)
 
-    def _plan(self, metadata: AttentionMetadata, page_size: int) -> _FlashInferPlan:
+    def _plan(self, metadata: AttentionMetadata, page_size: int, kv_dtype: torch.dtype) -> _FlashInferPlan:
         num_reqs = metadata.num_reqs
         seq_lens_cpu = (metadata.seq_lens_cpu if metadata.seq_lens_cpu is not None
                         else metadata.seq_lens.cpu())[:num_reqs]
@@ -162,7 +174,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                          else metadata.query_start_loc.cpu())[:num_reqs + 1].to(torch.int32)
         kv_indptr, kv_indices, last_page_len = paged_kv_layout(
             metadata.block_table[:num_reqs], seq_lens_cpu, page_size)
-        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+        common = dict(q_data_type=self.dtype, kv_data_type=kv_dtype, sm_scale=self.scale)
         if metadata.is_decode_only:
             plan_args = ((kv_indptr, kv_indices, last_page_len, self.num_heads, self.num_kv_heads,
                           self.head_dim, page_size), common)
@@ -173,7 +185,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                           self.num_kv_heads, self.head_dim, page_size), dict(common, causal=True))
         plan = _FlashInferPlan(wrappers={}, page_size=page_size, num_tokens=int(qo_indptr_cpu[-1]),
                                owner=id(self), is_decode_only=metadata.is_decode_only, plan_args=plan_args,
-                               kv_group=metadata.kv_group)
+                               kv_group=metadata.kv_group, kv_dtype=kv_dtype)
         # Wrappers are planned by the first layer that runs each variant (see _planned_wrapper).
         return plan
 
@@ -203,17 +215,21 @@ class FlashInferAttentionBackend(AttentionBackend):
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]; rows past the last request unset
         page_size = kv_cache.shape[2]
         plan = metadata.backend_state
         if (not isinstance(plan, _FlashInferPlan) or plan.owner != id(self)
-                or plan.page_size != page_size):
-            plan = self._plan(metadata, page_size)
+                or plan.page_size != page_size or plan.kv_dtype != kv_cache.dtype):
+            plan = self._plan(metadata, page_size, kv_cache.dtype)
             metadata.backend_state = plan
-        self._ops.reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
+        self._ops.reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         out = _empty_output(query)
         rows = plan.num_tokens
         # NHD pages: each of (k_cache, v_cache) is [num_blocks, block_size, num_kv_heads, head_dim].
         wrapper = self._planned_wrapper(plan, (sliding_window, logits_soft_cap))
-        wrapper.run(query[:rows].contiguous(), (kv_cache[0], kv_cache[1]), out=out[:rows])
+        # fp8 pages: FlashInfer dequantizes with the per-tensor scales (stored * scale).
+        scales = {"k_scale": k_scale, "v_scale": v_scale} if kv_cache.dtype.itemsize == 1 else {}
+        wrapper.run(query[:rows].contiguous(), (kv_cache[0], kv_cache[1]), out=out[:rows], **scales)
         return out

@@ -4,20 +4,83 @@ Decode steps are small and many, so host launch overhead dominates them. At star
 captures the model's forward once per batch size of a ladder (1, 2, 4, 8, 16, 24, 32, ... up to
 max_num_seqs) on static input buffers; a pure-decode step is padded to the nearest captured size
 and replayed. Prefill and mixed steps run eagerly. ``enforce_eager=True`` turns graphs off.
+
+``kv_cache_dtype="fp8"`` stores the paged cache as float8_e4m3fn (half the bytes of bf16, so twice
+the blocks in the same memory) with one key scale and one value scale per layer: read from the
+checkpoint when it has them (``...layers.N.self_attn.k_scale`` / ``v_scale``, or one ``kv_scale``
+for both, as fp8 exporters write them), else 1.0 (vLLM's default without calibration). The scales
+reach the backend as the attention layers' ``k_scale`` / ``v_scale`` keywords.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
+from typing import Any
 
 import numpy as np
 import torch
 
 from sparrow.attention import AttentionMetadata
+from sparrow.layers.attention import Attention
 from sparrow.worker.model_runner import ModelRunner, StepInputs
 
 logger = logging.getLogger(__name__)
+
+
+# kv_cache_dtype -> the cache tensors' dtype ("auto": the model's).
+KV_CACHE_TORCH_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+# The names sparrow.models.llama's loader skips (IGNORED_SUFFIXES).
+_KV_SCALE_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale)$")
+
+
+def checkpoint_kv_scales(model_dir: str | None) -> dict[int, tuple[float, float]]:
+    """layer index -> (k_scale, v_scale) from the checkpoint's scale tensors; layers without
+    any are left out (1.0). Only the matching tensors are read; no checkpoint (load_format
+    dummy, or no directory) gives {}."""
+    if model_dir is None:
+        return {}
+    from safetensors import safe_open
+
+    from sparrow.model_loader import WeightFileError, safetensors_files
+
+    try:
+        files = safetensors_files(model_dir)
+    except WeightFileError:
+        return {}
+    found: dict[int, dict[str, float]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                match = _KV_SCALE_NAME.search(name)
+                if match is None:
+                    continue
+                tensor = handle.get_tensor(name).float()
+                if tensor.numel() != 1:
+                    raise ValueError(f"checkpoint tensor {name!r} is not a per-tensor scale "
+                                     f"(shape {tuple(tensor.shape)}); the fp8 KV cache takes one scale per layer")
+                value = float(tensor.reshape(()))
+                if not value > 0 or value == float("inf"):
+                    raise ValueError(f"checkpoint tensor {name!r} is not a positive finite scale: {value}")
+                found.setdefault(int(match.group(1)), {})[match.group(2)] = value
+    scales = {}
+    for layer, named in found.items():
+        both = named.get("kv_scale", 1.0)
+        scales[layer] = (named.get("k_scale", both), named.get("v_scale", both))
+    return scales
+
+
+def apply_kv_scales(model: Any, scales: dict[int, tuple[float, float]]) -> int:
+    """Give every attention layer its ``k_scale`` / ``v_scale`` keywords (1.0 where ``scales``
+    has none); returns how many layers took a checkpoint scale."""
+    applied = 0
+    for module in model.modules():
+        if isinstance(module, Attention):
+            k_scale, v_scale = scales.get(module.layer_index, (1.0, 1.0))
+            applied += module.layer_index in scales
+            module.backend_kwargs.update(k_scale=k_scale, v_scale=v_scale)
+    return applied
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -34,6 +97,31 @@ class CudaModelRunner(ModelRunner):
         self.graph_outputs: dict[int, torch.Tensor] = {}  # batch size -> [bs, hidden] static output
         self.graph_metadata: dict[int, AttentionMetadata] = {}
         self.static: dict[str, torch.Tensor] = {}
+        self.kv_scales: dict[int, tuple[float, float]] = {}
+        if self.config.cache.kv_cache_dtype != "auto":
+            self._use_fp8_kv_cache(self.config.cache.kv_cache_dtype)
+
+    def _use_fp8_kv_cache(self, name: str) -> None:
+        backend = self.model.attn_backend
+        if name not in getattr(type(backend), "supported_kv_cache_dtypes", ("auto",)):
+            raise ValueError(f"kv_cache_dtype {name!r} is not supported by attention backend "
+                             f"{getattr(backend, 'name', type(backend).__name__)!r}; use kv_cache_dtype='auto' "
+                             "or another attention_backend")
+        if self.device.type == "cuda":
+            from sparrow_cuda.platform import check_fp8_kv_cache_capability
+
+            try:
+                check_fp8_kv_cache_capability(name, torch.cuda.get_device_capability(self.device))
+            except ValueError as exc:
+                raise ValueError(f"kv_cache_dtype: {exc}") from None
+        self.kv_cache_dtype = KV_CACHE_TORCH_DTYPES[name]
+        if hasattr(backend, "kv_cache_dtype"):  # FlashInfer plans for the cache dtype
+            backend.kv_cache_dtype = self.kv_cache_dtype
+        if self.config.load.load_format != "dummy":
+            self.kv_scales = checkpoint_kv_scales(self.config.model.model)
+        applied = apply_kv_scales(self.model, self.kv_scales)
+        logger.info("KV cache in %s: %s", name, f"checkpoint scales for {applied} layers" if applied
+                    else "per-tensor scales 1.0 (the checkpoint has none)")
 
     # -- host-to-device ---------------------------------------------------------------------
     def to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -49,7 +137,7 @@ class CudaModelRunner(ModelRunner):
         num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
         num_blocks = -(-num_tokens // self.block_size) + 1
-        caches = [torch.zeros(2, num_blocks, self.block_size, num_kv_heads, head_dim, dtype=self.dtype,
+        caches = [torch.zeros(2, num_blocks, self.block_size, num_kv_heads, head_dim, dtype=self.kv_cache_dtype,
                               device=self.device) for _ in range(num_layers)]
         positions = torch.arange(num_tokens, device=self.device)
         metadata = AttentionMetadata(

@@ -18,6 +18,11 @@ tile holding the first key the tile's first token sees, and keys before that are
 KV cache manager may have freed their blocks); tiles that some row sees only partly are masked.
 Logit soft-capping replaces each scaled score ``s`` with ``c * tanh(s / c)`` before the mask.
 
+An fp8 cache (``kv_cache_dtype="fp8"``: float8_e4m3fn) holds ``x / scale`` with one scale per
+layer for keys and one for values: the write kernel quantizes (saturating at +-448), the attention
+kernel converts the tiles it loads to the query's dtype (exact) and applies the scales outside the
+dot products (``k_scale`` in the softmax scale, ``v_scale`` on the output).
+
 Optionally the key range is cut into ``NUM_SPLITS`` segments run by separate programs
 (flash-decoding), each writing a partial output and its log-sum-exp, merged by a second kernel. That
 only pays off when there are few query tiles (small decode batches over long contexts).
@@ -30,15 +35,28 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+# kv_cache_dtype="fp8" stores float8_e4m3fn: finite range +-448, 3 mantissa bits.
+FP8_KV_DTYPE = torch.float8_e4m3fn
+
+
+def _is_fp8_cache(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> bool:
+    """Whether ``kv_cache`` holds fp8 (quantized with the scales), checking the scales."""
+    if kv_cache.dtype == FP8_KV_DTYPE:
+        if not (k_scale > 0 and v_scale > 0):
+            raise ValueError(f"fp8 KV cache scales must be positive, got k_scale={k_scale}, v_scale={v_scale}")
+        return True
+    if kv_cache.dtype.itemsize == 1:
+        raise ValueError(f"KV cache dtype {kv_cache.dtype} is not supported (fp8 caches are float8_e4m3fn)")
+    return False
 
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, k_scale, v_scale,
     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_c_block, stride_c_slot, stride_c_head,
     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    BLOCK_E: tl.constexpr, FP8: tl.constexpr,
 ):
     # grid: (num_tokens, cdiv(num_kv_heads * head_dim, BLOCK_E)); the last dim of every tensor is
     # contiguous (checked by the launcher).
@@ -58,6 +76,9 @@ def _reshape_and_cache_kernel(
     dst = block * stride_c_block + offset_in_block * stride_c_slot + head * stride_c_head + dim
     k = tl.load(key_ptr + src_k, mask=mask)
     v = tl.load(value_ptr + src_v, mask=mask)
+    if FP8:  # quantize: value / scale, saturated to e4m3's finite range (the cast alone would overflow)
+        k = tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0)  # 448: e4m3fn's largest finite
+        v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
     tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -67,8 +88,13 @@ def reshape_and_cache(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write each token's key/value row into ``kv_cache`` at its slot; slots < 0 are skipped."""
+    """Write each token's key/value row into ``kv_cache`` at its slot; slots < 0 are skipped.
+
+    An fp8 cache (float8_e4m3fn) stores ``clamp(x / scale, -448, 448)`` rounded to e4m3, with
+    the per-tensor ``k_scale`` / ``v_scale``; other caches store ``x`` cast to their dtype."""
     num_tokens = min(key.shape[0], slot_mapping.shape[0])
     if num_tokens == 0:
         return
@@ -77,6 +103,7 @@ def reshape_and_cache(
         raise ValueError(f"key/value rows {tuple(key.shape[1:])} do not match the cache "
                          f"({num_kv_heads} kv heads x {head_dim})")
     key_cache, value_cache = kv_cache[0], kv_cache[1]
+    fp8 = _is_fp8_cache(kv_cache, k_scale, v_scale)
     if key.stride(2) != 1 or value.stride(2) != 1 or key_cache.stride(3) != 1:
         raise ValueError("reshape_and_cache needs the head_dim axis of key, value and cache "
                          "to be contiguous")
@@ -84,10 +111,10 @@ def reshape_and_cache(
     block_e = min(triton.next_power_of_2(elems), 2048)
     grid = (num_tokens, triton.cdiv(elems, block_e))
     _reshape_and_cache_kernel[grid](
-        key, value, key_cache, value_cache, slot_mapping,
+        key, value, key_cache, value_cache, slot_mapping, float(k_scale), float(v_scale),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_E=block_e,
+        BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_E=block_e, FP8=fp8,
         num_warps=4 if block_e >= 1024 else 2,
     )
 
@@ -105,7 +132,7 @@ def _attend_tile(
     stride_c_block, stride_c_slot, stride_c_head, qk_scale, window, soft_cap_log2,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, CAUSAL_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Fold keys [tile_start, tile_start + TILE_N) into the running softmax of the query tile.
 
@@ -130,7 +157,11 @@ def _attend_tile(
     else:
         k_t = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
-    if DOT_IN_FP32:
+    if KV_FP8:
+        # e4m3 -> the query's dtype is exact; the scales are folded into qk_scale and the output.
+        k_t = k_t.to(q.dtype)
+        v = v.to(q.dtype)
+    elif DOT_IN_FP32:
         k_t = k_t.to(tl.float32)
         v = v.to(tl.float32)
 
@@ -159,15 +190,15 @@ def _attend_tile(
 @triton.jit
 def _unified_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, num_reqs, qk_scale, window, soft_cap_log2,
-    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, num_reqs, qk_scale, v_scale, window,
+    soft_cap_log2, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_c_block, stride_c_slot, stride_c_head, stride_bt_req,
     stride_po_tok, stride_po_head, stride_po_split, stride_pl_tok, stride_pl_head,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, SLIDING: tl.constexpr,
-    SOFT_CAP: tl.constexpr,
+    SOFT_CAP: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # grid: (num_query_tiles_upper_bound, num_kv_heads, NUM_SPLITS)
     tile_id = tl.program_id(0)
@@ -247,24 +278,26 @@ def _unified_attention_kernel(
                 key_cache_ptr, value_cache_ptr, block_table_row_ptr, kv_head,
                 stride_c_block, stride_c_slot, stride_c_head, qk_scale, window, soft_cap_log2,
                 BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, True, DOT_PRECISION, DOT_IN_FP32,
-                SLIDING, SOFT_CAP)
+                SLIDING, SOFT_CAP, KV_FP8)
     for t in range(free_lo, free_hi):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, t * TILE_N, kv_start, kv_end, query_pos,
             key_cache_ptr, value_cache_ptr, block_table_row_ptr, kv_head,
             stride_c_block, stride_c_slot, stride_c_head, qk_scale, window, soft_cap_log2,
             BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, False, DOT_PRECISION, DOT_IN_FP32,
-            SLIDING, SOFT_CAP)
+            SLIDING, SOFT_CAP, KV_FP8)
     for t in range(free_hi, tile_hi):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, t * TILE_N, kv_start, kv_end, query_pos,
             key_cache_ptr, value_cache_ptr, block_table_row_ptr, kv_head,
             stride_c_block, stride_c_slot, stride_c_head, qk_scale, window, soft_cap_log2,
             BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, True, DOT_PRECISION, DOT_IN_FP32,
-            SLIDING, SOFT_CAP)
+            SLIDING, SOFT_CAP, KV_FP8)
 
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / safe_l[:, None]
+    if KV_FP8:  # sum_j p_j (v_j * v_scale) = v_scale * sum_j p_j v_j; linear, so splits merge alike
+        acc = acc * v_scale
     store_mask = row_valid[:, None] & (dims[None, :] < HEAD_DIM)
     if NUM_SPLITS == 1:
         o_ptrs = (out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head
@@ -324,6 +357,8 @@ def unified_paged_attention(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     num_kv_splits: int | None = None,
     block_m: int | None = None,
     tile_n: int | None = None,
@@ -336,7 +371,8 @@ def unified_paged_attention(
     same for any values (a CUDA graph captured with one value replays correctly with others).
     Rows of ``out`` past ``query_start_loc[-1]`` (padding) are left untouched.
     ``sliding_window`` W: token at ``p`` sees keys ``p - W + 1 .. p`` only; ``logits_soft_cap`` c:
-    each scaled score ``s`` becomes ``c * tanh(s / c)``.
+    each scaled score ``s`` becomes ``c * tanh(s / c)``. An fp8 cache (float8_e4m3fn) is read as
+    ``stored * k_scale`` / ``stored * v_scale`` (the scales ``reshape_and_cache`` wrote it with).
     ``num_kv_splits`` (power of two; None = heuristic), ``block_m`` (rows per program,
     token x GQA head), ``tile_n`` (keys per iteration) override the defaults, e.g. for tests.
     """
@@ -349,6 +385,7 @@ def unified_paged_attention(
         raise ValueError(f"query heads {num_heads}x{head_dim} do not fit the cache's "
                          f"{num_kv_heads}x{cache_head_dim}")
     key_cache, value_cache = kv_cache[0], kv_cache[1]
+    kv_fp8 = _is_fp8_cache(kv_cache, k_scale, v_scale)
     if query.stride(2) != 1 or out.stride(2) != 1 or key_cache.stride(3) != 1:
         raise ValueError("unified_paged_attention needs a contiguous head_dim axis")
     if sliding_window is not None and sliding_window < 1:
@@ -397,7 +434,9 @@ def unified_paged_attention(
         num_stages = 2 if head_dim_pad >= 256 else 3
     _unified_attention_kernel[(num_q_tiles, num_kv_heads, num_kv_splits)](
         query, key_cache, value_cache, out, partial_out, partial_lse,
-        query_start_loc, seq_lens, block_table, num_reqs, scale * _LOG2E,
+        query_start_loc, seq_lens, block_table, num_reqs,
+        # q.(k_scale k) = k_scale (q.k): the key scale folds into the softmax scale.
+        scale * (k_scale if kv_fp8 else 1.0) * _LOG2E, float(v_scale) if kv_fp8 else 1.0,
         sliding_window or 0, (logits_soft_cap or 1.0) * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
@@ -410,7 +449,7 @@ def unified_paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         # Triton's CPU interpreter computes bf16 tl.dot wrongly; it only ever runs on CPU tensors.
         DOT_IN_FP32=query.device.type == "cpu" and query.dtype == torch.bfloat16,
-        SLIDING=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None,
+        SLIDING=sliding_window is not None, SOFT_CAP=logits_soft_cap is not None, KV_FP8=kv_fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_kv_splits > 1:

@@ -19,6 +19,7 @@ from typing import Any
 from sparrow.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from sparrow.core.request import Request, RequestStatus
 from sparrow.core.sched.interface import SchedulerInterface
+from sparrow.core.sched.spec import SpecDecodeStats, usable_drafts
 from sparrow.core.sched.stop import check_stop
 from sparrow.errors import InvalidArgumentError
 from sparrow.wire import (
@@ -50,6 +51,8 @@ class StepPlan:
     new_extra_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)
     scheduled_running: list[Request] = field(default_factory=list)
     scheduled_new: list[Request] = field(default_factory=list)
+    # Speculative decoding: req_id -> draft tokens scheduled after its last token
+    spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Memory ran out this step: no waiting request is admitted.
     preempted: bool = False
 
@@ -88,6 +91,10 @@ class Scheduler(SchedulerInterface):
         # Cumulative counters for make_stats(), never reset.
         self.num_external_computed_tokens = 0  # tokens loaded through the connector
         self.num_preemptions = 0
+        # Speculative decoding (sparrow.core.sched.spec): req_id -> drafts the workers proposed
+        # for its next step; empty whenever speculation is off.
+        self.draft_token_ids: dict[str, list[int]] = {}
+        self.spec_decode_stats = SpecDecodeStats()
 
         self.requests: dict[str, Request] = {}  # req_id -> request, every unfinished one
         self.waiting: deque[Request] = deque()
@@ -142,6 +149,7 @@ class Scheduler(SchedulerInterface):
             self._free(request)
 
     def _free(self, request: Request) -> None:
+        self.draft_token_ids.pop(request.request_id, None)
         if self.kv_connector is not None:
             self.kv_connector.request_finished(request)
         self.kv_cache_manager.free(request)
@@ -171,6 +179,7 @@ class Scheduler(SchedulerInterface):
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache_manager.free(request)
+        self.draft_token_ids.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -193,7 +202,11 @@ class Scheduler(SchedulerInterface):
         index = 0
         while index < len(self.running) and plan.token_budget > 0:
             request = self.running[index]
-            num_new_tokens = self._cap(request, request.num_tokens - request.num_computed_tokens, plan.token_budget)
+            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            drafts = self.draft_token_ids.pop(request.request_id, None) if self.draft_token_ids else None
+            if drafts:
+                num_new_tokens += len(drafts)  # 1 + k tokens and KV slots
+            num_new_tokens = self._cap(request, num_new_tokens, plan.token_budget)
             if num_new_tokens <= 0:
                 index += 1
                 continue
@@ -208,6 +221,7 @@ class Scheduler(SchedulerInterface):
                     plan.token_budget += plan.num_scheduled_tokens.pop(victim.request_id)
                     plan.new_block_ids.pop(victim.request_id, None)
                     plan.new_extra_block_ids.pop(victim.request_id, None)
+                    plan.spec_decode_tokens.pop(victim.request_id, None)
                     plan.scheduled_running.remove(victim)
                 if self.running.index(victim) < index:
                     index -= 1
@@ -222,6 +236,11 @@ class Scheduler(SchedulerInterface):
             if new_blocks.extra_groups is not None:
                 plan.new_extra_block_ids[request.request_id] = new_blocks.get_extra_group_block_ids()
             plan.token_budget -= num_new_tokens
+            if drafts:
+                # The budget may have cut the drafts short: keep those that fit.
+                num_drafts = request.num_computed_tokens + num_new_tokens - request.num_tokens
+                if num_drafts > 0:
+                    plan.spec_decode_tokens[request.request_id] = drafts[:num_drafts]
             index += 1
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
@@ -284,6 +303,8 @@ class Scheduler(SchedulerInterface):
             total_num_scheduled_tokens=self.max_num_batched_tokens - plan.token_budget,
             finished_req_ids=sorted(self.finished_req_ids),
         )
+        if plan.spec_decode_tokens:
+            output.scheduled_spec_decode_tokens = plan.spec_decode_tokens
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(output, self.requests)
         self.finished_req_ids = set()
@@ -311,12 +332,22 @@ class Scheduler(SchedulerInterface):
         sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs
+        scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None:
                 continue  # aborted while the step ran
+            generated = sampled.get(req_id, ())
+            if scheduled_drafts:
+                drafts = scheduled_drafts.get(req_id)
+                if drafts:
+                    # The step computed the last token and the accepted drafts; the rejected
+                    # ones' KV slots are written over by the next steps.
+                    num_accepted = max(len(generated) - 1, 0)
+                    request.num_computed_tokens -= len(drafts) - num_accepted
+                    self.spec_decode_stats.observe(len(drafts), num_accepted)
             new_token_ids: list[int] = []
-            for token_id in sampled.get(req_id, ()):
+            for token_id in generated:
                 request.append_output_token_ids(token_id)
                 new_token_ids.append(token_id)
                 status, stop_reason = check_stop(request, token_id, self.max_model_len)
@@ -340,7 +371,21 @@ class Scheduler(SchedulerInterface):
             if finished:
                 self.running.remove(request)
                 self._free(request)
+        if model_runner_output.spec_token_ids:
+            self._keep_drafts(model_runner_output)
         return outputs
+
+    def _keep_drafts(self, model_runner_output: ModelRunnerOutput) -> None:
+        """Hold the workers' drafts for each unfinished request's next step."""
+        for req_id, drafts in zip(model_runner_output.req_ids, model_runner_output.spec_token_ids):
+            if not drafts:
+                continue
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            drafts = usable_drafts(request, drafts, self.max_model_len)
+            if drafts:
+                self.draft_token_ids[req_id] = drafts
 
     def make_stats(self) -> SchedulerStats:
         """A snapshot: gauges now, counters since the scheduler was built (nothing is reset)."""
@@ -352,6 +397,10 @@ class Scheduler(SchedulerInterface):
             num_free_blocks=self.kv_cache_manager.num_free_blocks,
             num_total_blocks=self.kv_cache_manager.num_blocks,
             kv_connector_loaded_tokens=self.num_external_computed_tokens,
+            spec_decode_num_drafts=self.spec_decode_stats.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_decode_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_decode_stats.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec_decode_stats.num_accepted_tokens_per_pos),
         )
 
 

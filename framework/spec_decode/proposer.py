@@ -1,0 +1,73 @@
+"""The proposer interface and the worker-side choice of who may speculate.
+
+A proposer is built once per worker, ``proposer_cls(spec_config, model_runner)``, and asked after
+every step for the drafts of the requests that sampled a token (``propose``). Proposing in the
+worker, after sampling, is vLLM's choice and the one that lets every kind of proposer plug in the
+same way: the token history is already there in the persistent batch (n-gram), and so are the
+target's hidden states and the device (a draft model or an EAGLE head, later).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from sparrow.sampling_params import SamplingParams
+from sparrow.spec_decode.config import SpeculativeConfig
+
+
+class SpecProposer:
+    """Base class of every proposer (the ``sparrow_register_spec_proposers`` hook's contract)."""
+
+    def __init__(self, spec_config: SpeculativeConfig, model_runner: Any) -> None:
+        self.spec_config = spec_config
+        self.num_speculative_tokens = spec_config.num_speculative_tokens
+        self.model_runner = model_runner
+
+    def propose(self, rows: Sequence[int], token_ids: np.ndarray, num_tokens: np.ndarray,
+                hidden_states: Any = None) -> list[list[int]]:
+        """Drafts for the persistent batch's ``rows``, one list each (at most
+        ``num_speculative_tokens`` ids, maybe empty).
+
+        ``token_ids``: [max_num_reqs, max_model_len] int64, row r's prompt and output in its first
+        ``num_tokens[r]`` columns (the token just sampled included). ``hidden_states``: the target's
+        [num_tokens_this_step, hidden] output of the step, for proposers that read it.
+        """
+        raise NotImplementedError
+
+
+def may_speculate(params: SamplingParams, plugin_logits_processors: bool) -> bool:
+    """Whether a request gets drafts.
+
+    The verification step samples draft positions 1..k with temperature, min-p, top-k and top-p
+    only (position 0 goes through the full sampler). So a request that needs anything that
+    depends on the tokens before each position does not speculate: penalties, the
+    position-dependent logits processors (min_tokens, bad_words) and those the row-wise
+    processor state owns (allowed_token_ids, logit_bias, and any a plugin enabled: they may act
+    on any request), a grammar (it would need a bitmask per draft position), and logprobs (they
+    are reported from position 0's sampler only).
+    """
+    return not (
+        plugin_logits_processors
+        or params.structured_outputs is not None
+        or params.logprobs is not None
+        or params.prompt_logprobs is not None
+        or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+        or params.min_tokens > 0
+        or params.bad_words or params.bad_words_token_ids
+        or params.allowed_token_ids is not None
+        or params.logit_bias
+    )
+
+
+def build_proposer(spec_config: dict[str, Any] | None, model_runner: Any) -> SpecProposer | None:
+    """The proposer ``speculative_config["method"]`` names, or None when speculation is off."""
+    if spec_config is None:
+        return None
+    from sparrow.plugins import get_registry, resolve_parser
+
+    config = SpeculativeConfig(**spec_config)
+    proposer_cls = resolve_parser("speculative proposer", config.method, get_registry().spec_proposers)
+    return proposer_cls(config, model_runner)

@@ -297,7 +297,7 @@ HIT_RATES = textwrap.dedent("""
     rates = {}
     for name in args["policies"]:
         # One request at a time (max_num_seqs=1): the cache sees the workload in order.
-        llm = LLM(None, multiprocess=False, dtype="float32", max_model_len=256, block_size=16,
+        llm = LLM(args["model"], multiprocess=False, dtype="float32", max_model_len=256, block_size=16,
                   num_kv_blocks=args["num_kv_blocks"], max_num_seqs=1, kv_eviction_policy=name)
         try:
             params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -310,20 +310,20 @@ HIT_RATES = textwrap.dedent("""
 """)
 
 
-def engine_hit_rates(policies: list[str], num_kv_blocks: int = 40) -> dict[str, float]:
-    args = {"policies": policies, "prompts": hot_prefix_workload(), "num_kv_blocks": num_kv_blocks}
+def engine_hit_rates(model: str, policies: list[str], num_kv_blocks: int = 40) -> dict[str, float]:
+    args = {"model": model, "policies": policies, "prompts": hot_prefix_workload(), "num_kv_blocks": num_kv_blocks}
     proc = subprocess.run([sys.executable, "-c", HIT_RATES, json.dumps(args)], env=child_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"child failed:\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_out_of_tree_policy_raises_the_engines_hit_rate_on_hot_prefixes(tmp_path):
+def test_out_of_tree_policy_raises_the_engines_hit_rate_on_hot_prefixes(qwen3_dir, tmp_path):
     get_plugin_manager()  # loaded before the install: this process must never see the package
     with pip_installed("sparrow_example_eviction", "sparrow-example-eviction", tmp_path):
         assert "slru" in next(line for line in sparrow_plugins_output().splitlines()
                               if line.startswith("kv eviction policies:"))
-        rates = engine_hit_rates(["lru", "lfu", "slru"])
+        rates = engine_hit_rates(qwen3_dir, ["lru", "lfu", "slru"])
     print(f"prefix-cache hit rate, hot-prefix workload, 40 blocks: {rates}")
     # Only the second request of each hot pair hits under LRU; both hit once the prefix is kept.
     assert rates["slru"] > rates["lru"] + 0.05

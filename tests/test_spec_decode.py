@@ -29,9 +29,11 @@ PROMPTS = [TEXT * 3, "Once upon a time there was", "def add(a, b):\n    return a
 
 
 @pytest.fixture(scope="module")
-def engines():
-    base = LLM(**ENGINE)
-    spec = LLM(speculative_config=SPEC, **ENGINE)
+def engines(qwen3_dir):
+    # The small test model (not the built-in benchmark model): the same engine paths, a fraction
+    # of the time.
+    base = LLM(qwen3_dir, **ENGINE)
+    spec = LLM(qwen3_dir, speculative_config=SPEC, **ENGINE)
     yield base, spec
     base.llm_engine.shutdown()
     spec.llm_engine.shutdown()
@@ -242,13 +244,13 @@ class ClashingPlugin:
         register("ngram", RepeatLastProposer)
 
 
-def test_sparrow_register_spec_proposers(engines):
+def test_sparrow_register_spec_proposers(engines, qwen3_dir):
     base, _ = engines
     pm = get_plugin_manager()
     register_plugin(pm, RepeatLastPlugin(), "repeat-last-plugin")
     try:
         assert get_registry().spec_proposers["repeat_last"] is RepeatLastProposer
-        llm = LLM(speculative_config={"method": "repeat_last", "num_speculative_tokens": 3}, **ENGINE)
+        llm = LLM(qwen3_dir, speculative_config={"method": "repeat_last", "num_speculative_tokens": 3}, **ENGINE)
         try:
             params = SamplingParams(max_tokens=32, temperature=0)
             assert token_ids(llm.generate(PROMPTS[:3], params)) == token_ids(base.generate(PROMPTS[:3], params))

@@ -144,6 +144,8 @@ class SlidingWindowManager(FullAttentionManager):
         if num_skipped_blocks <= 0 or not blocks:
             return
         null_block = self.block_pool.null_block
+        if null_block is None:  # the pool reserves one whenever a sliding-window group exists
+            raise RuntimeError("a sliding-window KV cache group needs the block pool's null block")
         removed: list[KVCacheBlock] = []
         # Null blocks form a prefix of the list: walk back from the last skipped block to it.
         for index in range(min(num_skipped_blocks, len(blocks)) - 1, -1, -1):

@@ -29,7 +29,7 @@ run: setup
 	@echo "Sparrow is installed in $(VENV): run $(VENV)/bin/sparrow --help, or 'source $(VENV)/bin/activate' first."
 
 test: setup-dev
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 # ruff on every Python file; mypy on the kernel's contract (scripts/typecheck.py says which packages).
 lint: setup-dev

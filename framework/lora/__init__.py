@@ -1,0 +1,1 @@
+"""Multi-LoRA serving: adapter requests, PEFT loading, adapter slots and the batched op."""

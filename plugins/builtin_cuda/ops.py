@@ -12,12 +12,13 @@ from sparrow.hookspecs import hookimpl
 
 PLATFORM = "cuda"
 
-# op -> the OpImpl serving it on CUDA
+# op -> what serves it on CUDA: an OpImpl for a layer op, a function for a function op
 TRITON_OPS = {
     "rms_norm": "sparrow_cuda.triton_elementwise:TritonRMSNorm",
     "silu_and_mul": "sparrow_cuda.triton_elementwise:TritonSiluAndMul",
     "rotary_embedding": "sparrow_cuda.triton_elementwise:TritonRotaryEmbedding",
     "fused_moe": "sparrow_cuda.triton_moe:TritonFusedMoE",
+    "add_lora": "sparrow_cuda.triton_lora:triton_add_lora",
 }
 
 

@@ -20,6 +20,7 @@ _EXPORTS = {
     "Logprob": "sparrow.outputs",
     "EngineConfig": "sparrow.config",
     "ConfigError": "sparrow.config",
+    "LoRARequest": "sparrow.lora.request",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -177,7 +177,8 @@ class KVTransferConfig(_Section):
 class SpeculativeSection(_Section):
     speculative_config: dict[str, Any] | None = Field(
         None, description='Speculative decoding, vLLM\'s dictionary, e.g. {"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1} (default: off).')
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}, or method "draft_model" '
+        '/ "eagle" with "model": a draft model or EAGLE head directory (default: off).')
 
     @field_validator("speculative_config", mode="before")
     @classmethod
@@ -185,6 +186,26 @@ class SpeculativeSection(_Section):
         from sparrow.spec_decode.config import parse_speculative_config
 
         return parse_speculative_config(value)
+
+
+class LoRAConfig(_Section):
+    enable_lora: bool = Field(False, description="Serve LoRA adapters: requests name one with lora_request "
+                              "(offline) or as their model (server).")
+    max_loras: int = Field(1, gt=0, description="Most distinct LoRA adapters in one batch (adapter slots on "
+                           "the device); more adapters take turns, swapped in least recently used first.")
+    max_lora_rank: int = Field(16, gt=0, le=512, description="Largest adapter rank served; an adapter of a "
+                               "higher rank is refused.")
+    max_cpu_loras: int | None = Field(None, gt=0, description="Adapters kept loaded in host memory, at least "
+                                      "max_loras; others are read from disk again when used (default: max_loras).")
+
+    @field_validator("max_cpu_loras")
+    @classmethod
+    def _at_least_max_loras(cls, value: int | None, info: Any) -> int | None:
+        max_loras = info.data.get("max_loras", 1)
+        if value is not None and value < max_loras:
+            raise ValueError(f"must be >= max_loras ({max_loras}): the adapters on the device are kept on the "
+                             "host too")
+        return value
 
 
 class PluginsConfig(_Section):
@@ -217,6 +238,7 @@ class EngineConfig(BaseModel):
     load: LoadConfig = Field(default_factory=LoadConfig)
     plugins: PluginsConfig = Field(default_factory=PluginsConfig)
     speculative: SpeculativeSection = Field(default_factory=SpeculativeSection)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
 
     @property
     def additional_config(self) -> dict[str, Any]:

@@ -42,3 +42,5 @@ def sparrow_register_quantization_methods(register) -> None:
 @hookimpl
 def sparrow_register_spec_proposers(register) -> None:
     register("ngram", "sparrow.spec_decode.ngram:NgramProposer")
+    register("draft_model", "sparrow.spec_decode.draft_model:DraftModelProposer")
+    register("eagle", "sparrow.spec_decode.eagle:EagleProposer")

@@ -10,8 +10,9 @@ Three boundaries, each a msgpack stream of the Structs below:
 Rules (vLLM V1's): ``msgspec.Struct(array_like=True, omit_defaults=True)``; a new field is
 appended last with a default, so that the positions of the others never move; enums that cross
 are ``IntEnum``. Everything here is pure Python with no torch, and this module imports nothing
-from sparrow but ``sparrow.sampling_params`` (itself a leaf): ``core/``, ``sample/``, ``engine/``,
-``worker/`` and plugins all import their messages from here without importing each other.
+from sparrow but ``sparrow.sampling_params`` and ``sparrow.lora.request`` (leaves): ``core/``,
+``sample/``, ``engine/``, ``worker/`` and plugins all import their messages from here without
+importing each other.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from sparrow.lora.request import LoRARequest
 from sparrow.sampling_params import SamplingParams
 
 
@@ -47,6 +49,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     # Hybrid KV cache (sliding and full-attention layers): block ids of KV cache groups 1..,
     # one list each; ``block_ids`` are group 0's. Empty when every layer is in one group.
     extra_group_block_ids: list[list[int]] = []
+    # The LoRA adapter the request runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -143,6 +147,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True,
     priority: int = 0
     # Output cap after max_model_len is taken into account (the input processor resolves it).
     max_tokens: int | None = None
+    # The LoRA adapter to run with (None: the base model); checked again by the engine core.
+    lora_request: LoRARequest | None = None
 
 
 # -- engine core -> frontend --------------------------------------------------------------------

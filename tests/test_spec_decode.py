@@ -46,8 +46,9 @@ def token_ids(outputs) -> list[list[int]]:
 # -- configuration ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("value, field", [
     ({"method": "nope", "num_speculative_tokens": 2}, "speculative_config.method"),
-    ({"method": "draft_model", "model": "/x", "num_speculative_tokens": 2}, "speculative_config.method"),
-    ({"method": "eagle", "model": "/x", "num_speculative_tokens": 2}, "speculative_config.method"),
+    ({"method": "draft_model", "model": "/x", "num_speculative_tokens": 2}, "speculative_config.model"),
+    ({"method": "eagle", "model": "/x", "num_speculative_tokens": 2}, "speculative_config.model"),
+    ({"method": "medusa", "model": "/x", "num_speculative_tokens": 2}, "speculative_config.method"),
     ({"num_speculative_tokens": 2}, "speculative_config.method"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
     ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),

@@ -18,9 +18,9 @@ from sparrow import wire
 from sparrow.errors import InvalidArgumentError
 
 FRAMEWORK = Path(sparrow.__file__).parent
-# Modules wire may import: the user-facing SamplingParams (a Struct that travels inside requests)
-# and the errors it raises.
-LEAF_MODULES = {"sparrow.sampling_params", "sparrow.errors"}
+# Modules wire may import: the user-facing SamplingParams and LoRARequest (Structs that travel
+# inside requests) and the errors SamplingParams raises.
+LEAF_MODULES = {"sparrow.sampling_params", "sparrow.errors", "sparrow.lora.request"}
 
 
 def sparrow_imports(path: Path) -> set[str]:
@@ -88,6 +88,7 @@ def structs_reachable(root: type) -> set[type]:
 
 def test_every_struct_that_crosses_a_process_lives_in_wire():
     from sparrow.engine import serial
+    from sparrow.lora.request import LoRARequest
     from sparrow.sampling_params import SamplingParams, StructuredOutputsParams
 
     decoded = [serial.request_decoder().type, serial.outputs_decoder().type, serial.handshake_decoder().type,
@@ -97,8 +98,9 @@ def test_every_struct_that_crosses_a_process_lives_in_wire():
     assert {wire.EngineCoreRequest, wire.EngineCoreOutput, wire.TokenLogprobs, wire.NewRequestData,
             wire.HandshakeMessage, wire.SchedulerStats} <= structs
     elsewhere = {cls for cls in structs if cls.__module__ != "sparrow.wire"}
-    # The user-facing sampling parameters travel inside requests from their own leaf module.
-    assert elsewhere == {SamplingParams, StructuredOutputsParams}
+    # The user-facing sampling parameters and adapter requests travel inside requests from their
+    # own leaf modules.
+    assert elsewhere == {SamplingParams, StructuredOutputsParams, LoRARequest}
     for cls in structs - elsewhere:
         config = cls.__struct_config__
         assert config.array_like and config.omit_defaults or cls is wire.TokenLogprobs, cls

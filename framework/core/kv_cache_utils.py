@@ -74,11 +74,21 @@ def update_request_block_hashes(request: Request, block_size: int) -> list[Block
     token_ids = request.all_token_ids
     num_full_blocks = len(token_ids) // block_size
     parent = block_hashes[-1] if block_hashes else None
+    extra_keys = request_extra_keys(request)
     for block_index in range(len(block_hashes), num_full_blocks):
         start = block_index * block_size
-        parent = hash_block_tokens(parent, tuple(token_ids[start:start + block_size]))
+        parent = hash_block_tokens(parent, tuple(token_ids[start:start + block_size]), extra_keys)
         block_hashes.append(parent)
     return block_hashes
+
+
+def request_extra_keys(request: Request) -> tuple[Any, ...] | None:
+    """What besides the tokens a request's KV depends on: its LoRA adapter (name and id), so that
+    a request never reuses blocks computed under another adapter or without one."""
+    lora_request = getattr(request, "lora_request", None)
+    if lora_request is None:
+        return None
+    return ("lora", lora_request.lora_name, lora_request.lora_int_id)
 
 
 @dataclass(slots=True, frozen=True)

@@ -47,7 +47,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
         "priority", "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
         "max_tokens", "stop_reason", "block_hashes", "_output_token_ids", "_all_token_ids",
-        "structured_output",
+        "structured_output", "lora_request",
     )
 
     def __init__(
@@ -59,6 +59,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         max_tokens: int | None = None,
+        lora_request: Any = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -82,6 +83,8 @@ class Request:
         # scheduler needs no xgrammar (nor torch): ``is_ready()``, ``accept_tokens(token_ids) ->
         # bool`` and ``is_terminated()`` (see sparrow.structured_output.manager).
         self.structured_output: Any = None
+        # The LoRA adapter (sparrow.lora.request.LoRARequest) or None; it keys the prefix cache.
+        self.lora_request = lora_request
 
     # -- progress ---------------------------------------------------------------------------
     @property

@@ -33,6 +33,7 @@ from sparrow.engine.metrics import EngineMetrics
 from sparrow.engine.mp_client import AsyncMPClient
 from sparrow.engine.setup import build_frontend, finalize_config
 from sparrow.errors import InvalidArgumentError, error_from_engine
+from sparrow.lora.engine import check_lora_request
 from sparrow.outputs import RequestOutput
 from sparrow.sampling_params import RequestOutputKind, SamplingParams
 
@@ -169,6 +170,7 @@ class AsyncLLM:
         sampling_params: SamplingParams | None,
         request_id: str,
         *,
+        lora_request: Any = None,
         priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs as they come (per ``sampling_params.output_kind``).
@@ -176,7 +178,8 @@ class AsyncLLM:
         Raises ValueError for an invalid request (before anything is yielded) and
         EngineDeadError when the engine dies. Closing or cancelling the consumer aborts it.
         """
-        collector = await self.add_request(request_id, prompt, sampling_params, priority=priority)
+        collector = await self.add_request(request_id, prompt, sampling_params, priority=priority,
+                                           lora_request=lora_request)
         stream = self.stream_outputs(request_id, collector)
         try:
             async for output in stream:
@@ -204,15 +207,18 @@ class AsyncLLM:
             self._collectors.pop(request_id, None)
 
     async def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None,
-                          *, priority: int = 0, arrival_time: float | None = None) -> RequestOutputCollector:
+                          *, priority: int = 0, arrival_time: float | None = None,
+                          lora_request: Any = None) -> RequestOutputCollector:
         """Validate and submit a request; its outputs go to the returned collector."""
         self._raise_if_dead()
         self._ensure_output_handler()
         self._check_request_id_free(request_id)
         params = sampling_params if sampling_params is not None else SamplingParams()
+        if lora_request is not None:  # reads the adapter's config and tensor header
+            await self.run_input_work(check_lora_request, lora_request, self.config, self.hf_config)
         text, request = await self.run_input_work(
             self.input_processor.process_inputs, request_id, prompt, params, priority=priority,
-            arrival_time=arrival_time)
+            arrival_time=arrival_time, lora_request=lora_request)
         # While the prompt was processed the engine may have died, or another caller taken the id.
         self._raise_if_dead()
         self._check_request_id_free(request_id)
@@ -351,6 +357,18 @@ class AsyncLLM:
 
     async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         return await self.engine_core.call_utility_async("collective_rpc", method, args, kwargs)
+
+    # LoRA adapters (vLLM's names): load ahead of use, forget, list the loaded ids.
+    async def add_lora(self, lora_request: Any) -> bool:
+        await self.run_input_work(check_lora_request, lora_request, self.config, self.hf_config)
+        return await self.engine_core.call_utility_async(
+            "add_lora", lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self.engine_core.call_utility_async("remove_lora", lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return set(await self.engine_core.call_utility_async("list_loras"))
 
     def shutdown(self) -> None:
         """Stop the engine process; pending consumers get EngineDeadError."""

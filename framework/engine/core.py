@@ -74,7 +74,12 @@ class EngineCore:
             arrival_time=request.arrival_time or None,
             priority=request.priority,
             max_tokens=request.max_tokens,
+            lora_request=request.lora_request,
         )
+        if request.lora_request is not None:
+            from sparrow.lora.engine import check_lora_request
+
+            check_lora_request(request.lora_request, self.config, self.lora_hf_config())
         if request.sampling_params.structured_outputs is not None:
             core_request.structured_output = self.structured_output_manager().new_request(
                 request.sampling_params.structured_outputs, request.prompt_token_ids)
@@ -189,6 +194,30 @@ class EngineCore:
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         return self.executor.collective_rpc(method, args, kwargs)
 
+    # LoRA adapters (vLLM's add_lora / remove_lora / list_loras): the workers load them ahead of
+    # use, or forget them. Arguments are builtins: utility calls carry no Structs.
+    def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> bool:
+        from sparrow.lora.engine import check_lora_request
+        from sparrow.lora.request import LoRARequest
+
+        lora_request = LoRARequest(lora_name, lora_int_id, lora_path)
+        check_lora_request(lora_request, self.config, self.lora_hf_config())
+        return all(self.executor.collective_rpc("add_lora", (lora_name, lora_int_id, lora_path)))
+
+    def lora_hf_config(self) -> Any:
+        """The model's config, read once, to check adapters' tensor shapes before a worker loads them."""
+        if getattr(self, "_lora_hf_config", None) is None:
+            from sparrow.model_loader import get_hf_config
+
+            self._lora_hf_config = get_hf_config(self.config.model.model)
+        return self._lora_hf_config
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return any(self.executor.collective_rpc("remove_lora", (lora_int_id,)))
+
+    def list_loras(self) -> list[int]:
+        return self.executor.collective_rpc("list_loras")[0] if self.config.lora.enable_lora else []
+
     def shutdown(self) -> None:
         if self._structured_output is not None:
             self._structured_output.shutdown()
@@ -300,7 +329,7 @@ def build_scheduler(config: EngineConfig, kv_cache_manager: KVCacheManager, pm: 
     scheduler_cls = schedulers.get(name)
     if scheduler_cls is None:
         raise ValueError(f"unknown scheduler {name!r}; registered: {', '.join(sorted(schedulers)) or 'none'}")
-    return scheduler_cls(
+    scheduler = scheduler_cls(
         kv_cache_manager=kv_cache_manager,
         max_num_seqs=config.scheduler.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -310,3 +339,7 @@ def build_scheduler(config: EngineConfig, kv_cache_manager: KVCacheManager, pm: 
         allocate_slots=resolve_hook(pm, "sparrow_allocate_slots"),
         kv_connector=build_connector(config, KVConnectorRole.SCHEDULER, kv_cache_manager.block_size),
     )
+    if config.lora.enable_lora:
+        # Read by Scheduler._schedule_waiting: at most this many distinct adapters per step.
+        scheduler.max_loras = config.lora.max_loras
+    return scheduler

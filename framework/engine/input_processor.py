@@ -293,6 +293,7 @@ class InputProcessor:
         *,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: Any = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """Validate and tokenize one prompt; return its text (None for token prompts) and the
         request for the engine core. ``params`` is not modified: the request carries a copy
@@ -314,6 +315,7 @@ class InputProcessor:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
             max_tokens=params.max_tokens,
+            lora_request=lora_request,  # checked against the engine's LoRA settings by the caller
         )
         return text, request
 

@@ -45,9 +45,16 @@ class LLMEngine:
         self._held_outputs: list[RequestOutput] = []
 
     # -- requests ---------------------------------------------------------------------------
-    def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0):
-        """Validate and tokenize; raises ValueError naming the prompt. Touches no engine state."""
-        text, request = self.input_processor.process_inputs(request_id, prompt, params, priority=priority)
+    def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
+                        lora_request: Any = None):
+        """Validate and tokenize; raises ValueError naming the prompt (or ``lora_request``).
+        Touches no engine state."""
+        if lora_request is not None:
+            from sparrow.lora.engine import check_lora_request
+
+            check_lora_request(lora_request, self.config, self.hf_config)
+        text, request = self.input_processor.process_inputs(request_id, prompt, params, priority=priority,
+                                                            lora_request=lora_request)
         needed = min(len(request.prompt_token_ids) + (request.max_tokens or 0), self.config.model.max_model_len)
         if needed > self.kv_cache_capacity_tokens:
             # Blame max_tokens when the prompt alone (and one output token) would fit.
@@ -69,8 +76,9 @@ class LLMEngine:
             self._abort_quietly([request.request_id])
             raise
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> None:
-        text, request = self.process_request(request_id, prompt, params, priority)
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
+                    lora_request: Any = None) -> None:
+        text, request = self.process_request(request_id, prompt, params, priority, lora_request)
         self.add_processed_request(text, request)
 
     def abort_request(self, request_ids: list[str] | str) -> None:
@@ -133,6 +141,23 @@ class LLMEngine:
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         return self.engine_core.call_utility("collective_rpc", method, args)
+
+    # -- LoRA adapters (vLLM's names) -------------------------------------------------------
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load an adapter into the workers ahead of its first request."""
+        from sparrow.lora.engine import check_lora_request
+
+        check_lora_request(lora_request, self.config, self.hf_config)
+        return self.engine_core.call_utility("add_lora", lora_request.lora_name, lora_request.lora_int_id,
+                                             lora_request.lora_path)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Drop an adapter from the workers (a later request with it loads it again)."""
+        return self.engine_core.call_utility("remove_lora", lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters loaded in the workers."""
+        return set(self.engine_core.call_utility("list_loras"))
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

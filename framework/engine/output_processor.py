@@ -86,6 +86,7 @@ class RequestState:
     num_sent_tokens: int = 0
     num_sent_logprobs: int = 0
     num_sent_prompt_logprobs: int = 0
+    lora_request: Any = None  # the request's LoRA adapter, echoed in every RequestOutput
 
     def record_logprobs(self, output: EngineCoreOutput) -> None:
         if output.new_prompt_logprobs and self.prompt_logprobs is not None:
@@ -217,6 +218,7 @@ class OutputProcessor:
             logprobs=[] if wants_logprobs else None,
             cumulative_logprob=0.0 if wants_logprobs else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            lora_request=request.lora_request,
         )
 
     # -- outputs ----------------------------------------------------------------------------
@@ -306,6 +308,7 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             metrics=state.metrics.snapshot(),
+            lora_request=state.lora_request,
             num_cached_tokens=state.num_cached_tokens,
         )
 

@@ -24,6 +24,9 @@ What is checked:
     dtype                  supported by the platform
     kv_cache_dtype         in the platform's supported_kv_cache_dtypes (and the requested backend's)
     quantization           the method accepts the configuration (``QuantizationMethod.check_config``)
+    speculative_config     a draft model or EAGLE head shares the target's vocabulary (and hidden size)
+    enable_lora            a llama-family architecture, one tensor-parallel rank, no speculative
+                           decoding or quantization
     communicator           with tensor_parallel_size > 1, the platform's device communicator is
                            registered
     budgets                chunked prefill off needs max_num_batched_tokens >= max_model_len (a
@@ -253,6 +256,23 @@ def check_platform_settings(config: EngineConfig, platform: Any, hf_config: Any)
         raise _error("kv_cache_dtype", f"{kv_cache_dtype!r} is not supported by attention backend {requested!r}")
 
 
+def check_speculative(config: EngineConfig, hf_config: Any) -> None:
+    from sparrow.spec_decode.config import check_against_target
+
+    try:
+        check_against_target(config.speculative.speculative_config, hf_config, config.model.tokenizer)
+    except ValueError as exc:
+        raise _error("speculative_config", str(exc)) from None
+
+
+def check_lora(config: EngineConfig, hf_config: Any) -> None:
+    from sparrow.lora.engine import check_lora_config
+
+    problem = check_lora_config(config, hf_config)
+    if problem is not None:
+        raise _error(*problem)
+
+
 # -- numbers --------------------------------------------------------------------------------------
 def check_budgets(config: EngineConfig) -> None:
     max_model_len = config.model.max_model_len or 0
@@ -311,5 +331,7 @@ def check_engine_config(config: EngineConfig, hf_config: Any = None, platform: A
     check_platform_settings(config, platform, hf_config)
     check_communicator(config, platform, registry)
     check_quantization(config, hf_config, platform)
+    check_speculative(config, hf_config)
     check_budgets(config)
     check_parallel(config, hf_config)
+    check_lora(config, hf_config)

@@ -54,34 +54,38 @@ class LLM:
         prompts: str | Mapping[str, Any] | Sequence[str | Mapping[str, Any]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         A prompt is a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``.
+        ``lora_request``: a :class:`~sparrow.lora.request.LoRARequest` for every prompt, or a list
+        with one (or None, the base model) per prompt; needs ``enable_lora=True``.
         """
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
-        return self._run(list(prompts), sampling_params, use_tqdm, priority)
+        return self._run(list(prompts), sampling_params, use_tqdm, priority, lora_request)
 
     def chat(
         self,
         messages: ChatMessages | Sequence[ChatMessages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the tokenizer's
-        chat template (with the generation prompt)."""
+        chat template (with the generation prompt); ``lora_request`` as in :meth:`generate`."""
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
         for index, conversation in enumerate(conversations):
             if not isinstance(conversation, Sequence) or not all(isinstance(m, Mapping) for m in conversation):
                 raise ValueError(f"messages[{index}] must be a list of {{'role', 'content'}} dicts")
-        return self._run(conversations, sampling_params, use_tqdm, None)
+        return self._run(conversations, sampling_params, use_tqdm, None, lora_request)
 
     def _run(self, prompts: list[Any], sampling_params: Any, use_tqdm: bool,
-             priority: Sequence[int] | None) -> list[RequestOutput]:
+             priority: Sequence[int] | None, lora_request: Any = None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -92,6 +96,9 @@ class LLM:
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling_params; they must match")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities; they must match")
+        from sparrow.lora.engine import lora_requests_per_prompt
+
+        lora_requests = lora_requests_per_prompt(lora_request, len(prompts))
 
         engine = self.llm_engine
         # Validate every prompt before any reaches the engine: a bad one costs no other its work.
@@ -100,7 +107,8 @@ class LLM:
         for index, (prompt, params) in enumerate(zip(prompts, params_list)):
             request_id = str(next(self._request_counter))
             request_priority = _check_priority(index, priority[index]) if priority else 0
-            processed.append(engine.process_request(request_id, prompt, params, priority=request_priority))
+            processed.append(engine.process_request(request_id, prompt, params, priority=request_priority,
+                                                    lora_request=lora_requests[index]))
         order = {request.request_id: index for index, (_, request) in enumerate(processed)}
         # All or nothing: if one request cannot be sent, the ones sent before it are aborted, so
         # that no half of a batch stays registered to surface in a later call.
@@ -159,6 +167,17 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
+
+    # -- LoRA adapters (vLLM's names) ------------------------------------------------------
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load an adapter into the workers ahead of its first request."""
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.llm_engine.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.llm_engine.list_loras()
 
     def num_parameters(self) -> int:
         return self.llm_engine.collective_rpc("num_parameters")[0]

@@ -25,6 +25,10 @@ class SpecProposer:
         self.spec_config = spec_config
         self.num_speculative_tokens = spec_config.num_speculative_tokens
         self.model_runner = model_runner
+        # Set by the worker before each propose: the step's AttentionMetadata. Row r's tokens this
+        # step are hidden_states[query_start_loc_cpu[r]:query_start_loc_cpu[r + 1]], at positions
+        # up to seq_lens_cpu[r] - 1 (those past the request's accepted tokens were rejected drafts).
+        self.step_metadata: Any = None
 
     def propose(self, rows: Sequence[int], token_ids: np.ndarray, num_tokens: np.ndarray,
                 hidden_states: Any = None) -> list[list[int]]:
@@ -36,6 +40,14 @@ class SpecProposer:
         [num_tokens_this_step, hidden] output of the step, for proposers that read it.
         """
         raise NotImplementedError
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes of KV cache of its own this proposer keeps per block of the target's cache (a
+        draft model's layers; 0: none). The worker sizes the target's cache so both fit."""
+        return 0
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:  # noqa: B027 - optional hook
+        """Called once the target's cache has ``num_blocks`` blocks (allocate one's own here)."""
 
 
 def may_speculate(params: SamplingParams, plugin_logits_processors: bool) -> bool:

@@ -98,10 +98,11 @@ def verify_drafts(runner: ModelRunner, hidden_states: torch.Tensor,
 
 
 def propose_drafts(runner: ModelRunner, sampled_token_ids: list[list[int]],
-                   hidden_states: Any) -> list[list[int]]:
+                   hidden_states: Any, inputs: StepInputs | None = None) -> list[list[int]]:
     """The next step's drafts, one list per row (empty for rows that sampled nothing, still
     prefill, or may not speculate: see ``may_speculate``)."""
     batch = runner.batch
+    runner.proposer.step_metadata = inputs.metadata if inputs is not None else None
     rows = [row for row, tokens in enumerate(sampled_token_ids)
             if tokens and may_speculate(batch.states[row].sampling_params, runner.plugin_logits_processors)]
     out: list[list[int]] = [[] for _ in range(batch.num_reqs)]

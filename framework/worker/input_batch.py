@@ -10,6 +10,7 @@ logits processors (``sparrow.sample.logits_processor.interface``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +31,8 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     # Hybrid KV cache: block ids of KV cache groups 1.., one list each (``block_ids``: group 0's).
     extra_group_block_ids: list[list[int]] = field(default_factory=list)
+    # The request's LoRA adapter (sparrow.lora.request.LoRARequest), or None for the base model.
+    lora_request: Any = None
 
     @property
     def num_tokens(self) -> int:

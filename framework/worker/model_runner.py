@@ -91,6 +91,9 @@ class ModelRunner:
         # the verification cannot apply per position is in play (sparrow.spec_decode.proposer).
         self.plugin_logits_processors = bool(config.model.logits_processors)
         self.proposer = build_proposer(config.speculative.speculative_config, self)
+        # Multi-LoRA: adapter slots and the hooks on the targeted layers (None: LoRA off, and the
+        # model runs exactly as without it).
+        self.lora_manager = build_lora_manager(config, model, device, dtype, platform)
 
     # -- KV cache ---------------------------------------------------------------------------
     def num_kv_cache_tensors(self) -> int:
@@ -101,7 +104,9 @@ class ModelRunner:
     def kv_cache_bytes_per_block(self) -> int:
         _, num_kv_heads, head_dim = self.model.kv_cache_spec()
         element_size = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return 2 * self.num_kv_cache_tensors() * self.block_size * num_kv_heads * head_dim * element_size
+        per_block = 2 * self.num_kv_cache_tensors() * self.block_size * num_kv_heads * head_dim * element_size
+        # A draft model keeps as many blocks of its own (sparrow.spec_decode.draft_model): the budget holds both.
+        return per_block + (self.proposer.kv_cache_bytes_per_block() if self.proposer is not None else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
@@ -115,6 +120,8 @@ class ModelRunner:
         layer_tensors = {layer_index: tensors[position] for group in self.kv_cache_groups
                          for position, layer_index in enumerate(group.layer_indices)}
         self.kv_caches = [layer_tensors[layer_index] for layer_index in range(num_layers)]
+        if self.proposer is not None:
+            self.proposer.initialize_kv_cache(num_blocks)
 
     # -- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -128,10 +135,22 @@ class ModelRunner:
         connector_meta = scheduler_output.kv_connector_metadata
         if self.kv_connector is not None and connector_meta is not None:
             self.kv_connector.start_load_kv(self.kv_connector_meta(connector_meta))
-        hidden_states = self.run_model(inputs)  # [T, hidden]
+        if self.lora_manager is not None and self.prepare_lora(inputs):
+            # Adapter tokens: the eager forward (a captured CUDA graph holds no adapter path).
+            try:
+                hidden_states = ModelRunner.run_model(self, inputs)
+            finally:
+                self.lora_manager.finish_step()
+        else:
+            hidden_states = self.run_model(inputs)  # [T, hidden]
         if self.kv_connector is not None and connector_meta is not None:
             self.kv_connector.save_kv(self.kv_connector_meta(connector_meta))
         return self.sample(hidden_states, inputs)
+
+    def prepare_lora(self, inputs: StepInputs) -> bool:
+        """Map this step's tokens to adapter slots; True when any token uses an adapter."""
+        return self.lora_manager.prepare_step([state.lora_request for state in self.batch.states],
+                                              inputs.num_scheduled, int(inputs.input_ids.shape[0]))
 
     def kv_connector_meta(self, meta: Any) -> Any:
         """Connector metadata as its own type (after a process hop it arrives as plain lists)."""
@@ -154,6 +173,7 @@ class ModelRunner:
                 sampling_params=new.sampling_params, block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens, output_token_ids=list(new.output_token_ids),
                 extra_group_block_ids=[list(block_ids) for block_ids in new.extra_group_block_ids],
+                lora_request=new.lora_request,
             )
         cached = so.scheduled_cached_reqs
         for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
@@ -211,15 +231,8 @@ class ModelRunner:
         seq_lens = (num_computed + num_scheduled).astype(np.int32)  # [num_reqs]
         max_blocks = int(batch.num_blocks[:num_reqs].max())
         complete_rows = seq_lens >= batch.num_tokens[:num_reqs]
-        metadata = AttentionMetadata(
-            num_actual_tokens=total, num_reqs=num_reqs, max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=self.to_device(query_start_loc), seq_lens=self.to_device(seq_lens),
-            block_table=self.to_device(batch.block_table[:num_reqs, :max_blocks]),
-            slot_mapping=self.to_device(slot_mapping),
-            query_start_loc_cpu=torch.from_numpy(query_start_loc), seq_lens_cpu=torch.from_numpy(seq_lens),
-            is_decode_only=bool(total == num_reqs),
-        )
+        metadata = self.attention_metadata(query_start_loc, seq_lens, batch.block_table[:num_reqs, :max_blocks],
+                                           slot_mapping)
         if extra_slot_mappings:
             metadata.groups = [metadata] + [
                 dataclasses.replace(
@@ -233,6 +246,23 @@ class ModelRunner:
             input_ids=self.to_device(input_ids), positions=self.to_device(positions), metadata=metadata,
             num_scheduled=num_scheduled, logits_indices=self.to_device(cu_num_tokens - 1),
             complete_rows=complete_rows,
+        )
+
+    def attention_metadata(self, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
+                           slot_mapping: np.ndarray) -> AttentionMetadata:
+        """One KV cache group's metadata from host arrays: ``query_start_loc`` [num_reqs + 1] int32,
+        ``seq_lens`` [num_reqs] int32, ``block_table`` [num_reqs, blocks] int32, ``slot_mapping``
+        [T] int64 (T may exceed the real tokens: padding). Also how a draft model attends
+        (sparrow.spec_decode.draft_model)."""
+        num_reqs = int(seq_lens.shape[0])
+        total = int(query_start_loc[-1])
+        return AttentionMetadata(
+            num_actual_tokens=total, num_reqs=num_reqs, max_query_len=int(np.diff(query_start_loc).max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=self.to_device(query_start_loc), seq_lens=self.to_device(seq_lens),
+            block_table=self.to_device(block_table), slot_mapping=self.to_device(slot_mapping),
+            query_start_loc_cpu=torch.from_numpy(query_start_loc), seq_lens_cpu=torch.from_numpy(seq_lens),
+            is_decode_only=bool(total == num_reqs),
         )
 
     def grammar_bitmask(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -291,7 +321,7 @@ class ModelRunner:
             prompt_logprobs=self.prompt_logprobs(hidden_states, inputs),
         )
         if self.proposer is not None:
-            output.spec_token_ids = propose_drafts(self, sampled_token_ids, hidden_states)
+            output.spec_token_ids = propose_drafts(self, sampled_token_ids, hidden_states, inputs)
         return output
 
     def sample_tokens(self, hidden_states: torch.Tensor,
@@ -351,6 +381,17 @@ class ModelRunner:
             chosen = torch.tensor(state.prompt_token_ids[start + 1 : stop + 1], device=logits.device)
             out[state.req_id] = compute_token_logprobs(logits.log_softmax(dim=-1), chosen, k)
         return out
+
+
+def build_lora_manager(config: EngineConfig, model: Any, device: torch.device, dtype: torch.dtype,
+                       platform: str | None) -> Any:
+    lora = config.lora
+    if not lora.enable_lora:
+        return None
+    from sparrow.lora.manager import LoRAManager
+
+    return LoRAManager(model, max_loras=lora.max_loras, max_lora_rank=lora.max_lora_rank,
+                       max_cpu_loras=lora.max_cpu_loras, device=device, dtype=dtype, platform=platform)
 
 
 def assign_kv_cache_groups(model: Any, max_model_len: int) -> list[KVCacheGroupSpec]:

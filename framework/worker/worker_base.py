@@ -129,6 +129,31 @@ class WorkerBase:
 
         return checkpoint_num_parameters(self.config.model.model)
 
+    # -- LoRA adapters (the engine core's add_lora / remove_lora / list_loras) -------------------
+    def _lora_manager(self) -> Any:
+        manager = self.model_runner.lora_manager if self.model_runner is not None else None
+        if manager is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True")
+        return manager
+
+    def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> bool:
+        from sparrow.lora.request import LoRARequest
+
+        self._lora_manager().add_adapter(LoRARequest(lora_name, lora_int_id, lora_path))
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._lora_manager().remove_adapter(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self._lora_manager().list_adapters()
+
+    def lora_stats(self) -> dict[str, int]:
+        """Cumulative adapter loads from disk, into device slots, and slot swaps."""
+        import dataclasses
+
+        return dataclasses.asdict(self._lora_manager().stats)
+
     def ping(self) -> str:
         return "pong"
 

@@ -65,6 +65,9 @@ class Scheduler(SchedulerInterface):
     """
 
     sort_waiting = False
+    # LoRA (set by the engine core when enable_lora): at most this many distinct adapters among
+    # the running requests; a waiting request whose adapter would be one too many waits (vLLM's rule).
+    max_loras: int | None = None
 
     def __init__(
         self,
@@ -251,6 +254,9 @@ class Scheduler(SchedulerInterface):
         # Requests whose grammar is still compiling step aside for this step, keeping their
         # place in the queue, so that they block nobody.
         skipped: list[Request] = []
+        # lora_int_id of every running request's adapter (LoRA engines only)
+        active_loras = ({r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+                        if self.max_loras is not None else set())
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
@@ -258,6 +264,11 @@ class Scheduler(SchedulerInterface):
                     skipped.append(self.waiting.popleft())
                     continue
                 request.status = RequestStatus.WAITING
+            lora = request.lora_request
+            if (lora is not None and self.max_loras is not None and lora.lora_int_id not in active_loras
+                    and len(active_loras) >= self.max_loras):
+                skipped.append(self.waiting.popleft())  # its adapter waits for a free slot
+                continue
             computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request, record_stats=False)
             num_external = 0
             if self.kv_connector is not None:
@@ -278,6 +289,8 @@ class Scheduler(SchedulerInterface):
                 self.kv_cache_manager.prefix_cache_stats.record(request.num_tokens, num_computed)
             self.waiting.popleft()
             self.running.append(request)
+            if lora is not None and self.max_loras is not None:
+                active_loras.add(lora.lora_int_id)
             request.status = RequestStatus.RUNNING
             num_computed += num_external
             request.num_computed_tokens = num_computed
@@ -322,6 +335,7 @@ class Scheduler(SchedulerInterface):
             num_computed_tokens=request.num_computed_tokens,
             output_token_ids=list(request.output_token_ids),
             extra_group_block_ids=self.kv_cache_manager.get_extra_group_block_ids(request.request_id),
+            lora_request=request.lora_request,
         )
 
     # -- after the forward ------------------------------------------------------------------

@@ -10,6 +10,8 @@
     POST /tokenize             text or chat messages -> token ids, as the endpoints above tokenize them
     POST /detokenize           token ids -> text
     GET  /tokenizer_info       the tokenizer's configuration (special tokens, chat template, ...)
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   with --enable-lora and
+                               SPARROW_ALLOW_RUNTIME_LORA_UPDATING=true (serving_models)
 
 Every route answers CORS preflight requests (--allowed-origins, --allowed-methods, ...).
 
@@ -52,6 +54,13 @@ from sparrow.entrypoints.openai.protocol import (
 from sparrow.entrypoints.openai.serving_chat import OpenAIServingChat
 from sparrow.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from sparrow.entrypoints.openai.serving_engine import APIError, engine_dead
+from sparrow.entrypoints.openai.serving_models import (
+    ENV_RUNTIME_LORA,
+    add_lora_routes,
+    lora_modules_from_args,
+    parse_lora_module,
+    runtime_lora_updating,
+)
 from sparrow.entrypoints.openai.serving_tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -191,8 +200,16 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     completions = OpenAIServingCompletion(engine, model_names)
     chat = OpenAIServingChat(engine, model_names, **chat_parsers(engine, args))
     tokenization = OpenAIServingTokenization(engine, model_names)
+    lora_modules = lora_modules_from_args(engine, args)
+    for handler in (completions, chat, tokenization):
+        handler.lora_modules = lora_modules
+    adapters = lora_modules.adapters if lora_modules is not None else {}
 
     def model_card(name: str) -> ModelCard:
+        adapter = adapters.get(name)
+        if adapter is not None:  # vLLM's adapter card: root is the adapter's path, parent the base model
+            return ModelCard(id=name, root=adapter.lora_path, parent=adapter.base_model_name,
+                             max_model_len=engine.model_config.max_model_len)
         return ModelCard(id=name, root=engine.model_config.model, max_model_len=engine.model_config.max_model_len)
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
@@ -211,13 +228,14 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERROR_RESPONSES)
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card(name) for name in model_names])
+        return ModelList(data=[model_card(name) for name in [*model_names, *adapters]])
 
     # ":path": a served name may hold slashes (a model directory, "Qwen/Qwen3-0.6B").
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERROR_RESPONSES)
     async def retrieve_model(model_id: str) -> ModelCard:
-        if model_id not in model_names:
-            raise APIError(404, f"the model {model_id!r} does not exist; served: {', '.join(model_names)}",
+        if model_id not in model_names and model_id not in adapters:
+            served = ", ".join([*model_names, *adapters])
+            raise APIError(404, f"the model {model_id!r} does not exist; served: {served}",
                            "NotFoundError", param="model", code="model_not_found")
         return model_card(model_id)
 
@@ -244,6 +262,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     async def get_tokenizer_info() -> TokenizerInfoResponse:
         return await tokenization.get_tokenizer_info()
 
+    if lora_modules is not None and runtime_lora_updating():
+        add_lora_routes(app, lora_modules)
     return app
 
 
@@ -287,6 +307,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     tool_parser_class(args)  # a wrong parser name is reported before the model loads
     kwargs = engine_kwargs(args)
+    if getattr(args, "lora_modules", None) and not kwargs.get("enable_lora"):
+        raise SystemExit("sparrow serve: --lora-modules needs --enable-lora")
     model_pos = getattr(args, "model_pos", None)
     if model_pos is not None:
         if kwargs.get("model") not in (None, model_pos):
@@ -386,6 +408,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--tool-call-parser", default=None, metavar="NAME",
                         help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json "
                              "(Llama 3.x), or a plugin's (`sparrow plugins` lists them) (default: none)")
+    server.add_argument("--lora-modules", type=parse_lora_module, nargs="+", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters to serve, each as name=path or JSON {\"name\": ..., \"path\": ..., "
+                             "\"base_model_name\": ...}; a request selects one by its model name (needs "
+                             f"--enable-lora; {ENV_RUNTIME_LORA}=true also enables /v1/load_lora_adapter and "
+                             "/v1/unload_lora_adapter) (default: none)")
     add_engine_args(parser)
     parser.set_defaults(func=run_server)
     return parser

@@ -186,7 +186,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, max_tokens=max_tokens, logprobs=logprobs, stream=bool(request.stream),
                                       structured_outputs=structured_outputs)
         request_id = self.new_request_id()
-        streams = await self.submit(request_id, [prompt], params, request.priority)
+        streams = await self.submit(request_id, [prompt], params, request.priority, self.lora_request_of(request.model))
         reply = Reply.of(request, len(prompt["prompt_token_ids"]))
         parsers = ReplyParsers(request, tool_choice, prompt["prompt_token_ids"], self.engine.tokenizer,
                                self.reasoner, self.tool_parser_cls)

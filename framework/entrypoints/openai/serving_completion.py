@@ -171,7 +171,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                       logprobs=request.logprobs, stream=bool(request.stream),
                                       prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs)
         request_id = self.new_request_id()
-        streams = await self.submit(request_id, prompts, params, request.priority)
+        streams = await self.submit(request_id, prompts, params, request.priority, self.lora_request_of(request.model))
         n = request.n
         shape = Echo(echo, echo_only, request.logprobs is not None)
         if request.stream:

@@ -136,16 +136,25 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
+        # The LoRA adapters served under their own names (serving_models.LoRAModules), or None.
+        self.lora_modules: Any = None
 
     def check_model(self, model: str | None) -> str:
         if model is None or model in self.served_model_names:
             return self.served_model_names[0]
+        if self.lora_request_of(model) is not None:
+            return model
         try:
             check_text("model", model)
         except ValueError as exc:
             raise bad_request(exc, default_param="model") from None
-        raise APIError(404, f"the model {model!r} does not exist; served: {', '.join(self.served_model_names)}",
+        served = [*self.served_model_names, *(self.lora_modules.adapters if self.lora_modules is not None else ())]
+        raise APIError(404, f"the model {model!r} does not exist; served: {', '.join(served)}",
                        "NotFoundError", param="model", code="model_not_found")
+
+    def lora_request_of(self, model: str | None) -> Any:
+        """The LoRARequest a request's ``model`` names, or None for the base model."""
+        return self.lora_modules.get(model) if self.lora_modules is not None else None
 
     def new_request_id(self) -> str:
         return f"{self.request_id_prefix}-{uuid.uuid4().hex}"
@@ -218,7 +227,7 @@ class OpenAIServing:
             raise bad_request(exc) from None
 
     async def submit(self, request_id: str, prompts: list[Any], params: SamplingParams,
-                     priority: int) -> list[AsyncGenerator[RequestOutput, None]]:
+                     priority: int, lora_request: Any = None) -> list[AsyncGenerator[RequestOutput, None]]:
         """Validate and submit every prompt before any response is sent, so that an invalid one
         is a 400 and costs the others nothing; one stream of outputs per prompt."""
         engine = self.engine
@@ -227,7 +236,8 @@ class OpenAIServing:
         try:
             for index, prompt in enumerate(prompts):
                 sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
-                collector = await engine.add_request(sub_id, prompt, params, priority=priority)
+                collector = await engine.add_request(sub_id, prompt, params, priority=priority,
+                                                     lora_request=lora_request)
                 submitted.append(sub_id)
                 streams.append(engine.stream_outputs(sub_id, collector))
         except ValueError as exc:

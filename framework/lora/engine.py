@@ -1,0 +1,71 @@
+"""LoRA checks on the engine side (frontend and engine core): the configuration before start-up,
+and each request's adapter before it reaches a worker. Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from sparrow.errors import InvalidArgumentError
+from sparrow.lora.peft import check_adapter, check_lora_architecture, read_adapter_config
+from sparrow.lora.request import LoRARequest
+
+
+def check_lora_config(config: Any, hf_config: Any) -> tuple[str, str] | None:
+    """(field, message) for a configuration LoRA cannot run with, else None."""
+    lora = config.lora
+    if not lora.enable_lora:
+        return None
+    if config.parallel.tensor_parallel_size > 1:
+        return ("tensor_parallel_size", f"LoRA adapters are not sharded across ranks yet; enable_lora needs "
+                f"tensor_parallel_size=1, got {config.parallel.tensor_parallel_size}")
+    if config.speculative.speculative_config is not None:
+        return ("speculative_config", "speculative decoding is not combined with enable_lora yet; turn one off")
+    if config.model.quantization is not None:
+        return ("quantization", f"LoRA adapters on {config.model.quantization!r}-quantized weights are not "
+                "supported yet; serve the unquantized model with enable_lora")
+    try:
+        check_lora_architecture(hf_config)
+    except ValueError as exc:
+        return ("enable_lora", str(exc))
+    return None
+
+
+def check_lora_request(lora_request: Any, config: Any, hf_config: Any = None) -> None:
+    """Raise InvalidArgumentError naming ``lora_request`` for an adapter this engine cannot run:
+    LoRA off, not a LoRARequest, or a directory whose config (rank above ``max_lora_rank``,
+    bias, modules_to_save, ...) or, with ``hf_config``, whose tensors do not fit the model."""
+    if lora_request is None:
+        return
+    if not isinstance(lora_request, LoRARequest):
+        raise InvalidArgumentError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}",
+                                   "lora_request")
+    if not config.lora.enable_lora:
+        raise InvalidArgumentError(f"lora_request {lora_request.lora_name!r} needs an engine started with "
+                                   "enable_lora=True", "lora_request")
+    try:
+        if hf_config is not None:
+            check_adapter(lora_request.lora_path, max_lora_rank=config.lora.max_lora_rank, hf_config=hf_config)
+        else:
+            read_adapter_config(lora_request.lora_path, config.lora.max_lora_rank)
+    except ValueError as exc:
+        raise InvalidArgumentError(f"lora_request {lora_request.lora_name!r}: {exc}", "lora_request") from None
+
+
+def lora_requests_per_prompt(lora_request: Any, num_prompts: int) -> list[LoRARequest | None]:
+    """``lora_request`` (one for every prompt, or a list with one per prompt) as a list; ValueError
+    naming ``lora_request`` for a list of the wrong length."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if isinstance(lora_request, Sequence) and not isinstance(lora_request, (str, bytes)):
+        requests = list(lora_request)
+        if len(requests) != num_prompts:
+            raise InvalidArgumentError(f"lora_request: got {len(requests)} LoRA requests for {num_prompts} prompts; "
+                                       "pass one for all or one per prompt", "lora_request")
+        for index, item in enumerate(requests):
+            if item is not None and not isinstance(item, LoRARequest):
+                raise InvalidArgumentError(f"lora_request[{index}] must be a LoRARequest or None, got "
+                                           f"{type(item).__name__}", f"lora_request[{index}]")
+        return requests
+    raise InvalidArgumentError(f"lora_request must be a LoRARequest, a list of them (one per prompt) or None, got "
+                               f"{type(lora_request).__name__}", "lora_request")

@@ -1,10 +1,12 @@
 """Batch size 1, greedy: output tok/s with and without n-gram speculation.
 
-    python scripts/bench_spec_decode.py [MODEL] [--max-tokens 128] [--k 4] [--lookup-min 2] [--lookup-max 3]
+    python scripts/bench_spec_decode.py [MODEL] [--max-tokens 128] [--k 4] [--lookup-min 2] [--lookup-max 3] \\
+        [--rounds 5]
 
 Two workloads of four prompts each, sent one at a time (batch size 1): "repetitive" prompts whose
-text repeats (code, counting, a repeated sentence) and "plain" ones. Each is timed three times per
-engine; the best run counts. With the built-in random-weight model the continuations themselves
+text repeats (code, counting, a repeated sentence) and "plain" ones. Both engines stay up and run
+each workload in turn for several rounds; the median of the per-round ratios counts. With the
+built-in random-weight model the continuations themselves
 fall into loops, so drafts are accepted on both workloads; a trained model copies from its prompt
 instead. Prints tok/s per engine and workload, the speed-up, the acceptance rate and the mean
 number of tokens per step.
@@ -13,6 +15,7 @@ number of tokens per step.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 from sparrow import LLM, SamplingParams
@@ -24,14 +27,11 @@ PLAIN = ["Once upon a time there was", "In a distant galaxy", "The capital of Fr
          "Explain how a compiler works"]
 
 
-def best_rate(llm: LLM, prompts: list[str], params: SamplingParams, repeats: int = 3) -> float:
-    best = 0.0
-    for _ in range(repeats):
-        tokens, start = 0, time.perf_counter()
-        for prompt in prompts:  # batch size 1
-            tokens += len(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
-        best = max(best, tokens / (time.perf_counter() - start))
-    return best
+def rate(llm: LLM, prompts: list[str], params: SamplingParams) -> float:
+    tokens, start = 0, time.perf_counter()
+    for prompt in prompts:  # batch size 1
+        tokens += len(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+    return tokens / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -41,30 +41,39 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup-min", type=int, default=2, help="prompt_lookup_min")
     parser.add_argument("--lookup-max", type=int, default=3, help="prompt_lookup_max")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (off, then ngram, per workload)")
     args = parser.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
             "prompt_lookup_max": args.lookup_max}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    rates: dict[tuple[str, str], float] = {}
-    for name, extra in (("off", {}), ("ngram", {"speculative_config": spec})):
-        llm = LLM(args.model, **extra)
-        try:
-            best_rate(llm, REPETITIVE[:1], params, repeats=1)  # warm-up
-            for workload, prompts in (("repetitive", REPETITIVE), ("plain", PLAIN)):
-                before = llm.llm_engine.last_stats
-                rates[(name, workload)] = best_rate(llm, prompts, params)
-                after = llm.llm_engine.last_stats
-                if name == "ngram" and before is not None and after is not None:
-                    drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
-                    drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
-                    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
-                    print(f"{workload:10s} acceptance {accepted / max(drafted, 1):.2f}, "
-                          f"tokens per step {1 + accepted / max(drafts, 1):.2f}")
-        finally:
+    # Both engines stay up and take turns, so a drift in the machine's speed (this VM's per-step
+    # time moves by tens of percent over minutes) lands on both sides alike.
+    engines = {"off": LLM(args.model), "ngram": LLM(args.model, speculative_config=spec)}
+    try:
+        for llm in engines.values():
+            rate(llm, REPETITIVE[:1], params)  # warm-up
+        for workload, prompts in (("repetitive", REPETITIVE), ("plain", PLAIN)):
+            before = engines["ngram"].llm_engine.last_stats
+            rounds: dict[str, list[float]] = {"off": [], "ngram": []}
+            for _ in range(args.rounds):
+                for name, llm in engines.items():
+                    rounds[name].append(rate(llm, prompts, params))
+            after = engines["ngram"].llm_engine.last_stats
+            ratios = [on / off for off, on in zip(rounds["off"], rounds["ngram"])]
+            line = (f"{workload:10s} off {statistics.median(rounds['off']):6.1f} tok/s   "
+                    f"ngram {statistics.median(rounds['ngram']):6.1f} tok/s   "
+                    f"median ratio x{statistics.median(ratios):.2f} "
+                    f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
+            if before is not None and after is not None:
+                drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+                drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+                accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+                line += (f"; acceptance {accepted / max(drafted, 1):.2f}, "
+                         f"tokens per verified step {1 + accepted / max(drafts, 1):.2f}")
+            print(line, flush=True)
+    finally:
+        for llm in engines.values():
             llm.shutdown()
-    for workload in ("repetitive", "plain"):
-        off, on = rates[("off", workload)], rates[("ngram", workload)]
-        print(f"{workload:10s} off {off:7.1f} tok/s   ngram {on:7.1f} tok/s   x{on / off:.2f}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ with an error output (``EngineCoreOutput.error_message``).
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import os
@@ -268,6 +269,14 @@ def run_engine_core(config: EngineConfig, input_path: str, output_path: str, par
     sys.exit(exit_code)
 
 
+def freeze_startup_objects() -> None:
+    """Move everything start-up made (the model's modules, the plugins, pydantic models) out of
+    the garbage collector's reach: they live as long as the process, and a full collection
+    walking them in the middle of a step costs milliseconds. vLLM does the same after start-up."""
+    gc.collect()
+    gc.freeze()
+
+
 def _serve(config: EngineConfig, input_path: str, output_path: str, zmq_ctx: zmq.Context,
            executor_factory: str | None) -> int:
     output_socket = zmq_ctx.socket(zmq.PUSH)
@@ -297,6 +306,7 @@ def _serve(config: EngineConfig, input_path: str, output_path: str, zmq_ctx: zmq
         status="READY", num_blocks=engine_core.num_kv_blocks, block_size=engine_core.block_size,
         max_model_len=config.model.max_model_len or 0))
     proc.start_io_threads()
+    freeze_startup_objects()
     exit_code = 0
     try:
         proc.run_busy_loop()

@@ -20,6 +20,7 @@ others speak only when they fail.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -173,6 +174,10 @@ class WorkerProc:
         from sparrow.engine import serial
 
         so_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+        # As in the engine core (core_proc.freeze_startup_objects): the model and the worker live
+        # as long as the process, so keep full collections from walking them mid-step.
+        gc.collect()
+        gc.freeze()
         generic = msgspec.msgpack.Decoder()
         encoder = msgspec.msgpack.Encoder()
         while True:

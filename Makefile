@@ -28,8 +28,13 @@ run: setup
 	@echo
 	@echo "Sparrow is installed in $(VENV): run $(VENV)/bin/sparrow --help, or 'source $(VENV)/bin/activate' first."
 
+# Two passes: the suite on two workers (one file per worker at a time, so a module's shared engine
+# is built once), then the tests marked `serial` alone: they pip-install plugins into the
+# environment or time a signal. TEST_WORKERS=0 runs the first pass in one process.
+TEST_WORKERS ?= 2
 test: setup-dev
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m serial
 
 # ruff on every Python file; mypy on the kernel's contract (scripts/typecheck.py says which packages).
 lint: setup-dev

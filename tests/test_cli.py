@@ -201,6 +201,7 @@ def test_generate_several_prompts_prints_each_with_its_continuation(qwen3_dir):
     assert single.stdout.strip() in result.stdout  # greedy: the same text alone or in a batch
 
 
+@pytest.mark.serial  # times a signal against a running generation
 def test_generate_streams_and_stops_cleanly_on_ctrl_c(qwen3_dir):
     """Text arrives while the request still runs; Ctrl-C then ends it with one line, no ERROR."""
     base = {name: value for name, value in os.environ.items() if name != "SPARROW_LOGGING_LEVEL"}

@@ -115,6 +115,7 @@ def test_builtin_cpu_platform_passes_the_op_and_attention_checks(model_cache):
     assert summary.startswith(f"{len(expected)} checks: ") and "failed" not in summary, proc.stdout
 
 
+@pytest.mark.serial  # pip-installs a plugin into the environment
 def test_example_platform_replaces_rms_norm_and_passes(model_cache, tmp_path):
     with pip_installed("sparrow_example_platform", "sparrow-example-platform", tmp_path):
         listing = sparrow_cli("plugins", env=child_env())

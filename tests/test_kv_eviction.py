@@ -318,6 +318,7 @@ def engine_hit_rates(model: str, policies: list[str], num_kv_blocks: int = 40) -
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.serial  # pip-installs a plugin into the environment
 def test_out_of_tree_policy_raises_the_engines_hit_rate_on_hot_prefixes(qwen3_dir, tmp_path):
     get_plugin_manager()  # loaded before the install: this process must never see the package
     with pip_installed("sparrow_example_eviction", "sparrow-example-eviction", tmp_path):

@@ -120,6 +120,7 @@ llm.generate(["Once upon a time"], long, use_tqdm=False)  # interrupted, uncaugh
 """
 
 
+@pytest.mark.serial  # times a signal against a running generation
 def test_ctrl_c_with_a_request_in_flight(builtin_model, tmp_path):
     script = tmp_path / "interrupted.py"
     script.write_text(CTRL_C_SCRIPT)

@@ -21,6 +21,10 @@ import pytest
 
 from sparrow.plugins import get_plugin_manager
 
+# These tests pip-install the example plugins into this environment: other tests running at the
+# same time would see their entry points, so `make test` runs them alone (the serial pass).
+pytestmark = pytest.mark.serial
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PROMPT_LENGTHS = (3, 20, 45)
 MAX_TOKENS = 4

@@ -82,10 +82,11 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Opaque data from the scheduler side of a KV connector to its worker side.
     kv_connector_metadata: Any = None
     # Structured outputs, filled by the engine core after scheduling: the requests that sample
-    # under a grammar this step, and their allowed-token bitmask, one row each in this order:
-    # int32 [len(structured_output_request_ids), ceil(vocab_size / 32)] as bytes; bit j of word w
-    # allows token 32 * w + j. Computed once here and sent to every rank, so that tensor-parallel
-    # ranks mask identically without a tokenizer or a grammar each.
+    # under a grammar this step, and their allowed-token bitmask in this order, one row each
+    # plus one per draft it has in scheduled_spec_decode_tokens (row j: the mask after drafts
+    # 1..j): int32 [rows, ceil(vocab_size / 32)] as bytes; bit j of word w allows token 32 * w + j.
+    # Computed once here and sent to every rank, so that tensor-parallel ranks mask identically
+    # without a tokenizer or a grammar each.
     structured_output_request_ids: list[str] = []
     grammar_bitmask: bytes | None = None
     # Speculative decoding: req_id -> the draft tokens scheduled after its last token (counted in

@@ -163,10 +163,13 @@ class EngineCore:
 
     def _attach_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:
         """Fill the bitmask of every constrained request that samples a token this step (a
-        prompt chunk that stops short of the end samples nothing and needs no row)."""
+        prompt chunk that stops short of the end samples nothing and needs no row): one row,
+        plus one per draft the step verifies for it, each after the drafts before it."""
         requests = getattr(self.scheduler, "requests", {})
+        scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
         req_ids: list[str] = []
         grammars = []
+        drafts: list[list[int]] = []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
             if request is None or request.structured_output is None:
@@ -176,9 +179,10 @@ class EngineCore:
                 continue
             req_ids.append(req_id)
             grammars.append(request.structured_output)
+            drafts.append(list(scheduled_drafts.get(req_id, ())) if scheduled_drafts else [])
         if grammars:
             scheduler_output.structured_output_request_ids = req_ids
-            scheduler_output.grammar_bitmask = self._structured_output.fill_bitmask(grammars)
+            scheduler_output.grammar_bitmask = self._structured_output.fill_bitmask(grammars, drafts)
 
     # -- utilities (callable by name from the frontend) -------------------------------------
     def reset_prefix_cache(self) -> bool:

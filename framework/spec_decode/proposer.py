@@ -53,17 +53,17 @@ class SpecProposer:
 def may_speculate(params: SamplingParams, plugin_logits_processors: bool) -> bool:
     """Whether a request gets drafts.
 
-    The verification step samples draft positions 1..k with temperature, min-p, top-k and top-p
-    only (position 0 goes through the full sampler). So a request that needs anything that
-    depends on the tokens before each position does not speculate: penalties, the
-    position-dependent logits processors (min_tokens, bad_words) and those the row-wise
-    processor state owns (allowed_token_ids, logit_bias, and any a plugin enabled: they may act
-    on any request), a grammar (it would need a bitmask per draft position), and logprobs (they
-    are reported from position 0's sampler only).
+    The verification step samples draft positions 1..k with temperature, min-p, top-k, top-p
+    and the request's grammar mask only (position 0 goes through the full sampler; the engine
+    core fills one grammar mask per draft position, after the drafts before it). So a request
+    that needs anything else that depends on the tokens before each position does not
+    speculate: penalties, the position-dependent logits processors (min_tokens, bad_words) and
+    those the row-wise processor state owns (allowed_token_ids, logit_bias, and any a plugin
+    enabled: they may act on any request), and logprobs (they are reported from position 0's
+    sampler only). Structured outputs do speculate.
     """
     return not (
         plugin_logits_processors
-        or params.structured_outputs is not None
         or params.logprobs is not None
         or params.prompt_logprobs is not None
         or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0

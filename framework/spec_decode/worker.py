@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from sparrow.sample.sampler import apply_grammar_bitmask
 from sparrow.spec_decode.proposer import may_speculate
 from sparrow.spec_decode.rejection_sampler import accept_point_drafts, sample_positions, seeded_draws
 
@@ -38,7 +39,11 @@ def verify_drafts(runner: ModelRunner, hidden_states: torch.Tensor,
                   inputs: StepInputs) -> tuple[list[list[int]], dict[str, list[TokenLogprobs]]]:
     """Sample the step's tokens when some requests carry drafts: per row, the accepted drafts and
     one more token (``sparrow.spec_decode.rejection_sampler``); rows without drafts get exactly
-    what the plain path gives them. Updates the persistent batch like the plain path does."""
+    what the plain path gives them. Updates the persistent batch like the plain path does.
+
+    A request with a grammar has one mask per verified position (``inputs.grammar_bitmask`` for
+    position 0, through the sampler; ``inputs.draft_grammar_bitmask`` for the drafts' positions),
+    so every token it can end up with is one its grammar allows there."""
     batch = runner.batch
     num_reqs = batch.num_reqs
     spec = inputs.spec_decode_tokens
@@ -73,8 +78,12 @@ def verify_drafts(runner: ModelRunner, hidden_states: torch.Tensor,
             seeds.append(params.seed if seeded else None)
             positions.append(len(batch.states[row].output_token_ids) + offset)
         seeded_positions, seeded_uniforms = seeded_draws(seeds, positions, logits.device)
-        later = sample_positions(logits[runner.to_device(np.flatnonzero(is_later))], runner.to_device(rows),
-                                 metadata, runner.sampler, seeded_positions, seeded_uniforms)
+        later_logits = logits[runner.to_device(np.flatnonzero(is_later))]  # [D, V]
+        if inputs.draft_grammar_bitmask is not None:
+            # Each constrained draft position under its grammar's mask after the drafts before it.
+            later_logits = apply_grammar_bitmask(later_logits, *inputs.draft_grammar_bitmask)
+        later = sample_positions(later_logits, runner.to_device(rows), metadata, runner.sampler,
+                                 seeded_positions, seeded_uniforms)
         later_tokens = runner.agree_on_sampled(later).tolist()
     accepted = accept_point_drafts(first_tokens, drafts, later_tokens)
 

@@ -4,9 +4,12 @@ matcher per request, and fill the step's token bitmask.
 Shape of one step (``EngineCore.step``)::
 
     schedule()                      requests still compiling (WAITING_FOR_GRAMMAR) are skipped
-    fill_bitmask(scheduled rows)    one pass: one int32 row per constrained request that samples
-    execute_model(...)              the sampler masks those rows (sparrow.sample.sampler)
-    update_from_output(...)         the scheduler feeds each accepted token to the matcher
+    fill_bitmask(scheduled rows)    one pass: one int32 row per constrained request that samples,
+                                    plus one per draft it verifies (speculative decoding)
+    execute_model(...)              the sampler masks those rows (sparrow.sample.sampler), the
+                                    verification the draft positions (sparrow.spec_decode.worker)
+    update_from_output(...)         the scheduler feeds each accepted token to the matcher, then
+                                    keeps of the new drafts the prefix the grammar accepts
 
 Compiling runs in a thread pool (xgrammar releases the GIL while it compiles), with a cache keyed
 by the grammar (``grammar.grammar_key``): the same schema sent twice compiles once, and two
@@ -34,9 +37,10 @@ class StructuredOutputRequest:
     """One request's grammar: its compile (a shared future) and, once compiled, its own matcher.
 
     The scheduler sees it as ``request.structured_output`` and calls only :meth:`is_ready`,
-    :meth:`accept_tokens` and :meth:`is_terminated`. A resumed request (preempted and recomputed)
-    keeps its matcher: recomputing rebuilds KV for tokens the matcher has already accepted, and no
-    token is sampled twice, so nothing rolls back.
+    :meth:`accept_tokens`, :meth:`is_terminated` and, for drafts, :meth:`validate_tokens`. A
+    resumed request (preempted and recomputed) keeps its matcher: recomputing rebuilds KV for
+    tokens the matcher has already accepted, and no token is sampled twice, so nothing rolls
+    back (drafts are looked ahead over and undone at once, never left in the matcher).
 
     With a reasoning parser the grammar constrains the answer only: until the token that ends
     the reasoning is sampled (or from the start, when the prompt already ended it), every token
@@ -88,14 +92,63 @@ class StructuredOutputRequest:
         return self._reasoning
 
     def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
-        for token_id in token_ids:
-            if self._reasoning:
-                # The end token itself is the reasoning's; the grammar starts with the next one.
-                self._reasoning = not self._manager.reasoner.ends_reasoning(token_id)
-                continue
-            if not self._matcher.accept_token(token_id):
-                return False
-        return True
+        return all(self._feed(token_id) is not None for token_id in token_ids)
+
+    def _feed(self, token_id: int) -> int | None:
+        """Advance over one token: 1 when the matcher took it, 0 when the reasoning did (nothing
+        to roll back), None when the grammar rejects it (the state is then unchanged)."""
+        if self._reasoning:
+            # The end token itself is the reasoning's; the grammar starts with the next one.
+            self._reasoning = not self._manager.reasoner.ends_reasoning(token_id)
+            return 0
+        return 1 if self._matcher.accept_token(token_id) else None
+
+    # -- speculative decoding: look ahead over drafts, then put the state back ---------------
+    # xgrammar's matcher rolls back any number of accepted tokens (0.2: unlimited history), so
+    # the drafts are walked on the request's own matcher and undone; the reasoning flag, which
+    # lives here, is saved and restored around the walk.
+    def validate_tokens(self, token_ids: list[int]) -> list[int]:
+        """The longest prefix of ``token_ids`` (drafts) the grammar accepts from its current
+        state. A draft after one that ends the grammar is never accepted. State unchanged."""
+        reasoning, fed, kept = self._reasoning, 0, 0
+        try:
+            for token_id in token_ids:
+                step = self._feed(token_id)
+                if step is None:
+                    break
+                fed += step
+                kept += 1
+        finally:
+            self._undo(reasoning, fed)
+        return token_ids[:kept]
+
+    def fill_with_drafts(self, bitmask: Any, row: int, drafts: list[int]) -> None:
+        """Rows ``row .. row + len(drafts)`` of ``bitmask``: the mask of the token after the
+        request's tokens, then of the token after each draft in turn, as if the drafts before
+        it had been accepted (verification samples position j only when drafts 1..j were).
+        Past a draft the grammar rejects (the scheduler keeps only ``validate_tokens``' prefix,
+        so this is a safeguard) or one that ends the grammar, the rows allow every token: the
+        previous row's mask forbids that draft, or the request ends there, so verification never
+        uses them. State unchanged."""
+        self.fill(bitmask, row)
+        reasoning, fed, usable = self._reasoning, 0, True
+        try:
+            for offset, token_id in enumerate(drafts, start=1):
+                step = self._feed(token_id) if usable else None
+                if step is None or (not self._reasoning and self._matcher.is_terminated()):
+                    usable = False
+                    bitmask[row + offset].fill_(-1)
+                    fed += step or 0
+                    continue
+                fed += step
+                self.fill(bitmask, row + offset)
+        finally:
+            self._undo(reasoning, fed)
+
+    def _undo(self, reasoning: bool, fed: int) -> None:
+        if fed:
+            self._matcher.rollback(fed)
+        self._reasoning = reasoning
 
     def is_terminated(self) -> bool:
         return not self._reasoning and self._matcher.is_terminated()
@@ -180,16 +233,26 @@ class StructuredOutputManager:
             return self._compiler
 
     # -- every step -------------------------------------------------------------------------
-    def fill_bitmask(self, grammars: list[StructuredOutputRequest]) -> bytes:
-        """The allowed-token bitmask of ``grammars`` (ready ones), one int32 row each in this
-        order, as the bytes ``SchedulerOutput.grammar_bitmask`` carries."""
+    def fill_bitmask(self, grammars: list[StructuredOutputRequest],
+                     drafts: list[list[int]] | None = None) -> bytes:
+        """The allowed-token bitmask of ``grammars`` (ready ones), in this order, as the bytes
+        ``SchedulerOutput.grammar_bitmask`` carries: one int32 row per grammar, or with
+        ``drafts`` (each grammar's scheduled draft tokens) ``1 + len(drafts[i])`` rows for
+        grammar i, one per position the step verifies (``fill_with_drafts``)."""
         import xgrammar
 
-        if self._bitmask is None or self._bitmask.shape[0] < len(grammars):
-            self._bitmask = xgrammar.allocate_token_bitmask(max(self.max_num_reqs, len(grammars)), self.vocab_size)
-        for row, grammar in enumerate(grammars):
-            grammar.fill(self._bitmask, row)
-        return self._bitmask[: len(grammars)].numpy().tobytes()
+        num_rows = len(grammars) + (sum(map(len, drafts)) if drafts else 0)
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
+            self._bitmask = xgrammar.allocate_token_bitmask(max(self.max_num_reqs, num_rows), self.vocab_size)
+        row = 0
+        for index, grammar in enumerate(grammars):
+            if drafts and drafts[index]:
+                grammar.fill_with_drafts(self._bitmask, row, drafts[index])
+                row += 1 + len(drafts[index])
+            else:
+                grammar.fill(self._bitmask, row)
+                row += 1
+        return self._bitmask[:num_rows].numpy().tobytes()
 
     def shutdown(self) -> None:
         if self._pool is not None:

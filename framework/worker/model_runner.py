@@ -36,7 +36,7 @@ class StepInputs:
     """One step's flat inputs; host arrays are numpy, device tensors torch."""
 
     __slots__ = ("input_ids", "positions", "metadata", "num_scheduled", "logits_indices", "complete_rows",
-                 "grammar_bitmask", "spec_decode_tokens")
+                 "grammar_bitmask", "draft_grammar_bitmask", "spec_decode_tokens")
 
     def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                  num_scheduled: np.ndarray, logits_indices: torch.Tensor, complete_rows: np.ndarray) -> None:
@@ -48,6 +48,9 @@ class StepInputs:
         self.complete_rows = complete_rows  # [num_reqs] bool: the row samples a token this step
         # Structured outputs: (rows [G] int64, bitmask [G, ceil(V / 32)] int32) on the device, or None.
         self.grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The same for the draft positions a constrained request verifies: (indices [D'] into the
+        # step's draft positions, flattened row by row in batch order; bitmask [D', words]), or None.
+        self.draft_grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
         # Speculative decoding: req_id -> the drafts this step verifies (empty: none).
         self.spec_decode_tokens: dict[str, list[int]] = {}
 
@@ -130,7 +133,7 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0 or self.batch.num_reqs == 0:
             return ModelRunnerOutput()
         inputs = self.prepare_inputs(scheduler_output)
-        inputs.grammar_bitmask = self.grammar_bitmask(scheduler_output)
+        inputs.grammar_bitmask, inputs.draft_grammar_bitmask = self.grammar_bitmask(scheduler_output)
         inputs.spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         connector_meta = scheduler_output.kv_connector_metadata
         if self.kv_connector is not None and connector_meta is not None:
@@ -265,16 +268,35 @@ class ModelRunner:
             is_decode_only=bool(total == num_reqs),
         )
 
-    def grammar_bitmask(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The engine core's bitmask rows (in its request order) placed at this batch's rows."""
+    def grammar_bitmask(self, so: SchedulerOutput) -> tuple[tuple[torch.Tensor, torch.Tensor] | None,
+                                                            tuple[torch.Tensor, torch.Tensor] | None]:
+        """The engine core's bitmask rows placed for this batch: ``(first, drafts)``. ``first``:
+        each constrained request's mask for the token after its tokens, at its batch row;
+        ``drafts``: the masks of the draft positions it verifies, at their index among the step's
+        draft positions (row by row in batch order, as ``verify_drafts`` lays them out), or None
+        when no constrained request carries drafts."""
         if not so.structured_output_request_ids or so.grammar_bitmask is None:
-            return None
+            return None, None
+        req_ids = so.structured_output_request_ids
+        spec = so.scheduled_spec_decode_tokens
+        batch = self.batch
+        rows = np.fromiter((batch.req_id_to_row[req_id] for req_id in req_ids), dtype=np.int64, count=len(req_ids))
+        counts = [len(spec.get(req_id, ())) for req_id in req_ids] if spec else [0] * len(req_ids)
+        num_rows = len(req_ids) + sum(counts)
         # A writable copy: torch refuses to wrap the read-only view np.frombuffer gives of bytes.
-        num_rows = len(so.structured_output_request_ids)
         words = np.frombuffer(so.grammar_bitmask, dtype=np.int32).reshape(num_rows, -1).copy()
-        rows = np.fromiter((self.batch.req_id_to_row[req_id] for req_id in so.structured_output_request_ids),
-                           dtype=np.int64, count=len(so.structured_output_request_ids))
-        return self.to_device(rows), self.to_device(words)
+        if not any(counts):
+            return (self.to_device(rows), self.to_device(words)), None
+        # Where each batch row's drafts begin among the step's draft positions.
+        per_row = np.fromiter((len(spec.get(req_id, ())) for req_id in batch.req_ids), dtype=np.int64,
+                              count=batch.num_reqs)
+        draft_start = np.cumsum(per_row) - per_row
+        first = np.cumsum([0] + [1 + count for count in counts[:-1]])  # [G] each request's first mask row
+        word_rows = np.concatenate([np.arange(start + 1, start + 1 + count) for start, count in zip(first, counts)])
+        positions = np.concatenate([np.arange(draft_start[row], draft_start[row] + count)
+                                    for row, count in zip(rows, counts)])
+        return ((self.to_device(rows), self.to_device(words[first])),
+                (self.to_device(positions), self.to_device(words[word_rows])))
 
     def padded_num_tokens(self, num_tokens: int) -> int:
         """The step's token count after padding (subclasses bucket it); no padding here."""

@@ -398,6 +398,10 @@ class Scheduler(SchedulerInterface):
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             drafts = usable_drafts(request, drafts, self.max_model_len)
+            if drafts and request.structured_output is not None:
+                # Only drafts the grammar accepts can be accepted by the verification (each
+                # position is masked by it), so the others would waste budget and KV slots.
+                drafts = request.structured_output.validate_tokens(drafts)
             if drafts:
                 self.draft_token_ids[req_id] = drafts
 

@@ -19,13 +19,13 @@ from sparrow.core.kv_cache_utils import KVCacheGroupSpec, make_kv_cache_groups
 from sparrow.core.sched.output import SchedulerOutput
 from sparrow.layers.attention import Attention
 from sparrow.sample.logits_processor.load import build_logits_processors
-from sparrow.sample.logprobs import compute_token_logprobs
-from sparrow.sample.metadata import SamplingMetadata, SamplingTensors
+from sparrow.sample.metadata import SamplingTensors
 from sparrow.sample.sampler import Sampler
 from sparrow.spec_decode.proposer import build_proposer
-from sparrow.spec_decode.worker import propose_drafts, verify_drafts, write_draft_tokens
+from sparrow.spec_decode.worker import write_draft_tokens
 from sparrow.worker.input_batch import CachedRequestState, InputBatch
-from sparrow.worker.outputs import ModelRunnerOutput, TokenLogprobs
+from sparrow.worker.outputs import ModelRunnerOutput
+from sparrow.worker.sampling_step import SamplingStep
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class StepInputs:
         self.spec_decode_tokens: dict[str, list[int]] = {}
 
 
-class ModelRunner:
+class ModelRunner(SamplingStep):
     # Whether host buffers may be pinned for host-to-device copies (the logits processors ask).
     pin_memory = False
 
@@ -268,36 +268,6 @@ class ModelRunner:
             is_decode_only=bool(total == num_reqs),
         )
 
-    def grammar_bitmask(self, so: SchedulerOutput) -> tuple[tuple[torch.Tensor, torch.Tensor] | None,
-                                                            tuple[torch.Tensor, torch.Tensor] | None]:
-        """The engine core's bitmask rows placed for this batch: ``(first, drafts)``. ``first``:
-        each constrained request's mask for the token after its tokens, at its batch row;
-        ``drafts``: the masks of the draft positions it verifies, at their index among the step's
-        draft positions (row by row in batch order, as ``verify_drafts`` lays them out), or None
-        when no constrained request carries drafts."""
-        if not so.structured_output_request_ids or so.grammar_bitmask is None:
-            return None, None
-        req_ids = so.structured_output_request_ids
-        spec = so.scheduled_spec_decode_tokens
-        batch = self.batch
-        rows = np.fromiter((batch.req_id_to_row[req_id] for req_id in req_ids), dtype=np.int64, count=len(req_ids))
-        counts = [len(spec.get(req_id, ())) for req_id in req_ids] if spec else [0] * len(req_ids)
-        num_rows = len(req_ids) + sum(counts)
-        # A writable copy: torch refuses to wrap the read-only view np.frombuffer gives of bytes.
-        words = np.frombuffer(so.grammar_bitmask, dtype=np.int32).reshape(num_rows, -1).copy()
-        if not any(counts):
-            return (self.to_device(rows), self.to_device(words)), None
-        # Where each batch row's drafts begin among the step's draft positions.
-        per_row = np.fromiter((len(spec.get(req_id, ())) for req_id in batch.req_ids), dtype=np.int64,
-                              count=batch.num_reqs)
-        draft_start = np.cumsum(per_row) - per_row
-        first = np.cumsum([0] + [1 + count for count in counts[:-1]])  # [G] each request's first mask row
-        word_rows = np.concatenate([np.arange(start + 1, start + 1 + count) for start, count in zip(first, counts)])
-        positions = np.concatenate([np.arange(draft_start[row], draft_start[row] + count)
-                                    for row, count in zip(rows, counts)])
-        return ((self.to_device(rows), self.to_device(words[first])),
-                (self.to_device(positions), self.to_device(words[word_rows])))
-
     def padded_num_tokens(self, num_tokens: int) -> int:
         """The step's token count after padding (subclasses bucket it); no padding here."""
         return num_tokens
@@ -317,92 +287,6 @@ class ModelRunner:
         backend.prepare(metadata)
         for group_metadata in (metadata.groups or ())[1:]:
             backend.prepare(group_metadata)
-
-    def sampling_metadata(self, inputs: StepInputs) -> SamplingMetadata:
-        """The step's sampling metadata, one row per request in batch order."""
-        batch = self.batch
-        if self._sampling_version != batch.version:
-            # None: the rows changed and changed back (a request unscheduled for a step and
-            # scheduled again into its old row), so the tensors are still right.
-            batch_update = batch.take_batch_update()
-            if batch_update is not None:
-                self.sampling_tensors.update_batch([s.sampling_params for s in batch.states],
-                                                   [s.prompt_token_ids for s in batch.states], batch_update)
-            self._sampling_version = batch.version
-        sampling_metadata = self.sampling_tensors.metadata([s.output_token_ids for s in batch.states])
-        sampling_metadata.grammar_bitmask = inputs.grammar_bitmask
-        return sampling_metadata
-
-    def sample(self, hidden_states: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
-        if inputs.spec_decode_tokens:
-            sampled_token_ids, logprobs = verify_drafts(self, hidden_states, inputs)
-        else:
-            sampled_token_ids, logprobs = self.sample_tokens(hidden_states, inputs)
-        output = ModelRunnerOutput(
-            req_ids=list(self.batch.req_ids), sampled_token_ids=sampled_token_ids, logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs(hidden_states, inputs),
-        )
-        if self.proposer is not None:
-            output.spec_token_ids = propose_drafts(self, sampled_token_ids, hidden_states, inputs)
-        return output
-
-    def sample_tokens(self, hidden_states: torch.Tensor,
-                      inputs: StepInputs) -> tuple[list[list[int]], dict[str, list[TokenLogprobs]]]:
-        """One token per row that completed its tokens (the plain path, without drafts)."""
-        batch = self.batch
-        num_reqs = batch.num_reqs
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])  # [num_reqs, vocab]
-        sampler_output = self.sampler(logits, self.sampling_metadata(inputs))
-        sampled = self.agree_on_sampled(sampler_output.sampled_token_ids).tolist()
-        logprobs_rows = sampler_output.logprobs_lists()
-
-        sampled_token_ids: list[list[int]] = []
-        logprobs: dict[str, list[TokenLogprobs]] = {}
-        for row in range(num_reqs):
-            if not inputs.complete_rows[row]:
-                sampled_token_ids.append([])
-                continue
-            token_id = sampled[row]
-            state = batch.states[row]
-            state.output_token_ids.append(token_id)
-            batch.append_token(row, token_id)
-            sampled_token_ids.append([token_id])
-            if logprobs_rows is not None and logprobs_rows[row] is not None:
-                logprobs[state.req_id] = [logprobs_rows[row]]
-        return sampled_token_ids, logprobs
-
-    def agree_on_sampled(self, sampled_token_ids: torch.Tensor) -> torch.Tensor:
-        """Tensor parallel: make rank 0's sampled tokens every rank's tokens.
-
-        Every rank computes the same logits (the LM head all-gathers them) and seeds its sampler
-        the same way, so ranks normally agree already; but each rank appends its own draw to its
-        persistent batch, and one diverging draw (a different random stream, a non-deterministic
-        kernel) would silently feed different tokens into the next step's collectives. Only rank
-        0's output reaches the scheduler, so its choice is made authoritative. One tiny broadcast
-        per step; nothing for a single device.
-        """
-        tp = getattr(self.model, "tp", None)
-        if tp is None or tp.world_size == 1:
-            return sampled_token_ids
-        return tp.broadcast_from_first(sampled_token_ids.contiguous())
-
-    def prompt_logprobs(self, hidden_states: torch.Tensor, inputs: StepInputs) -> dict[str, list[TokenLogprobs]]:
-        """Logprobs of the prompt tokens whose preceding position was computed this step."""
-        out: dict[str, list[TokenLogprobs]] = {}
-        qsl = inputs.metadata.query_start_loc_cpu
-        for row, state in enumerate(self.batch.states):
-            k = state.sampling_params.prompt_logprobs
-            if k is None:
-                continue
-            start = int(self.batch.num_computed_tokens[row] - inputs.num_scheduled[row])  # first position this step
-            stop = min(start + int(inputs.num_scheduled[row]), len(state.prompt_token_ids) - 1)
-            if stop <= start:
-                continue
-            flat = int(qsl[row])
-            logits = self.model.compute_logits(hidden_states[flat : flat + stop - start])
-            chosen = torch.tensor(state.prompt_token_ids[start + 1 : stop + 1], device=logits.device)
-            out[state.req_id] = compute_token_logprobs(logits.log_softmax(dim=-1), chosen, k)
-        return out
 
 
 def build_lora_manager(config: EngineConfig, model: Any, device: torch.device, dtype: torch.dtype,

@@ -20,7 +20,7 @@ from sparrow.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from sparrow.core.request import Request, RequestStatus
 from sparrow.core.sched.interface import SchedulerInterface
 from sparrow.core.sched.spec import SpecDecodeStats, usable_drafts
-from sparrow.core.sched.stop import check_stop
+from sparrow.core.sched.stop import advance_grammar, check_stop
 from sparrow.errors import InvalidArgumentError
 from sparrow.wire import (
     CachedRequestData,
@@ -366,7 +366,7 @@ class Scheduler(SchedulerInterface):
                 new_token_ids.append(token_id)
                 status, stop_reason = check_stop(request, token_id, self.max_model_len)
                 if status is None and request.structured_output is not None:
-                    status = _advance_grammar(request, token_id)
+                    status = advance_grammar(request, token_id)
                 if status is not None:
                     request.status, request.stop_reason = status, stop_reason
                     break
@@ -398,10 +398,6 @@ class Scheduler(SchedulerInterface):
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             drafts = usable_drafts(request, drafts, self.max_model_len)
-            if drafts and request.structured_output is not None:
-                # Only drafts the grammar accepts can be accepted by the verification (each
-                # position is masked by it), so the others would waste budget and KV slots.
-                drafts = request.structured_output.validate_tokens(drafts)
             if drafts:
                 self.draft_token_ids[req_id] = drafts
 
@@ -420,19 +416,6 @@ class Scheduler(SchedulerInterface):
             spec_decode_num_accepted_tokens=self.spec_decode_stats.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(self.spec_decode_stats.num_accepted_tokens_per_pos),
         )
-
-
-def _advance_grammar(request: Request, token_id: int) -> RequestStatus | None:
-    """Feed an accepted token to the request's grammar matcher; FINISHED_STOPPED once the grammar
-    has reached its end (the token was a stop token the grammar allowed there: with ignore_eos,
-    an EOS check_stop let through)."""
-    grammar = request.structured_output
-    if not grammar.accept_tokens(request.request_id, [token_id]):
-        # The bitmask allowed only what the matcher accepts, so this is a bug, not the user's
-        # input. The matcher keeps its state: the next mask still follows the grammar.
-        logger.error("request %s: grammar rejected sampled token %d", request.request_id, token_id)
-        return None
-    return RequestStatus.FINISHED_STOPPED if grammar.is_terminated() else None
 
 
 def _allocate_directly(kv_cache_manager: KVCacheManager, request: Request, num_new_tokens: int,

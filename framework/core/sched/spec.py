@@ -38,8 +38,13 @@ class SpecDecodeStats:
 
 def usable_drafts(request: Request, drafts: list[int], max_model_len: int) -> list[int]:
     """``drafts`` cut to what the request can still use: all accepted plus the token after them
-    must stay within ``max_tokens`` and ``max_model_len``, so at most ``remaining - 1``."""
+    must stay within ``max_tokens`` and ``max_model_len``, so at most ``remaining - 1``; with a
+    grammar, to the longest prefix it accepts (each verified position is masked by the grammar,
+    so a later draft could never be accepted and would only waste budget and KV slots)."""
     room = min(request.max_tokens - request.num_output_tokens, max_model_len - request.num_tokens) - 1
     if room <= 0:
         return []
-    return drafts[:room] if len(drafts) > room else drafts
+    drafts = drafts[:room] if len(drafts) > room else drafts
+    if drafts and request.structured_output is not None:
+        drafts = request.structured_output.validate_tokens(drafts)
+    return drafts

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 from sparrow.core.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 def check_stop(request: Request, token_id: int, max_model_len: int) -> tuple[RequestStatus | None, int | None]:
@@ -16,3 +20,16 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> tuple[Req
     if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH_CAPPED, None
     return None, None
+
+
+def advance_grammar(request: Request, token_id: int) -> RequestStatus | None:
+    """Feed an accepted token to the request's grammar matcher; FINISHED_STOPPED once the grammar
+    has reached its end (the token was a stop token the grammar allowed there: with ignore_eos,
+    an EOS check_stop let through)."""
+    grammar = request.structured_output
+    if not grammar.accept_tokens(request.request_id, [token_id]):
+        # The bitmask allowed only what the matcher accepts, so this is a bug, not the user's
+        # input. The matcher keeps its state: the next mask still follows the grammar.
+        logger.error("request %s: grammar rejected sampled token %d", request.request_id, token_id)
+        return None
+    return RequestStatus.FINISHED_STOPPED if grammar.is_terminated() else None

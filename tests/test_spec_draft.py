@@ -109,6 +109,18 @@ def test_draft_must_share_the_vocabulary(qwen3_dir, small_draft_dir, tmp_path):
     assert config.speculative.speculative_config["model"] == str(small_draft_dir)
 
 
+def test_a_draft_the_ranks_cannot_split_is_refused_before_anything_starts(qwen3_dir, small_draft_dir, tmp_path):
+    odd = tmp_path / "odd-heads"
+    shutil.copytree(small_draft_dir, odd)
+    config = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "num_attention_heads": 3, "num_key_value_heads": 3}))
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size.*does not divide the draft model.s 3 attention heads"):
+        finalize_config(EngineConfig.from_kwargs(model=qwen3_dir, tensor_parallel_size=2,
+                                                 speculative_config=draft_config(str(odd))))
+    # The same draft at one rank is fine.
+    finalize_config(EngineConfig.from_kwargs(model=qwen3_dir, speculative_config=draft_config(str(odd))))
+
+
 def test_build_draft_dir(qwen3_dir, small_draft_dir, tmp_path):
     from transformers import AutoConfig
 

@@ -37,7 +37,9 @@ What is checked:
 
 from __future__ import annotations
 
+import json
 import logging
+import types
 from pathlib import Path
 from typing import Any
 
@@ -257,12 +259,19 @@ def check_platform_settings(config: EngineConfig, platform: Any, hf_config: Any)
 
 
 def check_speculative(config: EngineConfig, hf_config: Any) -> None:
-    from sparrow.spec_decode.config import check_against_target
+    from sparrow.spec_decode.config import MODEL_METHODS, check_against_target
 
+    spec_config = config.speculative.speculative_config
     try:
-        check_against_target(config.speculative.speculative_config, hf_config, config.model.tokenizer)
+        check_against_target(spec_config, hf_config, config.model.tokenizer)
     except ValueError as exc:
         raise _error("speculative_config", str(exc)) from None
+    if spec_config is not None and spec_config.get("method") in MODEL_METHODS:
+        # A draft model or head is split over the same ranks as the target.
+        draft = types.SimpleNamespace(**json.loads((Path(spec_config["model"]) / "config.json").read_text()))
+        problem = tp_split_problem(config.parallel.tensor_parallel_size, draft, "draft model")
+        if problem is not None:
+            raise _error("tensor_parallel_size", f"{problem} (speculative_config.model {spec_config['model']!r})")
 
 
 def check_lora(config: EngineConfig, hf_config: Any) -> None:
@@ -291,20 +300,27 @@ def check_parallel(config: EngineConfig, hf_config: Any) -> None:
     if parallel.data_parallel_rank >= parallel.data_parallel_size:
         raise _error("data_parallel_rank", f"{parallel.data_parallel_rank} must be smaller than "
                      f"data_parallel_size={parallel.data_parallel_size}")
-    tp = parallel.tensor_parallel_size
+    problem = tp_split_problem(parallel.tensor_parallel_size, hf_config, "model")
+    if problem is not None:
+        raise _error("tensor_parallel_size", problem)
+
+
+def tp_split_problem(tp: int, hf_config: Any, what: str) -> str | None:
+    """Why ``tp`` ranks cannot split a model of ``hf_config`` (a transformers config or a
+    namespace of config.json), or None. Shapes the layers split across ranks
+    (sparrow.layers.linear); an attribute a model does not have is not checked."""
     if tp == 1:
-        return
-    # Shapes the model's layers split across ranks (sparrow.layers.linear); an attribute a model
-    # does not have is not checked.
+        return None
     heads = getattr(hf_config, "num_attention_heads", None)
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     intermediate = getattr(hf_config, "intermediate_size", None)
     if heads is not None and heads % tp:
-        raise _error("tensor_parallel_size", f"{tp} does not divide the model's {heads} attention heads")
+        return f"{tp} does not divide the {what}'s {heads} attention heads"
     if kv_heads is not None and (tp % kv_heads if tp >= kv_heads else kv_heads % tp):
-        raise _error("tensor_parallel_size", f"{tp} and the model's {kv_heads} KV heads must divide one another")
+        return f"{tp} and the {what}'s {kv_heads} KV heads must divide one another"
     if intermediate is not None and intermediate % tp:
-        raise _error("tensor_parallel_size", f"{tp} does not divide the model's intermediate_size {intermediate}")
+        return f"{tp} does not divide the {what}'s intermediate_size {intermediate}"
+    return None
 
 
 # -- all of it ------------------------------------------------------------------------------------

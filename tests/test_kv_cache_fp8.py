@@ -115,6 +115,7 @@ def test_bytes_per_block_halve():
     runner = object.__new__(ModelRunner)
     runner.model = SimpleNamespace(kv_cache_spec=lambda: (3, 2, 64))
     runner.kv_cache_groups = [KVCacheGroupSpec(None, (0, 1, 2))]
+    runner.proposer = None  # no draft model sharing the budget
     runner.block_size = 16
     runner.kv_cache_dtype = torch.bfloat16
     bf16 = runner.kv_cache_bytes_per_block()

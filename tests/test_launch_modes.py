@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from sparrow.engine.launch import start_process
+from tests.test_cli import default_sigint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # A run that takes longer than this is hung (a child waiting on a parent that never answers).
@@ -126,7 +127,7 @@ def test_ctrl_c_with_a_request_in_flight(builtin_model, tmp_path):
     script.write_text(CTRL_C_SCRIPT)
     # A session of its own, so the script's Ctrl-C reaches its process group and not pytest's.
     proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=default_sigint)
     try:
         stdout, stderr = proc.communicate(timeout=_RUN_TIMEOUT_S)
     finally:

@@ -110,3 +110,21 @@ def test_adapter_endpoint_errors_name_the_field(server, adapter_dirs, path, body
     if body.get("lora_path") == adapter_dirs["too_big"]:
         assert "max_lora_rank=8" in error["message"]
     assert "x" not in [card.id for card in server.client().models.list().data]
+
+
+def test_runtime_endpoints_do_not_exist_without_the_variable(qwen3_dir, adapter_dirs, tmp_path_factory,
+                                                             monkeypatch):
+    """vLLM's rule: without the variable a client cannot make the server read a path of its choice."""
+    monkeypatch.delenv("SPARROW_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    lifetime = serve_for_module(qwen3_dir, tmp_path_factory, "lora-no-runtime", "--enable-lora", "--max-lora-rank",
+                                "8", "--dtype", "float32", "--lora-modules", f"first={adapter_dirs['first']}")
+    server = next(lifetime)
+    try:
+        load = post(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": adapter_dirs["second"]})
+        unload = post(server, "/v1/unload_lora_adapter", {"lora_name": "first"})
+        assert (load.status_code, unload.status_code) == (404, 404), (load.text, unload.text)
+        assert [card.id for card in server.client().models.list().data] == [MODEL_NAME, "first"]
+        assert complete(server, "first") != complete(server, MODEL_NAME)  # the flag's adapter still serves
+    finally:
+        for _ in lifetime:  # stops the server and checks that it exited cleanly
+            pass

@@ -4,10 +4,20 @@ and each request's adapter before it reaches a worker. Torch-free.
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
+from pathlib import Path
 from typing import Any, Sequence
 
 from sparrow.errors import InvalidArgumentError
-from sparrow.lora.peft import check_adapter, check_lora_architecture, read_adapter_config
+from sparrow.lora.peft import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    check_adapter,
+    check_lora_architecture,
+    projection_shapes,
+    read_adapter_config,
+)
 from sparrow.lora.request import LoRARequest
 
 
@@ -44,12 +54,38 @@ def check_lora_request(lora_request: Any, config: Any, hf_config: Any = None) ->
         raise InvalidArgumentError(f"lora_request {lora_request.lora_name!r} needs an engine started with "
                                    "enable_lora=True", "lora_request")
     try:
-        if hf_config is not None:
-            check_adapter(lora_request.lora_path, max_lora_rank=config.lora.max_lora_rank, hf_config=hf_config)
-        else:
-            read_adapter_config(lora_request.lora_path, config.lora.max_lora_rank)
+        _check_directory(lora_request.lora_path, config.lora.max_lora_rank, hf_config)
     except ValueError as exc:
         raise InvalidArgumentError(f"lora_request {lora_request.lora_name!r}: {exc}", "lora_request") from None
+
+
+# Adapter directories that passed, keyed by their files' modification times, the rank limit and
+# the model's shapes: every request naming an adapter is checked (in the frontend and again in
+# the engine core), and without this each would read its config and weights header from disk.
+_PASSED: OrderedDict[tuple[Any, ...], None] = OrderedDict()
+_PASSED_MAX = 256
+
+
+def _check_directory(path: str, max_lora_rank: int, hf_config: Any) -> None:
+    directory = Path(path).expanduser()
+    try:
+        stamp = tuple(os.stat(directory / name).st_mtime_ns for name in (CONFIG_FILE, WEIGHTS_FILE))
+    except OSError:
+        stamp = None  # a missing file: the check below says which
+    model = None if hf_config is None else (hf_config.num_hidden_layers,
+                                            tuple(sorted(projection_shapes(hf_config).items())))
+    key = (str(directory), stamp, max_lora_rank, model)
+    if stamp is not None and key in _PASSED:
+        _PASSED.move_to_end(key)
+        return
+    if hf_config is not None:
+        check_adapter(path, max_lora_rank=max_lora_rank, hf_config=hf_config)
+    else:
+        read_adapter_config(path, max_lora_rank)
+    if stamp is not None:
+        _PASSED[key] = None
+        while len(_PASSED) > _PASSED_MAX:
+            _PASSED.popitem(last=False)
 
 
 def lora_requests_per_prompt(lora_request: Any, num_prompts: int) -> list[LoRARequest | None]:

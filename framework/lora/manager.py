@@ -54,11 +54,9 @@ class LoRAManager:
         else:
             from sparrow.lora.ops import add_lora as op
         self.state = StepLoRAState(torch.zeros(max_loras, dtype=torch.float32, device=device))
-        self._scalings_host = [0.0] * max_loras
         self._hooks = attach_hooks(model, self.layers, self.state, op)
         self.host_cache: OrderedDict[int, LoRAWeights] = OrderedDict()  # least recently used first
-        self.slot_ids: list[int | None] = [None] * max_loras  # slot -> lora_int_id
-        self._slot_sources: list[tuple[str, str] | None] = [None] * max_loras  # slot -> (name, path)
+        self.slots: list[LoRAWeights | None] = [None] * max_loras  # the adapter each device slot holds
         self.slot_lru: OrderedDict[int, None] = OrderedDict((slot, None) for slot in range(max_loras))
         self.stats = LoRAStats()
 
@@ -87,39 +85,42 @@ class LoRAManager:
     def remove_adapter(self, lora_int_id: int) -> bool:
         """Forget an adapter on the host and in its slot; False if it was not loaded."""
         found = self.host_cache.pop(lora_int_id, None) is not None
-        if lora_int_id in self.slot_ids:
-            slot = self.slot_ids.index(lora_int_id)
+        slot = self._slot_of(lora_int_id)
+        if slot is not None:
             self._write(slot, None)
             found = True
         return found
 
     def list_adapters(self) -> list[int]:
-        return sorted(set(self.host_cache) | {i for i in self.slot_ids if i is not None})
+        return sorted(set(self.host_cache) | {w.int_id for w in self.slots if w is not None})
 
     # -- slots ------------------------------------------------------------------------------
     def _write(self, slot: int, weights: LoRAWeights | None) -> None:
         for layer in self.layers:
             write_slot(layer, slot, weights, self.max_lora_rank)
-        self.slot_ids[slot] = weights.int_id if weights is not None else None
-        self._slot_sources[slot] = (weights.name, weights.path) if weights is not None else None
-        self._scalings_host[slot] = weights.scaling if weights is not None else 0.0
-        self.state.scalings.copy_(torch.tensor(self._scalings_host, dtype=torch.float32))
+        self.slots[slot] = weights
+        self.state.scalings[slot] = weights.scaling if weights is not None else 0.0
+
+    def _slot_of(self, lora_int_id: int) -> int | None:
+        return next((slot for slot, w in enumerate(self.slots) if w is not None and w.int_id == lora_int_id), None)
 
     def _slot_for(self, request: LoRARequest, in_use: set[int]) -> int:
         int_id = request.lora_int_id
-        if int_id in self.slot_ids:
-            slot = self.slot_ids.index(int_id)
+        resident = self._slot_of(int_id)
+        if resident is not None:
+            held = self.slots[resident]
             # The same id may name another adapter since (re-registered): then the slot is stale.
-            if self._slot_sources[slot] == (request.lora_name, request.lora_path):
-                self.slot_lru.move_to_end(slot)
-                return slot
+            if held is not None and (held.name, held.path) == (request.lora_name, request.lora_path):
+                self.slot_lru.move_to_end(resident)
+                return resident
         weights, _ = self._host_weights(request)
         slot = next(s for s in self.slot_lru if s not in in_use)  # least recently used free slot
-        if self.slot_ids[slot] is not None and self.slot_ids[slot] != int_id:
+        previous = self.slots[slot]
+        if previous is not None and previous.int_id != int_id:
             self.stats.num_swaps += 1
-            logger.debug("LoRA slot %d: adapter %s swapped out for %d", slot, self.slot_ids[slot], int_id)
-        if int_id in self.slot_ids and self.slot_ids.index(int_id) != slot:
-            self._write(self.slot_ids.index(int_id), None)
+            logger.debug("LoRA slot %d: adapter %s swapped out for %d", slot, previous.int_id, int_id)
+        if resident is not None and resident != slot:
+            self._write(resident, None)
         self._write(slot, weights)
         self.stats.num_slot_loads += 1
         self.slot_lru.move_to_end(slot)
@@ -140,7 +141,7 @@ class LoRAManager:
                                "scheduler must keep to max_loras")
         in_use: set[int] = set()
         slot_of: dict[int, int] = {}
-        for int_id in sorted(wanted, key=lambda i: i not in self.slot_ids):  # resident first: never evicted
+        for int_id in sorted(wanted, key=lambda i: self._slot_of(i) is None):  # resident first: never evicted
             slot = self._slot_for(wanted[int_id], in_use)
             in_use.add(slot)
             slot_of[int_id] = slot

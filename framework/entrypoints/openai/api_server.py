@@ -48,8 +48,6 @@ from sparrow.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
-    ModelCard,
-    ModelList,
 )
 from sparrow.entrypoints.openai.serving_chat import OpenAIServingChat
 from sparrow.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -57,6 +55,7 @@ from sparrow.entrypoints.openai.serving_engine import APIError, engine_dead
 from sparrow.entrypoints.openai.serving_models import (
     ENV_RUNTIME_LORA,
     add_lora_routes,
+    add_model_routes,
     lora_modules_from_args,
     parse_lora_module,
     runtime_lora_updating,
@@ -203,14 +202,6 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     lora_modules = lora_modules_from_args(engine, args)
     for handler in (completions, chat, tokenization):
         handler.lora_modules = lora_modules
-    adapters = lora_modules.adapters if lora_modules is not None else {}
-
-    def model_card(name: str) -> ModelCard:
-        adapter = adapters.get(name)
-        if adapter is not None:  # vLLM's adapter card: root is the adapter's path, parent the base model
-            return ModelCard(id=name, root=adapter.lora_path, parent=adapter.base_model_name,
-                             max_model_len=engine.model_config.max_model_len)
-        return ModelCard(id=name, root=engine.model_config.model, max_model_len=engine.model_config.max_model_len)
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
@@ -226,18 +217,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/v1/models", response_model=ModelList, responses=_ERROR_RESPONSES)
-    async def list_models() -> ModelList:
-        return ModelList(data=[model_card(name) for name in [*model_names, *adapters]])
-
-    # ":path": a served name may hold slashes (a model directory, "Qwen/Qwen3-0.6B").
-    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERROR_RESPONSES)
-    async def retrieve_model(model_id: str) -> ModelCard:
-        if model_id not in model_names and model_id not in adapters:
-            served = ", ".join([*model_names, *adapters])
-            raise APIError(404, f"the model {model_id!r} does not exist; served: {served}",
-                           "NotFoundError", param="model", code="model_not_found")
-        return model_card(model_id)
+    add_model_routes(app, engine, model_names, lora_modules, _ERROR_RESPONSES)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERROR_RESPONSES)
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:

@@ -1,5 +1,6 @@
-"""The server's LoRA adapters: ``--lora-modules``, the adapter name as a request's ``model``, the
-adapters in ``/v1/models``, and vLLM's runtime endpoints::
+"""The served models (``/v1/models``, ``/v1/models/{id}``) and the LoRA adapters: ``--lora-modules``,
+the adapter name as a request's ``model``, the adapters in ``/v1/models``, and vLLM's runtime
+endpoints::
 
     POST /v1/load_lora_adapter    {"lora_name": ..., "lora_path": ...}
     POST /v1/unload_lora_adapter  {"lora_name": ...}
@@ -146,3 +147,32 @@ def add_lora_routes(app: Any, modules: LoRAModules) -> None:
     async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> PlainTextResponse:
         await modules.unload(request.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
+
+
+def add_model_routes(app: Any, engine: Any, model_names: list[str], lora_modules: Any,
+                     error_responses: dict[Any, Any]) -> None:
+    """``GET /v1/models`` (the base model's names, then the adapters, loaded at runtime too) and
+    ``GET /v1/models/{id}`` (404 model_not_found for a name not served)."""
+    from sparrow.entrypoints.openai.protocol import ModelCard, ModelList
+
+    adapters = lora_modules.adapters if lora_modules is not None else {}  # the live dict: runtime loads show
+
+    def model_card(name: str) -> ModelCard:
+        adapter = adapters.get(name)
+        if adapter is not None:  # vLLM's adapter card: root is the adapter's path, parent the base model
+            return ModelCard(id=name, root=adapter.lora_path, parent=adapter.base_model_name,
+                             max_model_len=engine.model_config.max_model_len)
+        return ModelCard(id=name, root=engine.model_config.model, max_model_len=engine.model_config.max_model_len)
+
+    @app.get("/v1/models", response_model=ModelList, responses=error_responses)
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card(name) for name in [*model_names, *adapters]])
+
+    # ":path": a served name may hold slashes (a model directory, "Qwen/Qwen3-0.6B").
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses)
+    async def retrieve_model(model_id: str) -> ModelCard:
+        if model_id not in model_names and model_id not in adapters:
+            served = ", ".join([*model_names, *adapters])
+            raise APIError(404, f"the model {model_id!r} does not exist; served: {served}",
+                           "NotFoundError", param="model", code="model_not_found")
+        return model_card(model_id)

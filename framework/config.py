@@ -122,6 +122,10 @@ class SchedulerConfig(_Section):
                                          "it in one.")
     long_prefill_token_threshold: int | None = Field(None, gt=0, description="Most tokens of one prompt per step "
                                                      "(default: no cap beyond the step's budget).")
+    async_scheduling: bool | None = Field(None, description="Overlapped scheduling: the engine core schedules "
+                                          "step n+1 while step n runs; one rank, no speculative decoding or KV "
+                                          "connector (default: the platform's; off on the built-in CPU and CUDA "
+                                          "platforms).")
 
 
 class ParallelConfig(_Section):

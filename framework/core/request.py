@@ -47,7 +47,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
         "priority", "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
         "max_tokens", "stop_reason", "block_hashes", "_output_token_ids", "_all_token_ids",
-        "structured_output", "lora_request",
+        "structured_output", "lora_request", "num_output_placeholders",
     )
 
     def __init__(
@@ -85,6 +85,9 @@ class Request:
         self.structured_output: Any = None
         # The LoRA adapter (sparrow.lora.request.LoRARequest) or None; it keys the prefix cache.
         self.lora_request = lora_request
+        # Overlapped (async) scheduling: tokens scheduled to be sampled by steps still running,
+        # whose ids the scheduler has not seen yet (the worker feeds them to the next step itself).
+        self.num_output_placeholders = 0
 
     # -- progress ---------------------------------------------------------------------------
     @property

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from typing import Any
 
 from sparrow.config import EngineConfig
@@ -59,6 +61,11 @@ class EngineCore:
         # Structured outputs: built on the first constrained request (it loads the tokenizer).
         self._structured_output: Any = None
         self._grammar_pending: dict[str, Request] = {}  # req_id -> request whose grammar compiles
+        # Overlapped scheduling: the steps started and not yet collected, oldest first (None: off).
+        self._in_flight: deque[tuple[SchedulerOutput, Future]] | None = None
+        if config.scheduler.async_scheduling:
+            self._in_flight = deque()
+            self.scheduler.async_scheduling = True
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -103,28 +110,65 @@ class EngineCore:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
         failed = self._fail_uncompiled_grammars() if self._grammar_pending else []
+        if self._in_flight is not None:
+            return self._step_overlapped(failed)
         if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs(outputs=failed, scheduler_stats=self.scheduler.make_stats(),
-                                     timestamp=time.monotonic())
+            return self._outputs(failed)
+        scheduler_output = self._schedule_step()
+        if scheduler_output is None:
+            # Nothing fits this step (e.g. waiting on remote KV or on a grammar's compile, or a
+            # plugin vetoed every allocation): yield the CPU briefly instead of spinning.
+            time.sleep(0.001)
+            return self._outputs(failed)
+        model_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        return self._outputs(failed + outputs)
+
+    def _step_overlapped(self, failed: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        """Overlapped scheduling: start steps until two are in flight (the second is scheduled
+        while the first runs, its sampled tokens counted as placeholders), then collect the
+        oldest. Greedy and seeded tokens are those of ``step``: the worker feeds each step's
+        sampled tokens to the next itself, in order."""
+        in_flight = self._in_flight
+        while len(in_flight) < 2 and self.scheduler.has_unfinished_requests() and \
+                (not in_flight or self._may_schedule_ahead()):
+            scheduler_output = self._schedule_step()
+            if scheduler_output is None:
+                break
+            in_flight.append((scheduler_output, self.executor.execute_model_async(scheduler_output)))
+        if not in_flight:
+            time.sleep(0.001)  # nothing fits this step (see step)
+            return self._outputs(failed)
+        scheduler_output, future = in_flight.popleft()
+        outputs = self.scheduler.update_from_output(scheduler_output, future.result())
+        return self._outputs(failed + outputs)
+
+    def _may_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the running one's tokens are back: not
+        while a request with a grammar is unfinished, whose mask for the next token depends on
+        the token in flight."""
+        if self._structured_output is None:
+            return True
+        return not any(r.structured_output is not None for r in getattr(self.scheduler, "requests", {}).values())
+
+    def _schedule_step(self) -> SchedulerOutput | None:
+        """The next step's scheduler output with its grammar masks; None when it has no tokens."""
         scheduler_output = self._schedule()
         if scheduler_output is None:
             raise RuntimeError("no plugin answered sparrow_schedule")
         if scheduler_output.total_num_scheduled_tokens == 0:
-            # Nothing fits this step (e.g. waiting on remote KV or on a grammar's compile, or a
-            # plugin vetoed every allocation): yield the CPU briefly instead of spinning.
-            time.sleep(0.001)
-            return EngineCoreOutputs(outputs=failed, scheduler_stats=self.scheduler.make_stats(),
-                                     timestamp=time.monotonic())
+            return None
         if self._structured_output is not None:
             self._attach_grammar_bitmask(scheduler_output)
-        model_output = self.executor.execute_model(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-        return EngineCoreOutputs(outputs=failed + outputs, scheduler_stats=self.scheduler.make_stats(),
+        return scheduler_output
+
+    def _outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
                                  timestamp=time.monotonic())
 
     # -- structured outputs -----------------------------------------------------------------

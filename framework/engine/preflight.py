@@ -31,6 +31,8 @@ What is checked:
                            registered
     budgets                chunked prefill off needs max_num_batched_tokens >= max_model_len (a
                            longer prompt could never be scheduled); max_model_len >= 2
+    async_scheduling       one rank in the engine-core process, no speculative decoding or KV
+                           connector
     parallel               the model's heads and MLP split evenly over tensor_parallel_size;
                            data_parallel_rank < data_parallel_size
 """
@@ -287,6 +289,12 @@ def check_budgets(config: EngineConfig) -> None:
     max_model_len = config.model.max_model_len or 0
     if max_model_len < 2:
         raise _error("max_model_len", f"must be at least 2 (one prompt and one output token), got {max_model_len}")
+    if config.scheduler.async_scheduling:
+        from sparrow.engine.setup import async_scheduling_problem
+
+        problem = async_scheduling_problem(config)
+        if problem is not None:
+            raise _error("async_scheduling", f"is not supported with this configuration: {problem}")
     budget = config.scheduler.max_num_batched_tokens
     if budget is not None and not config.scheduler.enable_chunked_prefill and budget < max_model_len:
         # A prompt is then computed in one step: one longer than the budget could never run.

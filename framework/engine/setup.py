@@ -99,6 +99,9 @@ def finalize_config(config: EngineConfig) -> EngineConfig:
     _check_max_model_len(finalized.model.max_model_len or 0, model_max)
     if finalized.scheduler.max_num_batched_tokens is None:
         finalized.scheduler.max_num_batched_tokens = platform.default_max_num_batched_tokens
+    if finalized.scheduler.async_scheduling is None:
+        finalized.scheduler.async_scheduling = bool(getattr(platform, "default_async_scheduling", False)) \
+            and async_scheduling_problem(finalized) is None
     check_engine_config(finalized, hf_config=hf_config, platform=platform)
     return finalized
 
@@ -147,3 +150,14 @@ def build_frontend(config: EngineConfig) -> Frontend:
                                      vocab_size=hf_config.vocab_size, eos_token_ids=model_eos_token_ids(model_dir),
                                      logits_processor_classes=processor_classes)
     return Frontend(tokenizer, hf_config, input_processor, OutputProcessor(tokenizer))
+
+
+def async_scheduling_problem(config: EngineConfig) -> str | None:
+    """Why ``config`` cannot overlap scheduling with the running step, or None."""
+    if config.speculative.speculative_config is not None:
+        return "speculative decoding needs each step's accepted tokens before it schedules the next drafts"
+    if config.kv_transfer.kv_connector is not None:
+        return "a KV connector loads and saves KV around each step in turn"
+    if config.parallel.tensor_parallel_size > 1 or config.parallel.distributed_executor_backend == "mp":
+        return "steps are overlapped only with the worker in the engine-core process (one rank, backend 'uni')"
+    return None

@@ -72,7 +72,7 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
             kinds = [field.annotation]
             if get_origin(field.annotation) in (Union, types.UnionType):
                 kinds = [arg for arg in get_args(field.annotation) if arg is not type(None)]
-            if field.annotation is bool:
+            if kinds == [bool]:  # `bool` and `bool | None`
                 group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
             elif get_origin(kinds[0]) is Literal:
                 group.add_argument(flag, dest=name, choices=list(get_args(kinds[0])), default=None, help=help_text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,17 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every worker; rank 0's output is returned."""
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Start one step and return at once (overlapped scheduling); steps run in the order they
+        are started. The default runs the step before returning, in a future already done: an
+        executor that can overlap overrides it."""
+        future: Future[ModelRunnerOutput] = Future()
+        try:
+            future.set_result(self.execute_model(scheduler_output))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the step
+            future.set_exception(exc)
+        return future
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         """Call ``worker.method(*args, **kwargs)`` on every worker; results in rank order."""

@@ -1,7 +1,14 @@
-"""The worker lives in the engine-core process."""
+"""The worker lives in the engine-core process.
+
+With overlapped scheduling (``async_scheduling``) the worker runs on a thread of its own, so that
+the engine core schedules step n+1 while step n runs; every call into the worker (steps and
+collective calls alike) then goes through that one thread, in order, so the worker never sees two
+callers at once.
+"""
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from sparrow.config import EngineConfig
@@ -20,6 +27,10 @@ class UniProcExecutor(Executor):
         self.worker = worker_cls(config=config, platform=self.platform, rank=0, local_rank=0,
                                  world_size=1, distributed_init_method=None)
         self._execute = execute_step(get_plugin_manager(), self.worker)
+        self._thread: ThreadPoolExecutor | None = None
+        if config.scheduler.async_scheduling:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="sparrow-worker",
+                                              initializer=_bind_device, initargs=(self.worker,))
 
     def initialize(self) -> KVCacheInfo:
         self.worker.init_device()
@@ -29,18 +40,42 @@ class UniProcExecutor(Executor):
         return KVCacheInfo(num_blocks=num_blocks, block_size=self.worker.block_size)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self._thread is not None:
+            return self.execute_model_async(scheduler_output).result()
+        return self._execute_step(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        if self._thread is None:
+            return super().execute_model_async(scheduler_output)
+        return self._thread.submit(self._execute_step, scheduler_output)
+
+    def _execute_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         output = self._execute(scheduler_output)
         if output is None:
             raise RuntimeError(f"no plugin executed the model for platform {self.platform.name!r}")
         return output
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
-        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+        call = getattr(self.worker, method)
+        if self._thread is not None:
+            return [self._thread.submit(call, *args, **(kwargs or {})).result()]
+        return [call(*args, **(kwargs or {}))]
 
     def shutdown(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True, cancel_futures=True)
         shutdown = getattr(self.worker, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+def _bind_device(worker: Any) -> None:
+    """The worker thread uses the worker's device: torch keeps the current CUDA device per thread."""
+    device = getattr(worker, "device", None)
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
 
 
 def execute_step(pm: Any, worker: Any) -> Callable[[SchedulerOutput], ModelRunnerOutput | None]:

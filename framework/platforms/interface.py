@@ -18,6 +18,9 @@ class Platform:
     default_block_size: int = 16
     # Token budget per step when the user sets none (max_num_batched_tokens).
     default_max_num_batched_tokens: int = 8192
+    # Overlapped scheduling (async_scheduling) when the user sets none and the configuration
+    # allows it (one rank, no speculative decoding, no KV connector).
+    default_async_scheduling: bool = False
     default_dtype: str = "float32"
     supported_dtypes: tuple[str, ...] = ("float32", "bfloat16")
     # kv_cache_dtype values this platform can store its KV cache in ("auto" = the model dtype).

@@ -68,6 +68,10 @@ class Scheduler(SchedulerInterface):
     # LoRA (set by the engine core when enable_lora): at most this many distinct adapters among
     # the running requests; a waiting request whose adapter would be one too many waits (vLLM's rule).
     max_loras: int | None = None
+    # Overlapped scheduling (set by the engine core when async_scheduling): a step is scheduled
+    # before the previous one's tokens are back. Each token a running step will sample counts as
+    # a placeholder (``Request.num_output_placeholders``) until update_from_output sees it.
+    async_scheduling = False
 
     def __init__(
         self,
@@ -205,7 +209,12 @@ class Scheduler(SchedulerInterface):
         index = 0
         while index < len(self.running) and plan.token_budget > 0:
             request = self.running[index]
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            placeholders = request.num_output_placeholders
+            if placeholders and (request.num_output_tokens + placeholders >= request.max_tokens
+                                 or request.num_tokens + placeholders >= self.max_model_len):
+                index += 1  # the token in flight is its last: nothing more to schedule
+                continue
+            num_new_tokens = request.num_tokens + placeholders - request.num_computed_tokens
             drafts = self.draft_token_ids.pop(request.request_id, None) if self.draft_token_ids else None
             if drafts:
                 num_new_tokens += len(drafts)  # 1 + k tokens and KV slots
@@ -264,6 +273,10 @@ class Scheduler(SchedulerInterface):
                     skipped.append(self.waiting.popleft())
                     continue
                 request.status = RequestStatus.WAITING
+            if request.num_output_placeholders:
+                # Preempted while its last step ran: it resumes once that step's token is back.
+                skipped.append(self.waiting.popleft())
+                continue
             lora = request.lora_request
             if (lora is not None and self.max_loras is not None and lora.lora_int_id not in active_loras
                     and len(active_loras) >= self.max_loras):
@@ -323,7 +336,11 @@ class Scheduler(SchedulerInterface):
         self.finished_req_ids = set()
         # The tokens are as good as computed once scheduled: the next step builds on them.
         for req_id, num_new_tokens in plan.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num_new_tokens
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_new_tokens
+            if self.async_scheduling and \
+                    request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # the step samples its next token
         return output
 
     def _new_request_data(self, request: Request) -> NewRequestData:
@@ -352,6 +369,8 @@ class Scheduler(SchedulerInterface):
             if request is None:
                 continue  # aborted while the step ran
             generated = sampled.get(req_id, ())
+            if generated and request.num_output_placeholders:
+                request.num_output_placeholders -= len(generated)
             if scheduled_drafts:
                 drafts = scheduled_drafts.get(req_id)
                 if drafts:
@@ -383,7 +402,10 @@ class Scheduler(SchedulerInterface):
                     num_cached_tokens=request.num_cached_tokens or 0,
                 ))
             if finished:
-                self.running.remove(request)
+                if request in self.running:
+                    self.running.remove(request)
+                else:  # preempted while its step ran (overlapped scheduling)
+                    self.waiting.remove(request)
                 self._free(request)
         if model_runner_output.spec_token_ids:
             self._keep_drafts(model_runner_output)

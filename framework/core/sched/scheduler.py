@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 from sparrow.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from sparrow.core.request import Request, RequestStatus
 from sparrow.core.sched.interface import SchedulerInterface
+from sparrow.core.sched.plan import AllocateFn, StepPlan, allocate_directly
 from sparrow.core.sched.spec import SpecDecodeStats, usable_drafts
 from sparrow.core.sched.stop import advance_grammar, check_stop
 from sparrow.errors import InvalidArgumentError
@@ -32,30 +32,6 @@ from sparrow.wire import (
 )
 
 logger = logging.getLogger(__name__)
-
-# allocate_slots(kv_cache_manager=, request=, num_new_tokens=, num_new_computed_tokens=,
-#                new_computed_blocks=) -> KVCacheBlocks | None   (the sparrow_allocate_slots hook)
-AllocateFn = Callable[..., "KVCacheBlocks | None"]
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """What one ``schedule()`` has decided so far; each phase reads and extends it."""
-
-    token_budget: int  # tokens still unassigned this step
-    # req_id -> num_new_tokens
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    # req_id -> block ids added this step (running requests only)
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
-    # Hybrid KV cache only: req_id -> block ids added to each of KV cache groups 1..
-    new_extra_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)
-    scheduled_running: list[Request] = field(default_factory=list)
-    scheduled_new: list[Request] = field(default_factory=list)
-    # Speculative decoding: req_id -> draft tokens scheduled after its last token
-    spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    # Memory ran out this step: no waiting request is admitted.
-    preempted: bool = False
-
 
 class Scheduler(SchedulerInterface):
     """Running requests are served first, then waiting ones, until the token budget is spent.
@@ -90,7 +66,7 @@ class Scheduler(SchedulerInterface):
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.long_prefill_token_threshold = long_prefill_token_threshold
-        self._allocate = allocate_slots or _allocate_directly
+        self._allocate = allocate_slots or allocate_directly
         # Scheduler half of a KV connector (sparrow.kv_transfer), or None.
         self.kv_connector = kv_connector
         if kv_connector is not None:
@@ -438,9 +414,3 @@ class Scheduler(SchedulerInterface):
             spec_decode_num_accepted_tokens=self.spec_decode_stats.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(self.spec_decode_stats.num_accepted_tokens_per_pos),
         )
-
-
-def _allocate_directly(kv_cache_manager: KVCacheManager, request: Request, num_new_tokens: int,
-                       num_new_computed_tokens: int = 0,
-                       new_computed_blocks: KVCacheBlocks | None = None) -> KVCacheBlocks | None:
-    return kv_cache_manager.allocate_slots(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks)

@@ -123,7 +123,7 @@ class SchedulerConfig(_Section):
     long_prefill_token_threshold: int | None = Field(None, gt=0, description="Most tokens of one prompt per step "
                                                      "(default: no cap beyond the step's budget).")
     async_scheduling: bool | None = Field(None, description="Overlapped scheduling: the engine core schedules "
-                                          "step n+1 while step n runs; one rank, no speculative decoding or KV "
+                                          "step n+1 while step n runs; not with speculative decoding or a KV "
                                           "connector (default: the platform's; off on the built-in CPU and CUDA "
                                           "platforms).")
 

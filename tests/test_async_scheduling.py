@@ -163,12 +163,25 @@ def test_abort_while_steps_are_in_flight_leaves_the_engine_usable():
 
 @pytest.mark.parametrize("extra, problem", [
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative"),
-    ({"tensor_parallel_size": 2}, "one rank"),
+    ({"kv_connector": "shared_storage", "kv_role": "kv_both"}, "KV connector"),
 ])
 def test_configurations_that_cannot_overlap_are_refused_naming_the_field(extra, problem):
     with pytest.raises(ConfigError, match="async_scheduling") as info:
         LLM(async_scheduling=True, **extra)
     assert problem in str(info.value)
+
+
+def test_tensor_parallel_ranks_overlap_too():
+    """With worker processes, step n+1 is sent to the ranks before step n's output is read; each
+    rank feeds its own sampled tokens forward."""
+    prompts = [f"Tensor parallel prompt {i}" for i in range(5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=10 + 3 * i, ignore_eos=True) for i in range(5)]
+    with LLM(multiprocess=False, tensor_parallel_size=2, async_scheduling=True) as llm:
+        overlapped = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.llm_engine.engine_core.engine_core.executor._pending == {}
+    with LLM(multiprocess=False) as llm:
+        reference = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in overlapped] == [o.outputs[0].token_ids for o in reference]
 
 
 # -- the scheduler alone: placeholders --------------------------------------------------------

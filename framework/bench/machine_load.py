@@ -9,6 +9,10 @@ tensor-parallel ranks), before and after a run:
     steal_cores   cores' worth of time the hypervisor gave to other machines
 
 Both are 0.0 on a quiet machine. Elsewhere than Linux the meter reports nothing (None).
+
+Neither sees the host below the VM (CPU frequency, caches shared with other guests), so
+``probe_speed`` times a fixed matmul of the model's shape right after each run: if the machine's
+own speed moves with the run times, the host moved, not the engine.
 """
 
 from __future__ import annotations
@@ -78,3 +82,20 @@ class LoadMeter:
         # Our processes that exited during the run count as reaped children (cutime/cstime) of ours.
         others = max(0, busy - (ours_after - ours_before))
         return {"others_cores": others / _CLOCK_TICKS / elapsed, "steal_cores": steal / _CLOCK_TICKS / elapsed}
+
+
+def probe_speed(seconds: float = 0.5) -> float:
+    """Sustained FLOP/s of a fixed fp32 linear ([64, 512] x [512, 1536], the tiny model's MLP
+    shape) with this process's torch threads, over ``seconds``: the machine's speed at this
+    moment, to put beside a run's time. Total work over total time, not a best case."""
+    import torch
+
+    x, w = torch.randn(64, 512), torch.randn(1536, 512)
+    flops_per_call = 2 * 64 * 512 * 1536
+    torch.nn.functional.linear(x, w)
+    calls, started = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - started) < seconds:
+        for _ in range(20):
+            torch.nn.functional.linear(x, w)
+        calls += 20
+    return calls * flops_per_call / elapsed

@@ -156,7 +156,7 @@ def run_engine(model_path: str, workload, args, engine_args: dict) -> dict[str, 
         structured = StructuredOutputsParams(json={"type": "array", "items": {"type": "string"}, "minItems": 1000})
     params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=args.temperature, seed=args.seed + i,
                              detokenize=detokenize, structured_outputs=structured) for i, (_, m) in enumerate(workload)]
-    from sparrow.bench.machine_load import LoadMeter
+    from sparrow.bench.machine_load import LoadMeter, probe_speed
 
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     times, loads, meter = [], [], LoadMeter()
@@ -166,7 +166,10 @@ def run_engine(model_path: str, workload, args, engine_args: dict) -> dict[str, 
         started = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=True)  # the bar goes to stderr
         times.append(time.perf_counter() - started)
-        loads.append(meter.stop())
+        load = meter.stop()
+        if load is not None and args.repeats > 1 and args.preset != "gpu":
+            load["probe_flops"] = probe_speed()  # the machine's own speed just after the run
+        loads.append(load)
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_params = llm.num_parameters()
     llm.shutdown()
@@ -224,12 +227,14 @@ def run_hf(model_path: str, workload, device: str = "cpu", dtype_name: str = "fl
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    # The flags first: a mistake is reported before torch's seconds of importing.
+    engine_args = {**apply_preset(args), **check_args(args)}
+
     import torch
 
     from sparrow.engine.setup import resolve_model_path
     from sparrow.model_loader import get_hf_config
 
-    engine_args = {**apply_preset(args), **check_args(args)}
     if args.preset == "gpu" and args.model is None:
         from sparrow.bench.gpu import build_qwen3_0_6b
         from sparrow.tiny.model import cache_root
@@ -344,6 +349,12 @@ def print_table(result: dict[str, Any]) -> None:
                         f"{busiest['others_cores']:.2f} other processes, {busiest['steal_cores']:.2f} stolen"))
     if len(result.get("engine_all_elapsed_s") or []) > 1:
         times = result["engine_all_elapsed_s"]
+        probes = [load.get("probe_flops") if load else None for load in result.get("engine_machine_load") or []]
+        if len(probes) == len(times) and all(probes):
+            # Each run's time x the machine's speed just after it: steady when only the machine drifted.
+            work = [t * p for t, p in zip(times, probes)]
+            rows.insert(3, ("machine speed after each run", f"{min(probes) / 1e9:.1f}-{max(probes) / 1e9:.1f} "
+                            f"GFLOP/s; runs x speed: slowest/fastest {max(work) / min(work):.2f}"))
         rows.insert(3, ("runs (s)", f"{len(times)}: {min(times):.2f}-{max(times):.2f}, "
                                     f"slowest/fastest {max(times) / min(times):.2f}"))
     width = max(len(name) for name, _ in rows)

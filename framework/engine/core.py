@@ -7,7 +7,6 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
 from typing import Any
 
 from sparrow.config import EngineConfig
@@ -18,6 +17,7 @@ from sparrow.core.sched.interface import SchedulerInterface
 from sparrow.core.sched.output import SchedulerOutput
 from sparrow.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from sparrow.executor import Executor, make_executor
+from sparrow.executor.abstract import StepHandle
 from sparrow.kv_transfer import KVConnectorRole, build_connector
 from sparrow.plugins import get_plugin_manager, get_registry, kernel_default_only, resolve_hook, resolve_parser
 
@@ -62,7 +62,7 @@ class EngineCore:
         self._structured_output: Any = None
         self._grammar_pending: dict[str, Request] = {}  # req_id -> request whose grammar compiles
         # Overlapped scheduling: the steps started and not yet collected, oldest first (None: off).
-        self._in_flight: deque[tuple[SchedulerOutput, Future]] | None = None
+        self._in_flight: deque[tuple[SchedulerOutput, StepHandle]] | None = None
         if config.scheduler.async_scheduling:
             self._in_flight = deque()
             self.scheduler.async_scheduling = True

@@ -25,14 +25,13 @@ What is checked:
     kv_cache_dtype         in the platform's supported_kv_cache_dtypes (and the requested backend's)
     quantization           the method accepts the configuration (``QuantizationMethod.check_config``)
     speculative_config     a draft model or EAGLE head shares the target's vocabulary (and hidden size)
-    enable_lora            a llama-family architecture, one tensor-parallel rank, no speculative
-                           decoding or quantization
+    enable_lora            a llama-family architecture (tensor parallelism, quantization and
+                           speculative decoding all combine with it)
     communicator           with tensor_parallel_size > 1, the platform's device communicator is
                            registered
     budgets                chunked prefill off needs max_num_batched_tokens >= max_model_len (a
                            longer prompt could never be scheduled); max_model_len >= 2
-    async_scheduling       one rank in the engine-core process, no speculative decoding or KV
-                           connector
+    async_scheduling       no speculative decoding or KV connector
     parallel               the model's heads and MLP split evenly over tensor_parallel_size;
                            data_parallel_rank < data_parallel_size
 """

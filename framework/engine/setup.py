@@ -158,6 +158,4 @@ def async_scheduling_problem(config: EngineConfig) -> str | None:
         return "speculative decoding needs each step's accepted tokens before it schedules the next drafts"
     if config.kv_transfer.kv_connector is not None:
         return "a KV connector loads and saves KV around each step in turn"
-    if config.parallel.tensor_parallel_size > 1 or config.parallel.distributed_executor_backend == "mp":
-        return "steps are overlapped only with the worker in the engine-core process (one rank, backend 'uni')"
     return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from sparrow.config import EngineConfig
@@ -19,6 +19,13 @@ class KVCacheInfo:
     block_size: int
 
 
+class StepHandle(Protocol):
+    """A step started by ``Executor.execute_model_async``: a ``concurrent.futures.Future`` or
+    anything with its ``result()``."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
 class Executor(ABC):
     @abstractmethod
     def initialize(self) -> KVCacheInfo:
@@ -28,7 +35,7 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every worker; rank 0's output is returned."""
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
         """Start one step and return at once (overlapped scheduling); steps run in the order they
         are started. The default runs the step before returning, in a future already done: an
         executor that can overlap overrides it."""

@@ -82,10 +82,11 @@ class MultiprocExecutor(Executor):
         self._procs: dict[int, Any] = {}  # rank -> process (sparrow.engine.launch.ChildProcess)
         self._ranks_info: dict[int, dict[str, Any]] = {}  # rank -> HELLO info
         self._joined_nodes: set[int] = set()
-        self._replies: dict[int, bytes] = {}  # rank -> payload, for the current seq only
+        # seq -> {rank -> payload} of every call still awaited: several steps may be in flight
+        # (overlapped scheduling); a reply to a call nobody waits for any more is dropped.
+        self._pending: dict[int, dict[int, bytes]] = {}
         self._failures: list[tuple[int, int, str, str]] = []  # (rank, seq, kind, traceback)
         self._seqs = itertools.count(1)
-        self._current_seq = 0
         self._dead_reason: str | None = None
         self._remote_lost: str | None = None
         self._closed = False
@@ -167,7 +168,15 @@ class MultiprocExecutor(Executor):
 
     # -- the step and utility calls ---------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(scheduler_output).result()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """Send the step to every rank and return at once; the ranks run steps in the order sent,
+        and each feeds the tokens it sampled to the next step itself."""
         seq = self._send_all(wp.EXECUTE, self._encoder.encode(scheduler_output))
+        return PendingStep(self, seq)
+
+    def _step_result(self, seq: int) -> ModelRunnerOutput:
         replies = self._wait_replies(seq, {0}, self.execute_timeout_s, "execute_model", fatal=True)
         return self._output_decoder.decode(replies[0])
 
@@ -197,7 +206,7 @@ class MultiprocExecutor(Executor):
     def _send_all(self, kind: bytes, payload: bytes) -> int:
         self._ensure_usable()
         seq = next(self._seqs)
-        self._current_seq, self._replies = seq, {}
+        self._pending[seq] = {}
         seq_frame = wp.encode_seq(seq)
         for rank in range(self.world_size):
             try:
@@ -210,21 +219,25 @@ class MultiprocExecutor(Executor):
     def _wait_replies(self, seq: int, ranks: set[int], timeout_s: float | None, what: str,
                       fatal: bool) -> dict[int, bytes]:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not ranks <= self._replies.keys():
+        replies = self._pending[seq]
+        try:
+            while not ranks <= replies.keys():
+                self._raise_failures(fatal=fatal, what=what, seq=seq)
+                wait_ms = _POLL_SLICE_MS
+                if deadline is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        message = f"{what} got no answer from ranks {sorted(ranks - replies.keys())} " \
+                                  f"within {timeout_s:.0f}s"
+                        if fatal:
+                            self._die(message + f" ({ENV_EXECUTE_TIMEOUT})")
+                        raise TimeoutError(message)
+                    wait_ms = min(wait_ms, remaining * 1000)
+                self._pump(wait_ms)
             self._raise_failures(fatal=fatal, what=what, seq=seq)
-            wait_ms = _POLL_SLICE_MS
-            if deadline is not None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    message = f"{what} got no answer from ranks {sorted(ranks - self._replies.keys())} " \
-                              f"within {timeout_s:.0f}s"
-                    if fatal:
-                        self._die(message + f" ({ENV_EXECUTE_TIMEOUT})")
-                    raise TimeoutError(message)
-                wait_ms = min(wait_ms, remaining * 1000)
-            self._pump(wait_ms)
-        self._raise_failures(fatal=fatal, what=what, seq=seq)
-        return self._replies
+        finally:
+            self._pending.pop(seq, None)  # answered or given up on: later replies are dropped
+        return replies
 
     def _pump(self, timeout_ms: float) -> None:
         """Wait up to ``timeout_ms`` for anything; handle every message that came; raise on a death."""
@@ -262,8 +275,9 @@ class MultiprocExecutor(Executor):
             self._ranks_info[index] = info
             logger.debug("worker rank %d up: pid %s on %s", index, info.get("pid"), info.get("host"))
         elif kind in (wp.OUTPUT, wp.RESULT) and role == "rank":
-            if wp.decode_seq(seq_frame) == self._current_seq:
-                self._replies[index] = payload
+            replies = self._pending.get(wp.decode_seq(seq_frame))
+            if replies is not None:
+                replies[index] = payload
         elif kind == wp.FAILURE and role == "rank":
             request_kind, message = self._generic_decoder.decode(payload)
             self._failures.append((index, wp.decode_seq(seq_frame), request_kind, message))
@@ -364,3 +378,15 @@ class MultiprocExecutor(Executor):
             self._router.close(linger=1000 if self.topology.is_multi_node else 0)
             self._ctx.term()
             shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+
+class PendingStep:
+    """A step sent to the ranks (a ``StepHandle``); ``result()`` waits for rank 0's output."""
+
+    __slots__ = ("_executor", "_seq")
+
+    def __init__(self, executor: MultiprocExecutor, seq: int) -> None:
+        self._executor, self._seq = executor, seq
+
+    def result(self) -> ModelRunnerOutput:
+        return self._executor._step_result(self._seq)

@@ -19,7 +19,7 @@ class Platform:
     # Token budget per step when the user sets none (max_num_batched_tokens).
     default_max_num_batched_tokens: int = 8192
     # Overlapped scheduling (async_scheduling) when the user sets none and the configuration
-    # allows it (one rank, no speculative decoding, no KV connector).
+    # allows it (no speculative decoding, no KV connector).
     default_async_scheduling: bool = False
     default_dtype: str = "float32"
     supported_dtypes: tuple[str, ...] = ("float32", "bfloat16")

@@ -23,8 +23,9 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
   python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>/dev/null || echo "flashinfer: not installed"
   date -u
 } | tee "$out/machine.txt"
-# 1. The CUDA tests (graph vs eager, KV fill, bf16 parity, Triton/FlashInfer kernels).
-python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_engine.py tests/test_cuda_attention.py \
+# 1. Every CUDA test (graph vs eager, KV fill, bf16 parity, Triton/FlashInfer kernels, the
+#    persistent input buffers, overlapped scheduling, LoRA and MoE kernels).
+python3 -m pytest -q -p no:cacheprovider -m cuda tests/ \
   2>&1 | tee "$out/cuda_tests.log" | tail -25
 # 2. The GPU benchmark of BENCHMARKS.md with HF on the same card.
 python3 -m sparrow.entrypoints.cli --log-level INFO bench throughput --preset gpu --compare-hf \

@@ -5,6 +5,10 @@ reads its inputs from these arrays with vectorised numpy indexing instead of reb
 Python lists. Removing a row moves the last row into the hole, so rows stay dense; a request that
 joins is appended. ``take_batch_update`` reports the net change since its previous call to the
 logits processors (``sparrow.sample.logits_processor.interface``).
+
+Every change to a row's block tables (a request added or moved into the row, blocks appended)
+gives the row a new ``row_version``, so a device copy of the tables (``sparrow.worker.input_buffers``)
+copies only the rows whose version it has not seen.
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ class InputBatch:
         self.extra_block_tables = [np.zeros_like(self.block_table) for _ in range(num_kv_cache_groups - 1)]
         self.extra_num_blocks = [np.zeros_like(self.num_blocks) for _ in range(num_kv_cache_groups - 1)]
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        # Per row: a number unique to the row's current block tables (0: never written). Drawn
+        # from one counter, so a row emptied and refilled never repeats a version a copy has seen.
+        self.row_version = np.zeros(max_num_reqs, dtype=np.int64)
+        self._last_row_version = 0
         self.req_ids: list[str] = []  # row -> req_id
         self.req_id_to_row: dict[str, int] = {}
         self.states: list[CachedRequestState] = []  # row -> state
@@ -85,6 +93,7 @@ class InputBatch:
             table[row, : len(block_ids)] = block_ids
             num_blocks[row] = len(block_ids)
         self.num_computed_tokens[row] = state.num_computed_tokens
+        self._tables_changed(row)
         self.req_ids.append(state.req_id)
         self.req_id_to_row[state.req_id] = row
         self.states.append(state)
@@ -113,6 +122,7 @@ class InputBatch:
             table[dst, :n_blk] = table[src, :n_blk]
             num_blocks[dst] = n_blk
         self.num_computed_tokens[dst] = self.num_computed_tokens[src]
+        self._tables_changed(dst)
         self.req_ids[dst] = self.req_ids[src]
         self.states[dst] = self.states[src]
         self.req_id_to_row[self.req_ids[dst]] = dst
@@ -123,14 +133,25 @@ class InputBatch:
         start = int(self.num_blocks[row])
         self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
+        self._tables_changed(row)
 
     def append_extra_group_blocks(self, row: int, extra_group_block_ids: list[list[int]]) -> None:
         """Hybrid KV cache: append blocks to the row's tables of groups 1.., one list each."""
+        changed = False
         for table, num_blocks, block_ids in zip(self.extra_block_tables, self.extra_num_blocks,
                                                 extra_group_block_ids):
+            if not block_ids:
+                continue
             start = int(num_blocks[row])
             table[row, start : start + len(block_ids)] = block_ids
             num_blocks[row] = start + len(block_ids)
+            changed = True
+        if changed:
+            self._tables_changed(row)
+
+    def _tables_changed(self, row: int) -> None:
+        self._last_row_version += 1
+        self.row_version[row] = self._last_row_version
 
     def append_token(self, row: int, token_id: int) -> None:
         n = int(self.num_tokens[row])

@@ -24,6 +24,7 @@ from sparrow.sample.sampler import Sampler
 from sparrow.spec_decode.proposer import build_proposer
 from sparrow.spec_decode.worker import write_draft_tokens
 from sparrow.worker.input_batch import CachedRequestState, InputBatch
+from sparrow.worker.input_buffers import InputBuffers
 from sparrow.worker.outputs import ModelRunnerOutput
 from sparrow.worker.sampling_step import SamplingStep
 
@@ -205,51 +206,43 @@ class ModelRunner(SamplingStep):
             write_draft_tokens(batch, so.scheduled_spec_decode_tokens)
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
-        batch, block_size = self.batch, self.block_size
+        """The step's flat inputs, written into persistent buffers (sparrow.worker.input_buffers):
+        the returned tensors are views that stay valid for this step and the next, no longer."""
+        batch = self.batch
         num_reqs = batch.num_reqs
         num_scheduled = np.fromiter((so.num_scheduled_tokens[r] for r in batch.req_ids), dtype=np.int64, count=num_reqs)
-        cu_num_tokens = np.cumsum(num_scheduled)
-        total = int(cu_num_tokens[-1])
-        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
-        query_start_loc[1:] = cu_num_tokens
-        rows = np.repeat(np.arange(num_reqs), num_scheduled)  # [T] row of each token
-        offsets = np.arange(total) - np.repeat(query_start_loc[:-1].astype(np.int64), num_scheduled)
-        num_computed = batch.num_computed_tokens[:num_reqs]
-        positions = num_computed[rows] + offsets  # [T]
-        input_ids = batch.token_ids[rows, positions]  # [T]
-        block_ids = batch.block_table[rows, positions // block_size].astype(np.int64)
-        slot_mapping = block_ids * block_size + positions % block_size
-        padded = self.padded_num_tokens(total)
-        # Hybrid KV cache: [T] slots of groups 1.., from their own tables.
-        extra_slot_mappings = [
-            table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
-            for table in batch.extra_block_tables
-        ]
-        if padded > total:  # padding rows: token 0 at position 0, written nowhere (slot -1)
-            input_ids = np.concatenate([input_ids, np.zeros(padded - total, dtype=input_ids.dtype)])
-            positions = np.concatenate([positions, np.zeros(padded - total, dtype=positions.dtype)])
-            slot_mapping = np.concatenate([slot_mapping, np.full(padded - total, -1, dtype=np.int64)])
-            extra_slot_mappings = [np.concatenate([slots, np.full(padded - total, -1, dtype=np.int64)])
-                                   for slots in extra_slot_mappings]
-        seq_lens = (num_computed + num_scheduled).astype(np.int32)  # [num_reqs]
-        max_blocks = int(batch.num_blocks[:num_reqs].max())
-        complete_rows = seq_lens >= batch.num_tokens[:num_reqs]
-        metadata = self.attention_metadata(query_start_loc, seq_lens, batch.block_table[:num_reqs, :max_blocks],
-                                           slot_mapping)
-        if extra_slot_mappings:
+        total = int(num_scheduled.sum())
+        step = self.input_buffers().prepare(num_scheduled, self.padded_num_tokens(total))
+        metadata = AttentionMetadata(
+            num_actual_tokens=total, num_reqs=num_reqs, max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len, query_start_loc=step.query_start_loc, seq_lens=step.seq_lens,
+            block_table=step.block_tables[0], slot_mapping=step.slot_mappings[0],
+            query_start_loc_cpu=step.query_start_loc_cpu, seq_lens_cpu=step.seq_lens_cpu,
+            is_decode_only=total == num_reqs,
+        )
+        if len(step.block_tables) > 1:  # a hybrid KV cache: groups 1.. have their own tables and slots
             metadata.groups = [metadata] + [
-                dataclasses.replace(
-                    metadata, block_table=self.to_device(table[:num_reqs, :int(num_blocks[:num_reqs].max())]),
-                    slot_mapping=self.to_device(slots), kv_group=group)
-                for group, (table, num_blocks, slots) in enumerate(
-                    zip(batch.extra_block_tables, batch.extra_num_blocks, extra_slot_mappings), start=1)
+                dataclasses.replace(metadata, block_table=table, slot_mapping=slots, kv_group=group)
+                for group, (table, slots) in enumerate(zip(step.block_tables[1:], step.slot_mappings[1:]), start=1)
             ]
         batch.num_computed_tokens[:num_reqs] += num_scheduled
         return StepInputs(
-            input_ids=self.to_device(input_ids), positions=self.to_device(positions), metadata=metadata,
-            num_scheduled=num_scheduled, logits_indices=self.to_device(cu_num_tokens - 1),
-            complete_rows=complete_rows,
+            input_ids=step.input_ids, positions=step.positions, metadata=metadata, num_scheduled=num_scheduled,
+            logits_indices=step.logits_indices, complete_rows=step.complete_rows,
         )
+
+    # None: a separate device copy exactly when the device is not the CPU; tests set True on CPU
+    # to run the copying path (pinned staging, incremental block tables) without a GPU.
+    separate_device_buffers: bool | None = None
+
+    def input_buffers(self) -> InputBuffers:
+        """The persistent step buffers, made on first use (sized for the step token budget)."""
+        buffers = getattr(self, "_input_buffers", None)
+        if buffers is None:
+            max_tokens = self.padded_num_tokens(self.config.max_num_batched_tokens)
+            buffers = self._input_buffers = InputBuffers(self.batch, max_tokens, self.block_size, self.device,
+                                                         separate_device=self.separate_device_buffers)
+        return buffers
 
     def attention_metadata(self, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
                            slot_mapping: np.ndarray) -> AttentionMetadata:

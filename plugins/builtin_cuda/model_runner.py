@@ -125,7 +125,9 @@ class CudaModelRunner(ModelRunner):
 
     # -- host-to-device ---------------------------------------------------------------------
     def to_device(self, array: np.ndarray) -> torch.Tensor:
-        # Pinned staging makes the copy asynchronous with respect to the host.
+        # Off the step's main path (prepare_inputs fills persistent pinned buffers instead): grammar
+        # masks, draft indices, a draft model's inputs. Pinned staging (from torch's caching host
+        # allocator, which keeps the block until the copy ran) makes the copy asynchronous.
         host = torch.from_numpy(np.ascontiguousarray(array))
         return host.pin_memory().to(self.device, non_blocking=True)
 
@@ -176,7 +178,10 @@ class CudaModelRunner(ModelRunner):
             "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
             "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
             "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
-            "block_table": torch.zeros(max_bs, self.max_num_blocks_per_req, dtype=torch.int32, device=dev),
+            # The persistent device block table itself (sparrow.worker.input_buffers), updated
+            # incrementally by prepare_inputs: a replay reads it with no copy. Rows past a step's
+            # requests hold other rows' blocks; padding rows (seq_len 1, slot -1) discard them.
+            "block_table": self.input_buffers().device_tables[0][:max_bs],
         }
         started = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
@@ -226,7 +231,8 @@ class CudaModelRunner(ModelRunner):
         s["slot_mapping"][num_reqs:bs].fill_(-1)  # padding rows write nothing
         s["seq_lens"][:num_reqs].copy_(metadata.seq_lens)
         s["seq_lens"][num_reqs:bs].fill_(1)
-        width = metadata.block_table.shape[1]
-        s["block_table"][:num_reqs, :width].copy_(metadata.block_table)
+        if metadata.block_table.data_ptr() != s["block_table"].data_ptr():  # not the persistent table
+            width = metadata.block_table.shape[1]
+            s["block_table"][:num_reqs, :width].copy_(metadata.block_table)
         self.graphs[bs].replay()
         return self.graph_outputs[bs][:num_reqs]

@@ -59,26 +59,31 @@ def test_engine_arguments_name_the_field(kwargs, field):
 LLAMA_CONFIG = SimpleNamespace(architectures=["Qwen3ForCausalLM"])
 
 
-@pytest.mark.parametrize("kwargs, hf_config, field", [
-    (dict(tensor_parallel_size=2), LLAMA_CONFIG, "tensor_parallel_size"),
-    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), LLAMA_CONFIG, "speculative_config"),
-    (dict(quantization="int8"), LLAMA_CONFIG, "quantization"),
-    (dict(), SimpleNamespace(architectures=["Qwen3MoeForCausalLM"]), "enable_lora"),
+def test_an_architecture_without_a_lora_path_is_refused():
+    moe = SimpleNamespace(architectures=["Qwen3MoeForCausalLM"])
+    problem = check_lora_config(EngineConfig.from_kwargs(enable_lora=True), moe)
+    assert problem is not None and problem[0] == "enable_lora" and "Qwen3MoeForCausalLM" in problem[1]
+    assert check_lora_config(EngineConfig.from_kwargs(), moe) is None  # LoRA off: no opinion
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(tensor_parallel_size=2),
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+    dict(quantization="int8"),
+    dict(tensor_parallel_size=2, quantization="int8", speculative_config={"method": "ngram",
+                                                                          "num_speculative_tokens": 2}),
 ])
-def test_configurations_lora_cannot_run_with_are_refused(kwargs, hf_config, field):
-    config = EngineConfig.from_kwargs(enable_lora=True, **kwargs)
-    problem = check_lora_config(config, hf_config)
-    assert problem is not None and problem[0] == field
-    if field == "enable_lora":
-        assert "Qwen3MoeForCausalLM" in problem[1]
-    assert check_lora_config(EngineConfig.from_kwargs(**kwargs), hf_config) is None  # LoRA off: no opinion
+def test_lora_combines_with_tensor_parallelism_quantization_and_speculation(kwargs):
+    assert check_lora_config(EngineConfig.from_kwargs(enable_lora=True, **kwargs), LLAMA_CONFIG) is None
 
 
-def test_the_preflight_refuses_before_any_process_starts(qwen3_dir):
+def test_the_preflight_refuses_before_any_process_starts(tmp_path):
     from sparrow.engine.setup import finalize_config
+    from tests.conftest import build_test_model
 
-    with pytest.raises(ConfigError, match="tensor_parallel_size"):
-        finalize_config(EngineConfig.from_kwargs(model=qwen3_dir, enable_lora=True, tensor_parallel_size=2))
+    phi3 = build_test_model(tmp_path / "phi3", arch="phi3", preset="test", seed=5)
+    with pytest.raises(ConfigError, match="enable_lora.*Phi3ForCausalLM"):
+        finalize_config(EngineConfig.from_kwargs(model=phi3, enable_lora=True))
 
 
 def test_lora_request_needs_enable_lora(adapter_dir):

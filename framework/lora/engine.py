@@ -22,18 +22,16 @@ from sparrow.lora.request import LoRARequest
 
 
 def check_lora_config(config: Any, hf_config: Any) -> tuple[str, str] | None:
-    """(field, message) for a configuration LoRA cannot run with, else None."""
-    lora = config.lora
-    if not lora.enable_lora:
+    """(field, message) for a configuration LoRA cannot run with, else None.
+
+    Tensor parallelism, quantization and speculative decoding all combine with LoRA: adapters are
+    sliced per rank as the base weights are (a model whose heads or MLP do not split is refused by
+    the ``parallel`` check already, and an adapter's rank never splits), the update is added in the
+    activation dtype to whatever the (quantized) layer computes, and the target verifies drafts
+    with each request's adapter (a draft model or EAGLE head drafts without adapters, as in vLLM).
+    What remains is the architecture: the llama-family decoder's projections."""
+    if not config.lora.enable_lora:
         return None
-    if config.parallel.tensor_parallel_size > 1:
-        return ("tensor_parallel_size", f"LoRA adapters are not sharded across ranks yet; enable_lora needs "
-                f"tensor_parallel_size=1, got {config.parallel.tensor_parallel_size}")
-    if config.speculative.speculative_config is not None:
-        return ("speculative_config", "speculative decoding is not combined with enable_lora yet; turn one off")
-    if config.model.quantization is not None:
-        return ("quantization", f"LoRA adapters on {config.model.quantization!r}-quantized weights are not "
-                "supported yet; serve the unquantized model with enable_lora")
     try:
         check_lora_architecture(hf_config)
     except ValueError as exc:

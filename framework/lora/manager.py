@@ -131,7 +131,11 @@ class LoRAManager:
                      num_tokens: int) -> bool:
         """Map this step's tokens to slots (rows in batch order, ``num_scheduled`` tokens each, then
         padding up to ``num_tokens``), swapping adapters in as needed. Returns whether any token
-        uses an adapter; the hooks stay idle otherwise."""
+        uses an adapter; the hooks stay idle otherwise.
+
+        With speculative decoding a row's ``num_scheduled`` counts its draft tokens too, so the
+        target verifies every draft with the row's adapter (a draft model or EAGLE head has no
+        hooks: it drafts with the base weights, as in vLLM)."""
         wanted = {r.lora_int_id: r for r in row_requests if r is not None}
         if not wanted:
             self.state.active = False

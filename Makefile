@@ -31,10 +31,13 @@ run: setup
 # Two passes: the suite on two workers (one file per worker at a time, so a module's shared engine
 # is built once), then the tests marked `serial` alone: they pip-install plugins into the
 # environment or time a signal. TEST_WORKERS=0 runs the first pass in one process.
+# Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE, as in many
+# containers): otherwise each pytest process compiles and rewrites every test module again (~8 s of
+# CPU each), and every Python process the tests start compiles Sparrow's modules again.
 TEST_WORKERS ?= 2
 test: setup-dev
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25 -n $(TEST_WORKERS) --dist loadfile -m "not serial"
-	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m serial
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -p no:cacheprovider --durations=25 -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -p no:cacheprovider --durations=10 -m serial
 
 # ruff on every Python file; mypy on the kernel's contract (scripts/typecheck.py says which packages).
 lint: setup-dev

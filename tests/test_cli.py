@@ -189,22 +189,39 @@ def test_version():
 
 
 # -- generate -----------------------------------------------------------------------------------
-def test_generate_model_flag_equals_the_positional(qwen3_dir):
-    common = ["--prompt", "Hello", "--max-tokens", "8", *SMALL]
-    positional = run_sparrow("generate", qwen3_dir, *common)
-    flag = run_sparrow("generate", "--model", qwen3_dir, *common)
+# Each `generate` is a fresh interpreter, a model load and an engine-core process: most of this
+# file's time. Three runs serve the three tests below (and the logging test further down); each
+# run varies one more thing, so every comparison still has a run without that thing.
+GENERATE = ["--max-tokens", "8", *SMALL]
+
+
+@pytest.fixture(scope="module")
+def generate_runs(qwen3_dir) -> dict[str, subprocess.CompletedProcess]:
+    return {
+        # MODEL positional, one prompt, the default (quiet) log level.
+        "positional": run_sparrow("generate", qwen3_dir, "--prompt", "The sky", *GENERATE),
+        # The same request with --model, and --log-level INFO (logs go to stderr, never stdout).
+        "flag": run_sparrow("--log-level", "INFO", "generate", "--model", qwen3_dir, "--prompt", "The sky",
+                            *GENERATE),
+        # Two prompts in one batch, INFO from the environment variable the processes read.
+        "several": run_sparrow("generate", qwen3_dir, "--prompt", "Hello", "--prompt", "The sky", *GENERATE,
+                               env={"SPARROW_LOGGING_LEVEL": "INFO"}),
+    }
+
+
+def test_generate_model_flag_equals_the_positional(generate_runs):
+    positional, flag = generate_runs["positional"], generate_runs["flag"]
     assert positional.returncode == 0 and flag.returncode == 0, positional.stderr + flag.stderr
-    assert positional.stdout.startswith("Hello") and len(positional.stdout.strip()) > len("Hello")
+    assert positional.stdout.startswith("The sky") and len(positional.stdout.strip()) > len("The sky")
     assert flag.stdout == positional.stdout
 
 
-def test_generate_several_prompts_prints_each_with_its_continuation(qwen3_dir):
-    result = run_sparrow("generate", qwen3_dir, "--prompt", "Hello", "--prompt", "The sky", "--max-tokens", "4",
-                         *SMALL)
+def test_generate_several_prompts_prints_each_with_its_continuation(generate_runs):
+    result, single = generate_runs["several"], generate_runs["positional"]
     assert result.returncode == 0, result.stderr
     headers = [line for line in result.stdout.splitlines() if line.startswith("--- ")]
     assert sorted(headers) == ["--- 'Hello'", "--- 'The sky'"]
-    single = run_sparrow("generate", qwen3_dir, "--prompt", "The sky", "--max-tokens", "4", *SMALL)
+    assert single.returncode == 0, single.stderr
     assert single.stdout.strip() in result.stdout  # greedy: the same text alone or in a batch
 
 
@@ -214,7 +231,7 @@ def test_generate_streams_and_stops_cleanly_on_ctrl_c(qwen3_dir):
     base = {name: value for name, value in os.environ.items() if name != "SPARROW_LOGGING_LEVEL"}
     proc = subprocess.Popen(
         [*sparrow_command(), "generate", qwen3_dir, "--prompt", "Hello", "--max-tokens", "2000", "--ignore-eos",
-         "--max-model-len", "2048"],
+         "--max-model-len", "2048", "--kv-cache-memory-bytes", str(16 << 20)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**base, "SPARROW_CPU_THREADS": "1"},
         start_new_session=True,
         preexec_fn=default_sigint)
@@ -234,19 +251,19 @@ def test_generate_streams_and_stops_cleanly_on_ctrl_c(qwen3_dir):
 
 
 # -- logging ------------------------------------------------------------------------------------
-def test_log_level_governs_the_engine_processes(qwen3_dir):
-    common = ["generate", qwen3_dir, "--prompt", "Hi", "--max-tokens", "2", *SMALL]
-    verbose = run_sparrow("--log-level", "INFO", *common)
+def test_log_level_governs_the_engine_processes(generate_runs):
+    verbose = generate_runs["flag"]  # --log-level INFO
     assert verbose.returncode == 0, verbose.stderr
     # The engine core is another process: its INFO lines carry its own tag.
     assert re.search(r"^INFO .*\[EngineCore", verbose.stderr, re.MULTILINE), verbose.stderr
     # The default is quiet (an explicit quieter level goes through the same path as INFO above).
-    quiet = run_sparrow(*common)
+    quiet = generate_runs["positional"]
     assert quiet.returncode == 0, quiet.stderr
     assert not re.search(r"^INFO", quiet.stderr, re.MULTILINE), quiet.stderr
-    assert quiet.stdout.startswith("Hi")
+    assert quiet.stdout.startswith("The sky")
     # The environment variable the processes read works on its own too.
-    from_env = run_sparrow(*common, env={"SPARROW_LOGGING_LEVEL": "INFO"})
+    from_env = generate_runs["several"]
+    assert from_env.returncode == 0, from_env.stderr
     assert "[EngineCore" in from_env.stderr
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from sparrow import LLM, SamplingParams
 from sparrow.config import EngineConfig
 from sparrow.engine.dp_client import DPClient
 from sparrow.engine.messages import EngineCoreRequest
+from tests.test_lifecycle import wait_gone
 
 FAKE = "tests.fake_executor:FakeExecutor"
 
@@ -39,8 +42,16 @@ def test_dp2_serves_a_concurrent_batch_on_both_engines(qwen3_dir):
         stats = llm.llm_engine.last_stats
         assert stats.num_total_blocks == 128 and stats.num_running_reqs == 0
         assert llm.llm_engine.collective_rpc("ping") == ["pong", "pong"]  # one worker per engine
-    finally:
+        pids = [engine.proc.pid for engine in client.clients]
+        assert len(pids) == 2
+    except BaseException:
         llm.shutdown()
+        raise
+    # Dropping the LLM stops both engine-core processes. (tests/test_lifecycle.py checks how the
+    # other engines end; this dp=2 one costs seconds to start, so its ending is checked here.)
+    del llm, client
+    gc.collect()
+    wait_gone(pids, "the engine cores of a dropped LLM(data_parallel_size=2)")
 
 
 @pytest.fixture

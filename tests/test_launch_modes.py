@@ -65,23 +65,31 @@ def assert_printed_text(result: subprocess.CompletedProcess) -> None:
 
 
 # Each launch mode once, and tensor parallel in one of them: the children start the same way in
-# every mode, and each run costs CI seconds. (tests/test_docs_examples.py runs the plain file too.)
-@pytest.mark.parametrize(("mode", "tensor_parallel"), [("file", True), ("dash_c", False), ("stdin", False)],
-                         ids=["file-tp2", "dash_c-tp1", "stdin-tp1"])
+# every mode, and each run costs CI seconds. The plain file, the mode most at risk (spawned children
+# must not run an unguarded main file again), runs in tests/test_docs_examples.py, once without and
+# once with tensor parallelism (test_the_docs_run_the_unguarded_file_modes below keeps it so).
+@pytest.mark.parametrize(("mode", "tensor_parallel"), [("dash_c", False), ("stdin", True)],
+                         ids=["dash_c-tp1", "stdin-tp2"])
 def test_readme_quickstart_runs_as_written(mode, tensor_parallel, builtin_model, tmp_path):
     code = readme_quickstart()
     if tensor_parallel:
         code = with_tensor_parallel(code)
     assert "__main__" not in code  # the point: a plain script, no guard
-    if mode == "file":
-        script = tmp_path / "quick.py"
-        script.write_text(code)
-        result = run_python([str(script)], tmp_path)
-    elif mode == "dash_c":
+    if mode == "dash_c":
         result = run_python(["-c", code], tmp_path)
     else:
         result = run_python(["-"], tmp_path, stdin=code)
     assert_printed_text(result)
+
+
+def test_the_docs_run_the_unguarded_file_modes():
+    """The docs' examples run as files (python example.py): the README's quickstart as printed, and
+    a tensor-parallel script, neither under a ``__main__`` guard."""
+    from tests.test_docs_examples import ALL_EXAMPLES
+
+    files = [e for e in ALL_EXAMPLES if e.language == "python" and e.mode == "run" and "__main__" not in e.code]
+    assert any(e.path.name == "README.md" and e.code == readme_quickstart() for e in files)
+    assert any(re.search(r"LLM\(.*tensor_parallel_size=2", e.code) for e in files)
 
 
 def test_guarded_script_with_data_parallel(builtin_model, tmp_path):

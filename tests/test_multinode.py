@@ -60,24 +60,28 @@ def _two_node_run(model_dir: str, node1_cmd: list[str], node1_env: dict[str, str
             node1.wait()
 
 
-def test_two_nodes_give_the_tokens_of_one_device(qwen3_dir, rendezvous):
+@pytest.fixture(scope="module")
+def reference(qwen3_dir) -> list[list[int]]:
+    """The tokens on one device (module scope: built before any test's node environment is set)."""
     reference_llm = LLM(qwen3_dir, multiprocess=False, **ENGINE_ARGS)
-    reference = greedy(reference_llm)
-    reference_llm.shutdown()
+    try:
+        return greedy(reference_llm)
+    finally:
+        reference_llm.shutdown()
+
+
+def test_two_nodes_give_the_tokens_of_one_device(qwen3_dir, reference, rendezvous):
     # Configured by environment variables, as torchrun and job schedulers do.
     node1_env = {k: v for k, v in os.environ.items() if k != "SPARROW_NNODES"}
     node1_env["SPARROW_NODE_RANK"] = "1"
     assert _two_node_run(qwen3_dir, [], node1_env) == reference
 
 
-def test_two_nodes_configured_by_arguments(qwen3_dir, monkeypatch):
+def test_two_nodes_configured_by_arguments(qwen3_dir, reference, monkeypatch):
     """The same run with no environment: engine arguments on node 0, launcher options on node 1."""
     for name in ("MASTER_ADDR", "MASTER_PORT", "SPARROW_EXECUTOR_PORT", "SPARROW_NNODES", "NNODES",
                  "SPARROW_NODE_RANK", "NODE_RANK"):
         monkeypatch.delenv(name, raising=False)
-    reference_llm = LLM(qwen3_dir, multiprocess=False, **ENGINE_ARGS)
-    reference = greedy(reference_llm)
-    reference_llm.shutdown()
     port = get_open_port()
     node1_cmd = ["--master-addr", "127.0.0.1", "--master-port", str(port), "--node-rank", "1"]
     tokens = _two_node_run(qwen3_dir, node1_cmd, dict(os.environ), nnodes=2, master_addr="127.0.0.1",

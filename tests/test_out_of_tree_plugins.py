@@ -8,6 +8,7 @@ temporary directory first so that the build leaves nothing in the repository.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import os
 import re
@@ -96,19 +97,31 @@ def pip(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+def is_installed(dist_name: str) -> bool:
+    """Whether this environment has the distribution, read as entry points are read: its
+    metadata on sys.path (read afresh: importlib caches a directory only while it is unchanged)."""
+    try:
+        importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def pip_installed(package: str, dist_name: str, tmp_path: Path):
     source = tmp_path / package
     shutil.copytree(EXAMPLES / package, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    pip("uninstall", "-y", dist_name)  # left over from an interrupted run, if any
+    if is_installed(dist_name):  # left over from an interrupted run (each pip run costs CI seconds)
+        pip("uninstall", "-y", dist_name)
     try:
         proc = pip("install", "--no-deps", "--no-build-isolation", "--no-index", str(source))
         assert proc.returncode == 0, f"pip install {package} failed:\n{proc.stdout}\n{proc.stderr}"
+        assert is_installed(dist_name), f"pip installed {dist_name} where this environment does not see it"
         yield
     finally:
         uninstalled = pip("uninstall", "-y", dist_name)
     assert uninstalled.returncode == 0, uninstalled.stderr
-    assert pip("show", dist_name).returncode != 0, f"{dist_name} is still installed"
+    assert not is_installed(dist_name), f"{dist_name} is still installed"
 
 
 @pytest.fixture(autouse=True)

@@ -197,7 +197,7 @@ def test_sparrow_register_reasoning_parsers(think_dir, tokenizer):
     with registered(Plugin(), "reasoning-plugin"):
         assert get_registry().reasoning_parsers["always_answering"] is AlwaysAnswering
         llm = LLM(think_dir, multiprocess=False, dtype="float32", max_model_len=256,
-                  reasoning_parser="always_answering")
+                  kv_cache_memory_bytes=16 << 20, reasoning_parser="always_answering")
         try:
             prompt = {"prompt_token_ids": prompt_ids(tokenizer, "thinking")}
             completion = llm.generate(prompt, constrained(tokenizer, 1), use_tqdm=False)[0].outputs[0]

@@ -109,6 +109,31 @@ def start_server(model_dir, tmp_path):
         server.stop()
 
 
+HUGE_BODY_BYTES = 20_000_000
+
+
+@pytest.fixture(scope="module")
+def _reused(model_dir, tmp_path_factory):
+    holder: dict[str, ServerProcess] = {}
+    yield holder
+    if "server" in holder:
+        holder["server"].stop()
+
+
+@pytest.fixture
+def reused_server(_reused, model_dir, tmp_path_factory) -> ServerProcess:
+    """A server that tests leaving it serving pass on (each start costs seconds of CI): the next
+    test gets it as it was left, or a new one once a test has ended it."""
+    server = _reused.get("server")
+    if server is None or server.proc.poll() is not None:
+        if server is not None:
+            server.stop()
+        log_path = tmp_path_factory.mktemp("reused-server") / "server.log"
+        server = _reused["server"] = ServerProcess(model_dir, log_path, "--max-request-body-bytes",
+                                                   str(HUGE_BODY_BYTES))
+    return server
+
+
 def long_stream_body(max_tokens: int = 1500) -> dict:
     return {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
 
@@ -164,8 +189,8 @@ def test_a_busy_port_is_a_one_line_error_before_the_model_loads(model_dir):
 
 
 # -- a huge prompt ------------------------------------------------------------------------------
-def test_a_huge_prompt_stalls_neither_health_checks_nor_open_streams(start_server):
-    server = start_server("--max-request-body-bytes", str(20_000_000))
+def test_a_huge_prompt_stalls_neither_health_checks_nor_open_streams(reused_server):
+    server = reused_server  # --max-request-body-bytes 20 MB, left serving
     huge_prompt = ("The quick brown fox jumps over the lazy dog. " * 70_000)[:3_000_000]
 
     async def main():
@@ -215,8 +240,8 @@ def test_a_huge_prompt_stalls_neither_health_checks_nor_open_streams(start_serve
 
 
 # -- the engine core dies ----------------------------------------------------------------------
-def test_when_the_engine_core_dies_requests_fail_and_the_server_exits_nonzero(start_server):
-    server = start_server()
+def test_when_the_engine_core_dies_requests_fail_and_the_server_exits_nonzero(reused_server):
+    server = reused_server  # the huge prompt's server (or a new one): this test ends it
     engines = child_pids(server.proc.pid)
     assert len(engines) == 1, f"expected one engine core process, found {engines}"
 

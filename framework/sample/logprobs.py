@@ -21,6 +21,16 @@ class LogprobsTensors:
     logprobs: torch.Tensor  # [N, 1 + k] float32
     ranks: torch.Tensor  # [N, 1 + k] int64, 1-based rank in the full distribution
 
+    def placed_at(self, rows: torch.Tensor, num_rows: int) -> LogprobsTensors:
+        """These N rows put at batch rows ``rows`` [N] of a ``num_rows``-row result; the other
+        rows are zeros (rows that did not ask: ``to_lists`` never reads them)."""
+
+        def place(values: torch.Tensor) -> torch.Tensor:
+            placed = values.new_zeros((num_rows, values.shape[1]))
+            return placed.index_copy_(0, rows, values)
+
+        return LogprobsTensors(place(self.token_ids), place(self.logprobs), place(self.ranks))
+
     def to_lists(self, num_logprobs: list[int | None] | int) -> list[TokenLogprobs | None]:
         """One ``TokenLogprobs`` per row, cut to that row's k; None for rows that did not ask.
 

@@ -23,8 +23,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from sparrow.sample.history import OutputHistory
 from sparrow.sample.logits_processor.interface import BatchUpdate
 from sparrow.sample.logits_processor.load import builtin_logits_processors
 from sparrow.sample.logits_processor.state import LogitsProcessors, full_update
@@ -52,8 +54,7 @@ class SamplingMetadata:
     presence_penalties: torch.Tensor | None
     frequency_penalties: torch.Tensor | None
     repetition_penalties: torch.Tensor | None
-    # Per row, the tokens generated so far (lists are shared with the caller, not copied). The
-    # sampler turns them into a padded tensor only when a penalty needs them.
+    # Per row, the tokens generated so far (lists are shared with the caller, not copied).
     output_token_ids: list[list[int]]
     # [B, max_prompt_len] int64 padded with ``vocab_size``; only when a repetition penalty is set.
     prompt_token_ids: torch.Tensor | None
@@ -71,6 +72,16 @@ class SamplingMetadata:
     # Structured outputs: (rows [G] int64, bitmask [G, ceil(V / 32)] int32) where bit j of word w
     # allows token 32 * w + j in that row; None when no row samples under a grammar this step.
     grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
+    # ``output_token_ids`` as [B, max_len] int64 padded with ``vocab_size``, kept on the device
+    # between steps (``OutputHistory``); only when a penalty is set. None: the sampler pads the lists.
+    output_token_tensor: torch.Tensor | None = None
+    # [R] int64: the rows that asked for logprobs when only some did (the sampler computes
+    # logprobs for those rows alone); None when every row or no row asked.
+    logprob_rows: torch.Tensor | None = None
+    # The largest top-k of the batch when every row that filters (top-k or top-p) has a top-k:
+    # the sampler then finds each row's cut among the top max_top_k logits instead of sorting the
+    # whole vocabulary. None: some row needs the full sort, or no row filters.
+    max_top_k: int | None = None
 
 
 def step_seed(seed: int, position: int) -> int:
@@ -99,6 +110,21 @@ def step_uniform(seed: int, position: int) -> float:
     """A uniform number in [0, 1) for a seeded row's draw at ``position``: the top 53 bits of
     ``step_seed``, exactly representable in float64."""
     return (step_seed(seed, position) >> 11) / float(1 << 53)
+
+
+def step_uniforms(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """``step_uniform`` of many (seed, position) pairs at once: the same splitmix64 in numpy
+    uint64 arithmetic, which wraps modulo 2**64 as the masks above do, so every value is bit for
+    bit ``step_uniform``'s. ``seeds``: uint64 (a seed taken modulo 2**64); ``positions``: int."""
+    value = (seeds * np.uint64(0x9E3779B97F4A7C15) + positions.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
+             + np.uint64(0x94D049BB133111EB))
+    value ^= value >> np.uint64(30)
+    value *= np.uint64(0xBF58476D1CE4E5B9)
+    value ^= value >> np.uint64(27)
+    value *= np.uint64(0x94D049BB133111EB)
+    value ^= value >> np.uint64(31)
+    # The top 53 bits convert to float64 exactly; the power-of-two division is exact too.
+    return (value >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
 def pad_token_ids(
@@ -140,6 +166,13 @@ def _static_metadata(
     repetition_penalties = column_if(repetition, 1.0, torch.float32)
     num_logprobs = [p.logprobs for p in params]
     asked = [k for k in num_logprobs if k is not None]
+    logprob_rows = None
+    if asked and len(asked) < len(params):
+        logprob_rows = column([row for row, k in enumerate(num_logprobs) if k is not None], torch.int64)
+    # Rows that filter; the window path needs a k in each of them (a row with top-p alone needs
+    # its whole sorted row).
+    filtering = [(k, p) for k, p in zip(top_k, top_p) if k > 0 or p < 1.0]
+    max_top_k = max(k for k, _ in filtering) if filtering and all(k > 0 for k, _ in filtering) else None
     return SamplingMetadata(
         temperature=column([p.temperature for p in params], torch.float32),
         all_greedy=all(greedy),
@@ -159,13 +192,9 @@ def _static_metadata(
         vocab_size=vocab_size,
         num_logprobs=num_logprobs,
         max_num_logprobs=max(asked) if asked else None,
+        logprob_rows=logprob_rows,
+        max_top_k=max_top_k,
     )
-
-
-@dataclass(slots=True)
-class _SeededRow:
-    row: int
-    seed: int
 
 
 class SamplingTensors:
@@ -194,8 +223,12 @@ class SamplingTensors:
         self._static: SamplingMetadata | None = None
         self._params: list[SamplingParams] = []
         self._prompt_token_ids: list[list[int]] = []
-        self._seeded: list[_SeededRow] = []
-        self._seeded_rows: torch.Tensor | None = None  # [S] int64 on the device
+        # Seeded random rows: their rows (a list and [S] int64 on the device) and seeds mod 2**64.
+        self._seeded: list[int] = []
+        self._seeds = np.zeros(0, dtype=np.uint64)
+        self._seeded_rows: torch.Tensor | None = None
+        # The output tokens on the device while some row has a penalty (None otherwise).
+        self._history: OutputHistory | None = None
         # What the processors have not been told yet: a BatchUpdate, "everything" (True) or nothing.
         self._pending_update: BatchUpdate | bool | None = None
         self._processor_rows = 0  # batch size the processors last saw
@@ -217,9 +250,9 @@ class SamplingTensors:
             self._pending_update = True
         else:
             self._pending_update = batch_update
-        self._seeded = [_SeededRow(row, p.seed) for row, p in enumerate(params)
-                        if p.seed is not None and p.temperature >= _SAMPLING_EPS]
-        seeded = [info.row for info in self._seeded]
+        self._seeded = [row for row, p in enumerate(params) if p.seed is not None and p.temperature >= _SAMPLING_EPS]
+        self._seeds = np.array([(params[row].seed or 0) & _UINT64_MASK for row in self._seeded], dtype=np.uint64)
+        seeded = self._seeded
         self._seeded_rows = torch.tensor(seeded, dtype=torch.int64).to(self.device) if seeded else None
 
     def metadata(self, output_token_ids: list[list[int]]) -> SamplingMetadata:
@@ -238,14 +271,26 @@ class SamplingTensors:
         if update is not None:
             self._processor_rows = update.batch_size
         self.logits_processors.update_state(update)
-        uniforms = [step_uniform(info.seed, len(output_token_ids[info.row])) for info in self._seeded]
         seeded_uniforms = None
-        if uniforms:
-            seeded_uniforms = torch.tensor(uniforms, dtype=sum_dtype(self.device)).to(self.device, non_blocking=True)
+        if self._seeded:
+            positions = np.fromiter((len(output_token_ids[row]) for row in self._seeded), dtype=np.int64,
+                                    count=len(self._seeded))
+            uniforms = torch.from_numpy(step_uniforms(self._seeds, positions))
+            seeded_uniforms = uniforms.to(self.device, sum_dtype(self.device), non_blocking=True)
+        static = self._static
+        output_token_tensor = None
+        if (static.repetition_penalties is not None or static.frequency_penalties is not None
+                or static.presence_penalties is not None):
+            if self._history is None:
+                self._history = OutputHistory(self.vocab_size, self.device)
+            output_token_tensor = self._history.update(output_token_ids)
+        else:
+            self._history = None  # no row needs it: free it (a later penalty reads the lists again)
         return dataclasses.replace(
-            self._static,
+            static,
             output_token_ids=output_token_ids,
-            seeded_rows=self._seeded_rows if uniforms else None,
+            output_token_tensor=output_token_tensor,
+            seeded_rows=self._seeded_rows if self._seeded else None,
             seeded_uniforms=seeded_uniforms,
             logits_processors=self.logits_processors,
         )

@@ -2,7 +2,8 @@
 
 The order follows vLLM V1:
 
-1. logprobs for the output come from the raw logits (the model's own distribution);
+1. logprobs for the output come from the raw logits (the model's own distribution), for the
+   rows that asked only, and not at all when none did (taken last, from the untouched logits);
 2. tokens a row's grammar forbids (structured outputs) get -inf;
 3. the logits processors that can change the argmax (``sparrow.sample.logits_processor``): the
    built-ins allowed_token_ids, bad_words, min_tokens (EOS and stop ids of rows short of it get
@@ -16,6 +17,8 @@ The order follows vLLM V1:
 
 Everything but the processors is batched torch and device-agnostic, with no per-row loop or
 kernel launch; the built-in processors rebuild their index tensors only when the batch changes.
+No float64 pass over the whole vocabulary: the draw sums the vocabulary in float32 chunks and
+uses float64 only over chunk totals and inside one chunk per row (see ``inverse_cdf``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from typing import Callable
 import torch
 
 from sparrow.sample.logprobs import LogprobsTensors, gather_logprobs
-from sparrow.sample.metadata import SamplingMetadata, pad_token_ids, sum_dtype
+from sparrow.sample.metadata import SamplingMetadata, sum_dtype
+from sparrow.sample.penalties import apply_penalties
 from sparrow.wire import TokenLogprobs
 
 _SAMPLING_EPS = 1e-5
@@ -81,23 +85,22 @@ class Sampler:
                 f"{metadata.vocab_size}"
             )
         caller_logits = logits
-        logits = logits.to(torch.float32)
-        raw_logprobs = (
-            logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
-        )  # [B, V]
+        logits = raw_logits = logits.to(torch.float32)
 
         # Every step below returns a new tensor or works on one the sampler owns: the caller's
-        # logits (and the raw logprobs) stay untouched.
+        # logits (``raw_logits``, which the logprobs are taken from at the end) stay untouched.
         if metadata.grammar_bitmask is not None:
             logits = apply_grammar_bitmask(logits, *metadata.grammar_bitmask)
         if metadata.logits_processors is not None:
-            logits = metadata.logits_processors.apply_non_argmax_invariant(logits, owned=logits is not caller_logits)
+            # The float32 copy of non-float32 logits is the sampler's, unless the logprobs still need it.
+            owned = logits is not caller_logits and not (logits is raw_logits and metadata.max_num_logprobs is not None)
+            logits = metadata.logits_processors.apply_non_argmax_invariant(logits, owned=owned)
         logits = apply_penalties(logits, metadata)
         sampled = self._sample(logits, metadata)
 
         logprobs = None
-        if raw_logprobs is not None and metadata.max_num_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        if metadata.max_num_logprobs is not None:
+            logprobs = _raw_logprobs(raw_logits, sampled, metadata.max_num_logprobs, metadata.logprob_rows)
         return SamplerOutput(
             sampled_token_ids=sampled, logprobs=logprobs, num_logprobs=metadata.num_logprobs
         )
@@ -116,12 +119,25 @@ class Sampler:
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
         if metadata.top_k is not None or metadata.top_p is not None:
-            logits = self.top_k_top_p(logits, metadata.top_k, metadata.top_p)
+            if self.top_k_top_p is apply_top_k_top_p:  # the reference can use the batch's k bound
+                logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, max_top_k=metadata.max_top_k)
+            else:
+                logits = self.top_k_top_p(logits, metadata.top_k, metadata.top_p)
         probs = logits.softmax(dim=-1)  # [B, V]
         random_ids = self.draw(probs, self.generator, metadata.seeded_rows, metadata.seeded_uniforms)
         if greedy_ids is None:
             return random_ids
         return torch.where(greedy_rows, greedy_ids, random_ids)
+
+
+def _raw_logprobs(raw_logits: torch.Tensor, sampled: torch.Tensor, k: int,
+                  rows: torch.Tensor | None) -> LogprobsTensors:
+    """Logprobs from the model's own logits, [B, 1 + k] in batch order; with ``rows`` (some rows
+    asked), computed for those rows alone and placed at them (zeros elsewhere, never read)."""
+    if rows is None:
+        return gather_logprobs(raw_logits.log_softmax(dim=-1), sampled, k)
+    subset = gather_logprobs(raw_logits.index_select(0, rows).log_softmax(dim=-1), sampled.index_select(0, rows), k)
+    return subset.placed_at(rows, raw_logits.shape[0])
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -152,45 +168,6 @@ def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: tor
     return logits.index_copy(0, rows, constrained)
 
 
-def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Repetition, frequency and presence penalties (vLLM / OpenAI semantics), out of place.
-
-    repetition: a token seen in the prompt or the output has its logit divided by the penalty when
-    positive and multiplied by it when negative (penalty > 1 discourages repeats).
-    frequency: logit -= penalty * (times the token appears in the output).
-    presence: logit -= penalty * (1 if the token appears in the output at all).
-    """
-    repetition = metadata.repetition_penalties
-    frequency = metadata.frequency_penalties
-    presence = metadata.presence_penalties
-    if repetition is None and frequency is None and presence is None:
-        return logits
-    num_rows, vocab_size = logits.shape
-    # Column vocab_size collects the padding and is dropped.
-    output_ids = pad_token_ids(metadata.output_token_ids, vocab_size, logits.device)  # [B, L]
-    output_counts = torch.zeros(num_rows, vocab_size + 1, device=logits.device)
-    output_counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=torch.float32))
-    output_counts = output_counts[:, :vocab_size]  # [B, V]
-    in_output = output_counts > 0  # [B, V]
-
-    if repetition is not None:
-        seen = in_output.clone()
-        if metadata.prompt_token_ids is not None:
-            prompt_seen = torch.zeros(
-                num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device
-            )
-            prompt_seen.scatter_(1, metadata.prompt_token_ids, True)
-            seen |= prompt_seen[:, :vocab_size]
-        penalty = repetition.unsqueeze(1)  # [B, 1]
-        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(seen, penalised, logits)
-    if frequency is not None:
-        logits = logits - frequency.unsqueeze(1) * output_counts
-    if presence is not None:
-        logits = logits - presence.unsqueeze(1) * in_output.to(logits.dtype)
-    return logits
-
-
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Drop tokens whose probability is below min_p times the row's top probability.
 
@@ -202,7 +179,7 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int | None = None
 ) -> torch.Tensor:
     """Keep the k most likely tokens, then the smallest set whose mass reaches p, per row.
 
@@ -210,7 +187,34 @@ def apply_top_k_top_p(
     Ties are kept together: a row's cut is turned into a logit threshold, so every token equal to
     the last survivor survives too, whatever order the sort left the ties in. That may keep a few
     more than k tokens, never fewer, and never drops part of a tie.
+
+    Sorting the whole vocabulary is avoided where the cut is known to lie among a row's top few
+    logits (``_window_cut``, the same cut): ``max_top_k``, an upper bound on k known without
+    reading the device, given when every row with k = 0 also has p = 1 (see
+    ``SamplingMetadata.max_top_k``); or, on CPU where reading a tensor costs nothing, a window
+    of ``_TOP_P_WINDOW`` tokens that is checked to hold every row's top-p cut.
     """
+    vocab_size = logits.shape[1]
+    if top_k is not None and max_top_k is not None and 4 * max_top_k < vocab_size:
+        cut = _window_cut(logits, top_k, top_p, max_top_k)  # unchecked: never None
+        if cut is not None:
+            return cut
+    if top_p is not None and logits.device.type == "cpu":
+        window = max(_TOP_P_WINDOW, int(top_k.max()) if top_k is not None else 0)
+        if 4 * window < vocab_size:
+            cut = _window_cut(logits, top_k, top_p, window, checked=True)
+            if cut is not None:
+                return cut
+    return _full_sort_cut(logits, top_k, top_p)
+
+
+# The window tried for top-p rows without a top-k (CPU): at the usual temperatures the top 1024
+# tokens hold far more than the usual p of the mass.
+_TOP_P_WINDOW = 1024
+
+
+def _full_sort_cut(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """``apply_top_k_top_p`` by sorting every row whole."""
     vocab_size = logits.shape[1]
     sorted_logits, _ = logits.sort(dim=-1)  # [B, V], ascending
     if top_k is not None:
@@ -228,6 +232,59 @@ def apply_top_k_top_p(
     # The smallest surviving logit of each row is its threshold.
     threshold = sorted_logits.masked_fill(sorted_logits == float("-inf"), float("inf"))
     threshold = threshold.amin(dim=-1, keepdim=True)  # [B, 1]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _window_cut(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, window: int,
+                checked: bool = False) -> torch.Tensor | None:
+    """``_full_sort_cut`` from each row's top ``window`` logits, for rows with 0 < k <= ``window``
+    and rows that do not filter (k = 0, p = 1); with ``checked``, also rows with top-p alone, and
+    None when one of those has its cut past the window (read on the host: a sync on a GPU).
+
+    The same cut: the k-th largest logit comes from the window; for top-p, the ascending cumulative
+    mass is the full sort's, because what lies outside the window sits below it in ascending order
+    and is put first with its mass: for a row with a k, the ties of the k-th value past the window
+    (the rest is below the k-th value: no mass); for a row without, all of it (exp of every logit).
+    """
+    rows = logits.shape[0]
+    values = logits.topk(window + 1, dim=-1).values  # [B, W + 1], descending (W < V / 4)
+    next_value = values[:, window:]  # [B, 1] the largest logit past the window
+    values = values[:, :window]
+    if top_k is not None:
+        has_k = (top_k > 0).unsqueeze(1)  # [B, 1]
+        kth = values.gather(1, (top_k.clamp(min=1, max=window) - 1).unsqueeze(1))  # [B, 1]
+        kth = kth.masked_fill(~has_k, float("-inf"))
+    else:
+        has_k = torch.zeros(rows, 1, dtype=torch.bool, device=logits.device)
+        kth = torch.full((rows, 1), float("-inf"), device=logits.device)
+    if top_p is None:
+        return logits.masked_fill(logits < kth, float("-inf"))
+    p = top_p.unsqueeze(1)  # [B, 1]
+    unfiltered = ~has_k & (p >= 1)
+    top = values[:, :1]
+    ascending = values.flip(-1)  # [B, W]
+    mass = torch.exp(ascending - top).masked_fill(ascending < kth, 0.0)  # unnormalised survivors
+    if logits.device.type == "cpu" and not bool(((next_value >= kth) & has_k).any()):
+        outside = torch.zeros_like(kth)  # no row's k-th value goes on past the window: no ties to count
+    else:
+        # count_nonzero: a bool .sum() would first copy the [B, V] mask to int64.
+        ties_past = torch.count_nonzero(logits >= kth, dim=-1) - torch.count_nonzero(values >= kth, dim=-1)
+        outside = ties_past.unsqueeze(1) * torch.exp(kth - top)  # [B, 1]; 0 for rows without a k
+    if checked:
+        rest = torch.exp(logits - top).sum(dim=-1, keepdim=True) - mass.sum(dim=-1, keepdim=True)
+        outside = torch.where(has_k, outside, rest.clamp(min=0))
+    cumulative = outside + mass.cumsum(dim=-1)
+    total = cumulative[:, -1:]
+    if checked:
+        # Every token past the window must be dropped (its mass fits within 1 - p) for the cut to
+        # be inside the window.
+        inside = has_k | unfiltered | (outside <= (1 - p) * total)
+        if not bool(inside.all()):
+            return None
+    drop = (cumulative / total <= 1 - p) | (ascending < kth)
+    drop[:, -1] = False
+    threshold = ascending.masked_fill(drop, float("inf")).amin(dim=-1, keepdim=True)  # [B, 1]
+    threshold = threshold.masked_fill(unfiltered, float("-inf"))  # nothing is below -inf
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
@@ -249,25 +306,44 @@ def draw(
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Sample row r of ``probs`` [S, V] at ``uniforms[r]`` in [0, 1): the first token whose
     cumulative probability exceeds ``u * total``. A pure function of the row and its uniform, and
-    a zero-probability token is never chosen. Sums are float64 (see ``sum_dtype``), so that even a
-    token of probability 1e-9 keeps its share after 150k additions (float32 would round it away).
+    a zero-probability token is never chosen.
 
-    Two levels, so the work over the whole vocabulary is one reading pass: the vocabulary is cut
-    into chunks, the chunk sums locate the chunk holding the target, and only that chunk is
-    scanned token by token.
+    Two levels, so the only work over the whole vocabulary is one read in the probabilities' own
+    dtype: the vocabulary is cut into chunks of C <= 128 tokens and summed chunk by chunk (float32
+    for float32 probs); the cumulative of the V / C chunk sums (in ``sum_dtype``, float64 on CPU
+    and CUDA) locates the chunk holding the target; only that chunk is scanned token by token
+    (C values per row, in ``sum_dtype``), at the target's fraction of the chunk's sum.
+
+    Error bound: a float32 sum of C non-negative terms is within a factor 1 +- e of the exact
+    sum, e = (C - 1) * 2**-24 (about 7.6e-6 at C = 128), whatever the summation order; everything
+    after it is float64 (relative error ~1e-16 * V / C). Each chunk's share of the row is thus off
+    by a factor within 1 +- 2e, and a token's share of its chunk is exact to float64: every token,
+    however small (1e-9 included), is drawn with its probability times a factor within 1 +- 2e,
+    about 1.5e-5. The token is the one a float64 inverse CDF over the whole row picks unless
+    ``u`` lies within that relative distance of a token boundary. A zero-probability token never
+    comes out: the chunk chosen is one whose sum is positive (the cumulative strictly rises
+    there), and inside it the first token whose cumulative exceeds the target has mass of its own.
     """
     num_rows, vocab = probs.shape
     dtype = sum_dtype(probs.device)
     chunk = _chunk_size(vocab)
     if chunk == 0:
         return _search(probs.to(dtype).cumsum(dim=-1), uniforms.to(dtype).unsqueeze(1))
-    chunked = probs.view(num_rows, vocab // chunk, chunk)
-    chunk_cdf = chunked.sum(dim=-1, dtype=dtype).cumsum(dim=-1)  # [S, N]
+    if vocab % chunk:  # zeros past the end: they can never be chosen
+        probs = torch.nn.functional.pad(probs, (0, chunk - vocab % chunk))
+    chunked = probs.reshape(num_rows, -1, chunk)  # [S, N, C]
+    chunk_cdf = chunked.sum(dim=-1).to(dtype).cumsum(dim=-1)  # [S, N]
     target = uniforms.to(dtype).unsqueeze(1) * chunk_cdf[:, -1:]  # [S, 1]
-    index = _search(chunk_cdf, target).unsqueeze(1)  # [S, 1] chunk holding the target
+    index = _search(chunk_cdf, target).unsqueeze(1)  # [S, 1] the chunk holding the target
     before = torch.where(index > 0, chunk_cdf.gather(1, (index - 1).clamp(min=0)), 0.0)  # mass before it
-    inner = chunked.gather(1, index.unsqueeze(2).expand(num_rows, 1, chunk)).squeeze(1)  # [S, chunk]
-    offset = _search(before + inner.to(dtype).cumsum(dim=-1), target)
+    size = chunk_cdf.gather(1, index) - before  # [S, 1] its sum, > 0 (the cumulative rises there)
+    inner = chunked.gather(1, index.unsqueeze(2).expand(num_rows, 1, chunk)).squeeze(1).to(dtype)
+    inner_cdf = inner.cumsum(dim=-1)  # [S, C]
+    # The target's place in the chunk as a fraction of its (float32-summed) size, applied to the
+    # chunk's exact cumulative: tokens split their chunk's share in exact proportion. A fraction
+    # rounded up to 1 lands past the end, where _search takes the chunk's last token with mass.
+    fraction = (target - before) / size
+    offset = _search(inner_cdf, fraction * inner_cdf[:, -1:])
     return index.squeeze(1) * chunk + offset
 
 
@@ -279,12 +355,17 @@ def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.minimum(ids, last)
 
 
+# Vocabularies up to this size are scanned whole (a single cumsum, cheap at any precision).
+_WHOLE_ROW_MAX = 2048
+
+
 def _chunk_size(vocab: int) -> int:
-    """The largest power of two up to 1024 that divides ``vocab``, or 0 when that is under 32
-    (the scan then runs over the whole row)."""
-    size = 1024
-    while size >= 32:
+    """0 (scan the whole row) for a small vocabulary; else 128, or 64 or 32 when that divides
+    ``vocab`` and 128 does not (no padding copy); 128 with padding otherwise. Small chunks keep
+    the float32 chunk sums' error bound small (see ``inverse_cdf``)."""
+    if vocab <= _WHOLE_ROW_MAX:
+        return 0
+    for size in (128, 64, 32):
         if vocab % size == 0:
             return size
-        size //= 2
-    return 0
+    return 128

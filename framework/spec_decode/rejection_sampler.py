@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from sparrow.sample.metadata import SamplingMetadata, step_uniform, sum_dtype
-from sparrow.sample.sampler import Sampler, apply_min_p, inverse_cdf
+from sparrow.sample.sampler import Sampler, apply_min_p, apply_top_k_top_p, inverse_cdf
 
 _SAMPLING_EPS = 1e-5
 
@@ -49,7 +49,10 @@ def sample_positions(logits: torch.Tensor, rows: torch.Tensor, metadata: Samplin
     top_k = metadata.top_k.index_select(0, rows) if metadata.top_k is not None else None
     top_p = metadata.top_p.index_select(0, rows) if metadata.top_p is not None else None
     if top_k is not None or top_p is not None:
-        logits_for_draw = sampler.top_k_top_p(logits_for_draw, top_k, top_p)
+        if sampler.top_k_top_p is apply_top_k_top_p:  # the batch's k bound holds for its positions too
+            logits_for_draw = apply_top_k_top_p(logits_for_draw, top_k, top_p, max_top_k=metadata.max_top_k)
+        else:
+            logits_for_draw = sampler.top_k_top_p(logits_for_draw, top_k, top_p)
     drawn = sampler.draw(logits_for_draw.softmax(dim=-1), sampler.generator, seeded_positions, seeded_uniforms)
     if metadata.all_random:
         return drawn

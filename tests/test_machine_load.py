@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
 import sys
 import time
@@ -56,3 +58,26 @@ def test_meter_reports_shares():
     load = meter.stop()
     assert load is not None and set(load) == {"others_cores", "steal_cores"}
     assert all(value >= 0.0 for value in load.values())
+
+
+def test_speed_probe_and_the_table_line_that_reports_it():
+    """The probe measures real work (positive, finite), and the table puts each run's time beside
+    the machine's speed after it: equal work at half the speed is no spread at all."""
+    from sparrow.bench.throughput import print_table
+
+    speed = machine_load.probe_speed(0.05)
+    assert 1e6 < speed < 1e15
+    result = {
+        "num_prompts": 2, "prompt_tokens": 10, "output_tokens": 10, "engine_elapsed_s": 2.0,
+        "engine_output_tok_s": 5.0, "engine_total_tok_s": 10.0, "num_params": 1e6, "matmul_flops": 1e9,
+        "roofline_share": 0.5, "machine": "test", "torch": "x", "date": "today",
+        "engine_all_elapsed_s": [1.0, 2.0],
+        "engine_machine_load": [{"others_cores": 0.0, "steal_cores": 0.0, "probe_flops": 2e9},
+                                {"others_cores": 0.0, "steal_cores": 0.0, "probe_flops": 1e9}],
+    }
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_table(result)
+    text = out.getvalue()
+    assert "2: 1.00-2.00, slowest/fastest 2.00" in text
+    assert "1.0-2.0 GFLOP/s; runs x speed: slowest/fastest 1.00" in text

@@ -34,7 +34,7 @@ from sparrow.layers.parallel import ParallelContext
 from sparrow.quantization import quantization_scope
 from sparrow.quantization.fp8 import Fp8Method, dequantize_fp8_rows, quantize_fp8_rows
 from sparrow.quantization.int4 import AwqMethod, GptqMethod, pack, unpack
-from sparrow.quantization.int8 import Int8Method, dequantize_rows, quantize_rows
+from sparrow.quantization.int8 import dequantize_rows, quantize_rows
 from sparrow.tiny import quant_ckpt
 
 ENGINE_ARGS = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=64)
@@ -401,9 +401,9 @@ def test_unsupported_combinations_fail_naming_the_field(quant_dirs, qwen3_dir, t
 def test_mixture_of_experts_models_are_refused():
     config = SimpleNamespace(device=SimpleNamespace(device="cpu"), model=SimpleNamespace(dtype="auto"),
                              parallel=SimpleNamespace(tensor_parallel_size=1))
-    method = Int8Method(None)
+    method = AwqMethod(None)  # int8 quantizes them (tests/test_quantization_moe.py); the others refuse
     method.hf_config = SimpleNamespace(num_experts=4)
-    with pytest.raises(ConfigError, match=r"'quantization': 'int8' does not quantize mixture-of-experts models yet "
+    with pytest.raises(ConfigError, match=r"'quantization': 'awq' does not quantize mixture-of-experts models "
                                           r"\(config.json has num_experts\)"):
         method.check_config(config)
 

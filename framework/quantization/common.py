@@ -23,7 +23,7 @@ def config_error(field: str, message: str) -> Exception:
 
 
 class BuiltinQuantization(QuantizationMethod):
-    """A method whose ``linear`` (and maybe ``lm_head``) implementations are listed per platform.
+    """A method whose ``linear`` (and maybe ``lm_head``, ``fused_moe``) implementations are listed per platform.
 
     ``implementations``: ``{platform: {op: "module:OpImpl"}}``; a platform absent from it is
     refused at configuration time. ``needs_checkpoint``: True when the checkpoint must already be
@@ -43,9 +43,12 @@ class BuiltinQuantization(QuantizationMethod):
             raise config_error("dtype", f"quantization {self.name!r} computes in {', '.join(self.dtypes)}, "
                                f"got {config.model.dtype!r}")
         experts = [f for f in EXPERT_FIELDS if getattr(self.hf_config, f, None)]
-        if experts:
-            raise config_error("quantization", f"{self.name!r} does not quantize mixture-of-experts models yet "
-                               f"(config.json has {experts[0]}); run it unquantized")
+        # A method quantizes a mixture-of-experts model where it serves the experts' op too (its
+        # router stays in full precision): the built-in int8 does on the CPU.
+        if experts and "fused_moe" not in self.implementations.get(device, {}):
+            raise config_error("quantization", f"{self.name!r} does not quantize mixture-of-experts models "
+                               f"(config.json has {experts[0]}); of the built-in methods only 'int8' does (on "
+                               "the CPU): run it unquantized or with quantization='int8'")
         if self.needs_checkpoint and not self.hf_quant_config:
             raise config_error("quantization", f"{self.name!r} loads checkpoints quantized with it (config.json "
                                "quantization_config); this model has none")

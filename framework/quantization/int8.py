@@ -8,6 +8,13 @@ Activations: symmetric int8 per token, dynamically, ``x ~= q_x * s_x[m]`` with
 ``s_x = max|x[m, :]| / 127``. The product is accumulated in int32 and scaled back,
 ``y[m, n] = s_x[m] * s_w[n] * sum_k q_x[m, k] q_w[n, k] + b[n]``.
 
+Mixture-of-experts models (Qwen3-MoE, Mixtral): every expert's stacked ``gate_up_proj`` and
+``down_proj`` are quantized the same way, per expert and per output channel, and run as int8 GEMMs
+over the tokens routed to each expert (sparrow_cpu.int8.Int8FusedMoE, serving the ``fused_moe``
+op); the router stays in full precision, as in vLLM. Under tensor parallelism ``down_proj``'s
+scales are taken over each whole output row, every rank's slice of it, so each rank holds exactly
+its slice of the single-device int8 weights.
+
 vLLM has no online int8 method under this name (its W8A8 int8 comes from compressed-tensors
 checkpoints, per-channel weights and dynamic per-token activations, the same scheme); ``int8`` is
 Sparrow's name for it. The CPU kernel is sparrow_cpu.int8.
@@ -42,5 +49,6 @@ class Int8Method(BuiltinQuantization):
     """int8 weights per channel, int8 activations per token, int32 accumulation; CPU only."""
 
     name = "int8"
-    implementations: ClassVar[dict[str, dict[str, str]]] = {"cpu": {"linear": "sparrow_cpu.int8:Int8Linear"}}
+    implementations: ClassVar[dict[str, dict[str, str]]] = {
+        "cpu": {"linear": "sparrow_cpu.int8:Int8Linear", "fused_moe": "sparrow_cpu.int8:Int8FusedMoE"}}
     dtypes = ("float32", "bfloat16")

@@ -210,3 +210,116 @@ class Int8Linear(OpImpl):
             if bias is not None:
                 out.add_(bias)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+# -- mixture-of-experts ------------------------------------------------------------------------
+def quantize_weight_rows(weight: torch.Tensor, row_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_weight` with each row's ``max|w|`` given (a row split across ranks needs
+    the whole row's): ``(q int8 [N, K], scale float32 [N])``."""
+    scale = row_amax.float() / weight_max()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(weight.float() / scale.unsqueeze(1)).clamp_(-weight_max(), weight_max()).to(torch.int8), scale
+
+
+def quantize_activations(xf: torch.Tensor, native: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of a contiguous float32 ``[M, K]``: ``(uint8 [M, K] with zero point 128, scale [M])``."""
+    if native is not None:
+        x_u8 = torch.empty(xf.shape, dtype=torch.uint8)
+        x_scale = torch.empty(xf.shape[0], dtype=torch.float32)
+        native.quantize_rows_u8(x_u8, x_scale, xf)
+        return x_u8, x_scale
+    x_scale = xf.abs().amax(dim=1).div_(INT8_MAX)
+    x_scale = torch.where(x_scale > 0, x_scale, torch.ones_like(x_scale))
+    return torch.div(xf, x_scale.unsqueeze(1)).round_().add_(ACTIVATION_ZERO_POINT).to(torch.uint8), x_scale
+
+
+class Int8FusedMoE(OpImpl):
+    """The ``fused_moe`` op with int8 experts: per expert, per output channel int8 ``gate_up_proj``
+    and ``down_proj`` (oneDNN's packed layout, one per expert), int8 activations per token.
+
+    Like the torch reference, the (token, expert) pairs are grouped by expert and each expert with
+    routed tokens runs one int8 GEMM over just those rows (the loop is over experts, not tokens);
+    the routing-weighted sum is the reference's. Each token's hidden state is quantized once,
+    however many experts it goes to; the gated activation is quantized per row before ``down_proj``.
+    """
+
+    name = "int8_w8a8_moe"
+
+    @classmethod
+    def supports(cls, layer: Any) -> bool:
+        stacks = (getattr(layer, "gate_up_proj", None), getattr(layer, "down_proj", None))
+        return (all(isinstance(w, torch.Tensor) and w.dim() == 3 and w.is_floating_point()
+                    and w.device.type == "cpu" and not w.is_mkldnn for w in stacks)
+                and onednn_int8_available())
+
+    def process_weights(self) -> None:
+        layer = self.layer
+        gate_up, down = layer.gate_up_proj.data, layer.down_proj.data
+        self.inter = gate_up.shape[1] // 2
+        # down_proj is row-parallel (ranks split its input, the intermediate size): its per-channel
+        # scales come from whole rows, so every rank's int8 slice is the single-device one's.
+        down_amax = down.float().abs().amax(dim=2)  # [E, H]
+        if layer.tp.world_size > 1:
+            down_amax = layer.tp.all_gather(down_amax.unsqueeze(-1), dim=-1).amax(dim=-1)
+        packed: dict[str, list[torch.Tensor]] = {"gate_up_proj": [], "down_proj": []}
+        scales: dict[str, list[torch.Tensor]] = {"gate_up_proj": [], "down_proj": []}
+        for expert in range(gate_up.shape[0]):
+            for name, weight, amax in (("gate_up_proj", gate_up[expert], gate_up[expert].float().abs().amax(dim=1)),
+                                       ("down_proj", down[expert], down_amax[expert])):
+                q, scale = quantize_weight_rows(weight, amax)
+                packed[name].append(_prepack(q))
+                scales[name].append(scale)
+        del gate_up, down
+        for name in packed:
+            # The dense stack is released; the same name now holds one packed int8 weight per expert.
+            delattr(layer, name)
+            setattr(layer, name, torch.nn.ParameterList(torch.nn.Parameter(w, requires_grad=False)
+                                                        for w in packed[name]))
+        layer.replace_parameter("gate_up_scale", torch.stack(scales["gate_up_proj"]))  # [E, 2I]
+        layer.replace_parameter("down_scale", torch.stack(scales["down_proj"]))  # [E, H]
+        self.gate_up, self.down = list(layer.gate_up_proj), list(layer.down_proj)  # no ParameterList lookups per call
+        self.gate_up_zero_points = torch.zeros(2 * self.inter, dtype=torch.long)
+        self.down_zero_points = torch.zeros(layer.down_scale.shape[1], dtype=torch.long)
+        self._qlinear = torch.ops.onednn.qlinear_pointwise
+        self.native = native_kernels()
+        self.no_bias = torch.empty(0)
+
+    def _gemm(self, x_u8: torch.Tensor, x_scale: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor,
+              zero_points: torch.Tensor) -> torch.Tensor:
+        out = self._qlinear(x_u8, 1.0, ACTIVATION_ZERO_POINT, packed, weight_scale, zero_points,
+                            None, 1.0, 0, torch.float32, "none", [], "")
+        if self.native is not None:
+            self.native.scale_rows(out, x_scale, self.no_bias)
+        else:
+            out.mul_(x_scale.unsqueeze(1))
+        return out
+
+    def __call__(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        layer = self.layer
+        num_tokens, top_k = topk_ids.shape
+        hidden_size = hidden.shape[1]
+        if num_tokens == 0:
+            return torch.zeros(0, hidden_size, dtype=hidden.dtype, device=hidden.device)
+        flat_ids = topk_ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)  # [T*k] pair indices grouped by expert
+        token_of_pair = order // top_k
+        counts = torch.bincount(flat_ids, minlength=layer.num_experts).tolist()
+        x_u8, x_scale = quantize_activations(hidden.float().contiguous(), self.native)
+        x_u8, x_scale = x_u8.index_select(0, token_of_pair), x_scale.index_select(0, token_of_pair)
+        expert_out = torch.empty(flat_ids.shape[0], hidden_size, dtype=torch.float32)
+        inter, start = self.inter, 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = slice(start, start + count)
+            gate_up = self._gemm(x_u8[rows], x_scale[rows], self.gate_up[expert], layer.gate_up_scale[expert],
+                                 self.gate_up_zero_points)  # [n, 2I]
+            act = torch.nn.functional.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+            a_u8, a_scale = quantize_activations(act, self.native)
+            expert_out[rows] = self._gemm(a_u8, a_scale, self.down[expert], layer.down_scale[expert],
+                                          self.down_zero_points)  # [n, H]
+            start += count
+        # The reference's mixing: expert outputs in the model's dtype times the routing weights.
+        weighted = (expert_out.to(hidden.dtype) * topk_weights.reshape(-1)[order].unsqueeze(1)).to(hidden.dtype)
+        out = torch.zeros(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+        return out.index_add_(0, token_of_pair, weighted)

@@ -188,6 +188,40 @@ def test_version():
     assert result.stdout.strip() == f"sparrow {__version__}"
 
 
+# Every command builds the whole parser; `serve` and `plugins` load the server stack and torch
+# only when they run.
+LIGHT_COMMAND = """
+import sys
+from sparrow.entrypoints.cli import build_parser, cmd_plugins
+from sparrow.entrypoints.openai.cli_args import _run_server
+args = build_parser().parse_args(sys.argv[1:])
+assert args.func is _run_server, args.func
+heavy = ("fastapi", "uvicorn", "torch", "sparrow.entrypoints.openai.api_server", "sparrow.engine.async_llm")
+print("parser:", [name for name in heavy if name in sys.modules])
+cmd_plugins(build_parser().parse_args(["plugins"]))
+print("plugins:", [name for name in heavy if name in sys.modules])
+"""
+
+
+def test_the_parser_and_plugins_import_no_server_stack_nor_torch():
+    result = subprocess.run([sys.executable, "-c", LIGHT_COMMAND, "serve", "--port", "1"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "parser: []" in result.stdout and "plugins: []" in result.stdout, result.stdout
+    assert "cpu" in result.stdout and "linear" in result.stdout  # the listing and its op table ran
+
+
+def test_serve_flag_constants_match_the_server():
+    from sparrow.entrypoints.openai import cli_args, lifecycle, serving_models
+
+    assert cli_args.DEFAULT_SHUTDOWN_TIMEOUT_S == lifecycle.DEFAULT_SHUTDOWN_TIMEOUT_S
+    assert cli_args.ENV_RUNTIME_LORA == serving_models.ENV_RUNTIME_LORA
+    from sparrow.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--lora-modules", "sql=/adapters/sql", "--shutdown-timeout", "2.5"])
+    assert args.lora_modules == [{"name": "sql", "path": "/adapters/sql"}] and args.shutdown_timeout == 2.5
+
+
 # -- generate -----------------------------------------------------------------------------------
 # Each `generate` is a fresh interpreter, a model load and an engine-core process: most of this
 # file's time. Three runs serve the three tests below (and the logging test further down); each

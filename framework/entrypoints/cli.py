@@ -273,13 +273,11 @@ def _sub_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParse
 
 
 def _optional_parsers(sub: Any, bench_sub: Any) -> None:
-    """Subcommands whose modules may pull in the server stack."""
-    try:
-        from sparrow.entrypoints.openai.api_server import add_serve_parser
-    except ImportError:
-        pass
-    else:
-        add_serve_parser(sub)
+    """Subcommands defined next to their implementations. Only their parsers are imported here
+    (never the server stack), since every command builds the whole parser, --version included."""
+    from sparrow.entrypoints.openai.cli_args import add_serve_parser
+
+    add_serve_parser(sub)
     try:
         from sparrow.bench.serve import add_bench_serve_parser
     except ImportError:

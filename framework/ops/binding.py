@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Callable
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any, Callable
 
 from sparrow.ops import KERNEL_OPS
-from sparrow.ops.base import CustomOp, OpImpl
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from sparrow.ops.base import OpImpl
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,11 @@ def bind_ops(model: nn.Module, platform: str, registry: Any = None,
     ``platform`` registered for its op, running its weight post-processing once; layers no
     implementation supports keep the torch reference. ``overrides`` (op -> OpImpl class) win over
     the registry: how a quantization method serves ``linear``. Returns ``{op: Counter(impl name: layers)}``."""
+    # torch is imported here, not at the top: ``sparrow plugins`` prints op_table without it.
+    import torch
+
+    from sparrow.ops.base import CustomOp
+
     registry = _registry(registry)
     chosen: dict[str, type[OpImpl] | None] = dict(overrides or {})
     summary: dict[str, Counter] = {}
@@ -64,6 +70,8 @@ def bind_ops(model: nn.Module, platform: str, registry: Any = None,
 
 
 def _layer_impl(op: str, platform: str, impl: Any) -> type[OpImpl] | None:
+    from sparrow.ops.base import OpImpl
+
     if impl is None or (isinstance(impl, type) and issubclass(impl, OpImpl)):
         return impl
     raise TypeError(f"the implementation of layer op {op!r} registered for platform {platform!r} must be a "

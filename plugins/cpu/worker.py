@@ -1,6 +1,6 @@
 """The CPU worker: thread count and OpenMP waiting (``sparrow_cpu.threads``), KV cache sized from
-kv_cache_memory_bytes or from free RAM. Its kernels are ops registered in ``sparrow_cpu.ops``,
-bound to the model's layers by the kernel when the model loads."""
+kv_cache_memory_bytes, else SPARROW_CPU_KVCACHE_SPACE, else from free RAM. Its kernels are ops
+registered in ``sparrow_cpu.ops``, bound to the model's layers by the kernel when the model loads."""
 
 from __future__ import annotations
 
@@ -21,9 +21,25 @@ from sparrow.worker.worker_base import WorkerBase  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-# Without kv_cache_memory_bytes: this share of the available RAM, at most DEFAULT_MAX_BYTES.
+# Without kv_cache_memory_bytes: ENV_KVCACHE_SPACE GiB if set (vLLM's VLLM_CPU_KVCACHE_SPACE),
+# else this share of the available RAM, at most DEFAULT_MAX_BYTES.
+ENV_KVCACHE_SPACE = "SPARROW_CPU_KVCACHE_SPACE"
 DEFAULT_RAM_FRACTION = 0.25
 DEFAULT_MAX_BYTES = 1 << 30
+
+
+def kvcache_space_from_env() -> int | None:
+    """Bytes from ``SPARROW_CPU_KVCACHE_SPACE`` (GiB, a number > 0), or None when it is unset."""
+    text = os.environ.get(ENV_KVCACHE_SPACE, "").strip()
+    if not text:
+        return None
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = -1.0
+    if not 0 < gib < float("inf"):  # also refuses nan
+        raise ValueError(f"{ENV_KVCACHE_SPACE} must be a number of GiB > 0, got {text!r}")
+    return int(gib * (1 << 30))
 
 
 def available_ram_bytes() -> int:
@@ -75,6 +91,11 @@ class CpuWorker(WorkerBase):
     def available_kv_cache_bytes(self) -> int:
         if self.config.cache.kv_cache_memory_bytes is not None:
             return self.config.cache.kv_cache_memory_bytes
+        budget = kvcache_space_from_env()
+        if budget is not None:
+            logger.info("CPU KV cache: %.2f GiB (from %s)", budget / (1 << 30), ENV_KVCACHE_SPACE)
+            return budget
         budget = min(int(available_ram_bytes() * DEFAULT_RAM_FRACTION), DEFAULT_MAX_BYTES)
-        logger.info("CPU KV cache: %.2f GiB (set kv_cache_memory_bytes to change)", budget / (1 << 30))
+        logger.info("CPU KV cache: %.2f GiB (set kv_cache_memory_bytes or %s to change)", budget / (1 << 30),
+                    ENV_KVCACHE_SPACE)
         return budget

@@ -17,15 +17,14 @@ Every route answers CORS preflight requests (--allowed-origins, --allowed-method
 
 ``build_app(engine, args)`` makes the FastAPI app (tests drive it directly); ``run_server(args)``
 binds the port, builds the engine from the engine flags and serves it with uvicorn until a signal
-(exit code 0) or the engine core's death (exit code 1); see ``lifecycle``. ``add_serve_parser``
-adds the ``serve`` subcommand to the ``sparrow`` CLI.
+(exit code 0) or the engine core's death (exit code 1); see ``lifecycle``. The ``serve`` flags are
+in ``cli_args``, which the ``sparrow`` CLI imports without this module's server stack.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import secrets
@@ -42,6 +41,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from sparrow.engine.async_llm import AsyncLLM
 from sparrow.engine.exceptions import EngineDeadError
 from sparrow.engine.metrics import PROMETHEUS_CONTENT_TYPE, render
+from sparrow.entrypoints.openai.cli_args import (  # noqa: F401 - add_serve_parser: re-exported
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    ENV_API_KEY,
+    add_serve_parser,
+)
 from sparrow.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -53,11 +57,9 @@ from sparrow.entrypoints.openai.serving_chat import OpenAIServingChat
 from sparrow.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from sparrow.entrypoints.openai.serving_engine import APIError, engine_dead
 from sparrow.entrypoints.openai.serving_models import (
-    ENV_RUNTIME_LORA,
     add_lora_routes,
     add_model_routes,
     lora_modules_from_args,
-    parse_lora_module,
     runtime_lora_updating,
 )
 from sparrow.entrypoints.openai.serving_tokenization import (
@@ -71,11 +73,9 @@ from sparrow.entrypoints.openai.serving_tokenization import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_REQUEST_BODY_BYTES = 10 * 1024 * 1024
 # Paths the API key guards besides /v1/*: the tokenizer endpoints cost input-thread time and show
 # the chat template.
 _GUARDED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
-ENV_API_KEY = "SPARROW_API_KEY"
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)
 }
@@ -318,81 +318,3 @@ def run_server(args: argparse.Namespace) -> int:
 
 def _raise_system_exit(signum: int, frame: Any) -> None:
     raise SystemExit(0)
-
-
-def _shutdown_timeout(value: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value!r}")
-    return seconds
-
-
-def _json_list(value: str) -> list[str]:
-    try:
-        parsed = json.loads(value)
-    except ValueError:
-        parsed = None
-    if not isinstance(parsed, list) or not all(isinstance(item, str) for item in parsed):
-        raise argparse.ArgumentTypeError(f'must be a JSON list of strings, e.g. \'["https://example.com"]\', '
-                                         f'got {value!r}')
-    return parsed
-
-
-def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``sparrow serve [MODEL]`` with server flags and every engine argument."""
-    from sparrow.entrypoints.cli import add_engine_args
-    from sparrow.entrypoints.openai.lifecycle import DEFAULT_SHUTDOWN_TIMEOUT_S
-
-    parser = subparsers.add_parser(
-        "serve", help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve a model over an OpenAI-compatible HTTP API (see docs/serving.md). The process exits "
-                    "with code 0 after SIGTERM or Ctrl+C, and with code 1 when the engine core dies.")
-    parser.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
-                        help="local model directory (default: the built-in sparrow-tiny)")
-    server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on; 0.0.0.0 for every IPv4 interface (default: 127.0.0.1)")
-    server.add_argument("--port", type=int, default=8000,
-                        help="TCP port to listen on; checked before the model loads (default: 8000)")
-    server.add_argument("--api-key", default=None,
-                        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${ENV_API_KEY} if set, "
-                             "else no authentication)")
-    server.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-                        help=f"answer larger request bodies with 413 (default: {DEFAULT_MAX_REQUEST_BODY_BYTES}, "
-                             "10 MiB)")
-    server.add_argument("--shutdown-timeout", type=_shutdown_timeout, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-                        metavar="SECONDS",
-                        help="on SIGTERM or Ctrl+C, refuse new requests and let those in flight run this long; "
-                             "then end the rest with an error (streams: an error event and [DONE]). 0 ends "
-                             f"them at once, as vLLM does (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
-    server.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
-                        help='CORS: origins a browser page may call the API from, a JSON list '
-                             '(default: ["*"], any origin, as vLLM)')
-    server.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON",
-                        help='CORS: HTTP methods allowed from those origins, a JSON list (default: ["*"])')
-    server.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON",
-                        help='CORS: request headers allowed from those origins, a JSON list (default: ["*"])')
-    server.add_argument("--allow-credentials", action="store_true",
-                        help="CORS: let those origins send cookies and HTTP auth (default: off)")
-    server.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"],
-                        help="log level of the HTTP server's own messages (default: info)")
-    server.add_argument("--disable-access-log", action="store_true",
-                        help="do not log one line per HTTP request (default: off, every request is logged)")
-    server.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help="answer tool_choice \"auto\" (the default when a request has tools) by parsing the "
-                             "model's tool calls with --tool-call-parser (default: off, such requests are a 400)")
-    server.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                        help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json "
-                             "(Llama 3.x), or a plugin's (`sparrow plugins` lists them) (default: none)")
-    server.add_argument("--lora-modules", type=parse_lora_module, nargs="+", default=None, metavar="NAME=PATH",
-                        help="LoRA adapters to serve, each as name=path or JSON {\"name\": ..., \"path\": ..., "
-                             "\"base_model_name\": ...}; a request selects one by its model name (needs "
-                             f"--enable-lora; {ENV_RUNTIME_LORA}=true also enables /v1/load_lora_adapter and "
-                             "/v1/unload_lora_adapter) (default: none)")
-    add_engine_args(parser)
-    parser.set_defaults(func=run_server)
-    return parser

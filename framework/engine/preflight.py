@@ -289,8 +289,6 @@ def check_budgets(config: EngineConfig) -> None:
     if max_model_len < 2:
         raise _error("max_model_len", f"must be at least 2 (one prompt and one output token), got {max_model_len}")
     if config.scheduler.async_scheduling:
-        from sparrow.engine.setup import async_scheduling_problem
-
         problem = async_scheduling_problem(config)
         if problem is not None:
             raise _error("async_scheduling", f"is not supported with this configuration: {problem}")
@@ -358,3 +356,12 @@ def check_engine_config(config: EngineConfig, hf_config: Any = None, platform: A
     check_budgets(config)
     check_parallel(config, hf_config)
     check_lora(config, hf_config)
+
+
+def async_scheduling_problem(config: EngineConfig) -> str | None:
+    """Why ``config`` cannot overlap scheduling with the running step, or None."""
+    if config.speculative.speculative_config is not None:
+        return "speculative decoding needs each step's accepted tokens before it schedules the next drafts"
+    if config.kv_transfer.kv_connector is not None:
+        return "a KV connector loads and saves KV around each step in turn"
+    return None

@@ -11,6 +11,7 @@ from typing import Any
 from sparrow.config import ConfigError, EngineConfig
 from sparrow.engine.preflight import (
     apply_platform_config,
+    async_scheduling_problem,
     check_engine_config,
     check_model_dir,
     check_plugin_names,
@@ -150,12 +151,3 @@ def build_frontend(config: EngineConfig) -> Frontend:
                                      vocab_size=hf_config.vocab_size, eos_token_ids=model_eos_token_ids(model_dir),
                                      logits_processor_classes=processor_classes)
     return Frontend(tokenizer, hf_config, input_processor, OutputProcessor(tokenizer))
-
-
-def async_scheduling_problem(config: EngineConfig) -> str | None:
-    """Why ``config`` cannot overlap scheduling with the running step, or None."""
-    if config.speculative.speculative_config is not None:
-        return "speculative decoding needs each step's accepted tokens before it schedules the next drafts"
-    if config.kv_transfer.kv_connector is not None:
-        return "a KV connector loads and saves KV around each step in turn"
-    return None

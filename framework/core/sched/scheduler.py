@@ -378,9 +378,9 @@ class Scheduler(SchedulerInterface):
                     num_cached_tokens=request.num_cached_tokens or 0,
                 ))
             if finished:
-                if request in self.running:
+                try:
                     self.running.remove(request)
-                else:  # preempted while its step ran (overlapped scheduling)
+                except ValueError:  # preempted while its step ran (overlapped scheduling)
                     self.waiting.remove(request)
                 self._free(request)
         if model_runner_output.spec_token_ids:

@@ -198,6 +198,7 @@ def collect(stream) -> tuple[str | None, list[dict], str | None]:
     for chunk in stream:
         for choice in chunk.choices:
             content += choice.delta.content or ""
+            assert not (choice.finish_reason and choice.delta.tool_calls), "a call and its finish share a chunk"
             finish = choice.finish_reason or finish
             for call in choice.delta.tool_calls or []:
                 if call.index not in calls:
@@ -275,6 +276,44 @@ def test_the_sdk_helpers_reassemble_and_parse_tool_calls(client):
     parsed = parse(model=MODEL_NAME, messages=MESSAGES, tools=[tool], temperature=1.0, seed=8,
                    tool_choice={"type": "function", "function": {"name": "GetTime"}}, max_completion_tokens=MAX_TOKENS)
     assert isinstance(parsed.choices[0].message.tool_calls[0].function.parsed_arguments, GetTime)
+
+
+def test_a_call_that_arrives_with_its_finish_still_gets_the_sdks_done_event():
+    """A loaded server hands the stream a whole call and its finish in one engine output; the
+    finish must still come in a chunk of its own, or the SDK never fires `arguments.done`."""
+    import asyncio
+
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    from sparrow.entrypoints.openai.serving_chat import OpenAIServingChat, Reply
+    from sparrow.entrypoints.openai.tool_calling import resolve_tool_choice
+    from sparrow.outputs import CompletionOutput, RequestOutput
+
+    tool = openai.pydantic_function_tool(GetTime)
+    request = ChatCompletionRequest(model=MODEL_NAME, messages=MESSAGES, tools=[tool], tool_choice="required",
+                                    stream=True)
+    parsers = ReplyParsers(request, resolve_tool_choice(request, auto_enabled=False), [1, 2, 3])
+    text = '[{"name": "GetTime", "parameters": {"tz": "CET"}}]'
+    whole = RequestOutput("r", None, [1, 2, 3], None, [CompletionOutput(0, text, [5] * 9, None, None, "stop")], True)
+
+    async def engine():
+        yield whole
+
+    async def lines():
+        serving = object.__new__(OpenAIServingChat)
+        return [line async for line in serving._stream("r", MODEL_NAME, 1, engine(), Reply.of(request, 3), parsers)]
+
+    state = ChatCompletionStreamState(input_tools=[tool])
+    events = []
+    for line in asyncio.run(lines()):
+        payload = line.removeprefix("data: ").strip()
+        if payload != "[DONE]":
+            events += [event.type for event in state.handle_chunk(ChatCompletionChunk.model_validate_json(payload))]
+    assert events.count("tool_calls.function.arguments.done") == 1, events
+    choice = state.get_final_completion().choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls[0].function.parsed_arguments == GetTime(tz="CET")
 
 
 # The model's text forced into hermes' format, so that auto has calls to find.

@@ -273,16 +273,23 @@ class OpenAIServingChat(OpenAIServing):
         try:
             async for _, output in merge_streams([stream]):
                 prompt_tokens = len(output.prompt_token_ids or []) or prompt_tokens
-                choices = []
+                choices, finishes = [], []
                 for completion in output.outputs:
                     completion_tokens += len(completion.token_ids)
                     choice = self._stream_choice(completion, reply, choice_streams[completion.index])
-                    if choice is not None:
-                        choices.append(choice)
-                if choices:
-                    so_far = usage(prompt_tokens, completion_tokens) if reply.continuous_usage else None
-                    chunk = ChatCompletionStreamResponse(id=request_id, model=model, choices=choices, usage=so_far)
-                    yield f"data: {chunk.model_dump_json()}\n\n"
+                    if choice is None:
+                        continue
+                    choices.append(choice)
+                    if choice.finish_reason is not None and choice.delta.tool_calls:
+                        # OpenAI ends a call in its own empty-delta chunk; the SDK's
+                        # `arguments.done` event is only fired in that order.
+                        finishes.append(choice.model_copy(update={"delta": DeltaMessage(), "logprobs": None}))
+                        choices[-1] = choice.model_copy(update={"finish_reason": None, "stop_reason": None})
+                so_far = usage(prompt_tokens, completion_tokens) if reply.continuous_usage else None
+                for group in (choices, finishes):
+                    if group:
+                        chunk = ChatCompletionStreamResponse(id=request_id, model=model, choices=group, usage=so_far)
+                        yield f"data: {chunk.model_dump_json()}\n\n"
             if reply.include_usage:
                 chunk = ChatCompletionStreamResponse(id=request_id, model=model, choices=[],
                                                      usage=usage(prompt_tokens, completion_tokens))

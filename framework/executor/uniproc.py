@@ -3,7 +3,9 @@
 With overlapped scheduling (``async_scheduling``) the worker runs on a thread of its own, so that
 the engine core schedules step n+1 while step n runs; every call into the worker (steps and
 collective calls alike) then goes through that one thread, in order, so the worker never sees two
-callers at once.
+callers at once. The thread does not wait for a step's sampled tokens either: it hands back a
+deferred output and goes on to the next step, which is fed the tokens on the device
+(sparrow.worker.deferred_tokens); the engine core's thread waits for them when it collects.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Callable
 
 from sparrow.config import EngineConfig
 from sparrow.core.sched.output import SchedulerOutput
-from sparrow.executor.abstract import Executor, KVCacheInfo
+from sparrow.executor.abstract import Executor, KVCacheInfo, StepHandle
 from sparrow.platforms import resolve_platform
 from sparrow.plugins import get_plugin_manager, import_object, kernel_default_only
 from sparrow.worker.outputs import ModelRunnerOutput
@@ -26,11 +28,15 @@ class UniProcExecutor(Executor):
         worker_cls = import_object(self.platform.worker_cls)
         self.worker = worker_cls(config=config, platform=self.platform, rank=0, local_rank=0,
                                  world_size=1, distributed_init_method=None)
-        self._execute = execute_step(get_plugin_manager(), self.worker)
+        pm = get_plugin_manager()
+        self._execute = execute_step(pm, self.worker)
         self._thread: ThreadPoolExecutor | None = None
         if config.scheduler.async_scheduling:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="sparrow-worker",
                                               initializer=_bind_device, initargs=(self.worker,))
+            deferred = getattr(self.worker, "execute_model_deferred", None)
+            if deferred is not None and kernel_default_only(pm, "sparrow_execute_model"):
+                self._execute = deferred  # a plugin's step hook gets and returns plain outputs
 
     def initialize(self) -> KVCacheInfo:
         self.worker.init_device()
@@ -44,10 +50,10 @@ class UniProcExecutor(Executor):
             return self.execute_model_async(scheduler_output).result()
         return self._execute_step(scheduler_output)
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
         if self._thread is None:
             return super().execute_model_async(scheduler_output)
-        return self._thread.submit(self._execute_step, scheduler_output)
+        return _Collected(self._thread.submit(self._execute_step, scheduler_output))
 
     def _execute_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         output = self._execute(scheduler_output)
@@ -67,6 +73,20 @@ class UniProcExecutor(Executor):
         shutdown = getattr(self.worker, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+class _Collected:
+    """A step on the worker thread: ``result()`` waits for the thread, then for the step's sampled
+    tokens when the worker deferred them."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def result(self) -> ModelRunnerOutput:
+        output = self._future.result()
+        return output if isinstance(output, ModelRunnerOutput) else output.result()
 
 
 def _bind_device(worker: Any) -> None:

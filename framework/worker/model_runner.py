@@ -6,6 +6,7 @@ overriding :meth:`ModelRunner.run_model` and the tensor-transfer helpers.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from typing import Any
@@ -23,6 +24,7 @@ from sparrow.sample.metadata import SamplingTensors
 from sparrow.sample.sampler import Sampler
 from sparrow.spec_decode.proposer import build_proposer
 from sparrow.spec_decode.worker import write_draft_tokens
+from sparrow.worker.deferred_tokens import DeferredStepOutput, PendingTokens, TokenCopies
 from sparrow.worker.input_batch import CachedRequestState, InputBatch
 from sparrow.worker.input_buffers import InputBuffers
 from sparrow.worker.outputs import ModelRunnerOutput
@@ -98,6 +100,12 @@ class ModelRunner(SamplingStep):
         # Multi-LoRA: adapter slots and the hooks on the targeted layers (None: LoRA off, and the
         # model runs exactly as without it).
         self.lora_manager = build_lora_manager(config, model, device, dtype, platform)
+        # Overlapped scheduling: the last step's sampled tokens while they are still on the device.
+        self._pending: PendingTokens | None = None
+        self.token_copies = TokenCopies(self.max_num_reqs, device)
+        # Steps after a deferred one: how their inputs got its tokens ("identity" / "indexed":
+        # fed on the device; "host": settled first). Read by tests and when profiling.
+        self.feed_counts: collections.Counter[str] = collections.Counter()
 
     # -- KV cache ---------------------------------------------------------------------------
     def num_kv_cache_tensors(self) -> int:
@@ -128,12 +136,31 @@ class ModelRunner(SamplingStep):
             self.proposer.initialize_kv_cache(num_blocks)
 
     # -- the step ---------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        output = self._execute(scheduler_output, defer=False)
+        assert isinstance(output, ModelRunnerOutput)
+        return output
+
+    def execute_model_deferred(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | DeferredStepOutput:
+        """The step without waiting for its sampled tokens (overlapped scheduling): a
+        :class:`DeferredStepOutput` whose ``result()`` waits, where the step samples plainly;
+        the next step is fed the tokens on the device (sparrow.worker.deferred_tokens)."""
+        return self._execute(scheduler_output, defer=True)
+
+    @torch.inference_mode()
+    def _execute(self, scheduler_output: SchedulerOutput, defer: bool) -> ModelRunnerOutput | DeferredStepOutput:
+        feed, self._pending = self._pending, None
+        if feed is not None and not (defer and feed.continues_in(scheduler_output)):
+            feed.settle(self.batch)  # the host path: this step reads the tokens from the batch
+            feed = None
+            self.feed_counts["host"] += 1
         self.update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0 or self.batch.num_reqs == 0:
             return ModelRunnerOutput()
         inputs = self.prepare_inputs(scheduler_output)
+        if feed is not None:
+            self.feed_counts[feed.feed(self.batch, inputs.input_ids, inputs.metadata.query_start_loc_cpu.numpy(),
+                                       self.to_device)] += 1
         inputs.grammar_bitmask, inputs.draft_grammar_bitmask = self.grammar_bitmask(scheduler_output)
         inputs.spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         connector_meta = scheduler_output.kv_connector_metadata
@@ -149,7 +176,9 @@ class ModelRunner(SamplingStep):
             hidden_states = self.run_model(inputs)  # [T, hidden]
         if self.kv_connector is not None and connector_meta is not None:
             self.kv_connector.save_kv(self.kv_connector_meta(connector_meta))
-        return self.sample(hidden_states, inputs)
+        if feed is not None:  # the forward is enqueued: the previous step's tokens may come home
+            feed.settle(self.batch)
+        return self.sample(hidden_states, inputs, defer=defer)
 
     def prepare_lora(self, inputs: StepInputs) -> bool:
         """Map this step's tokens to adapter slots; True when any token uses an adapter."""

@@ -18,6 +18,7 @@ from sparrow.core.sched.output import SchedulerOutput
 from sparrow.sample.logprobs import compute_token_logprobs
 from sparrow.sample.metadata import SamplingMetadata
 from sparrow.spec_decode.worker import propose_drafts, verify_drafts
+from sparrow.worker.deferred_tokens import DeferredStepOutput, PendingTokens
 from sparrow.worker.outputs import ModelRunnerOutput, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -32,6 +33,8 @@ class SamplingStep:
     sampler: Any
     sampling_tensors: Any
     proposer: Any
+    token_copies: Any
+    _pending: PendingTokens | None
     _sampling_version: int
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -82,7 +85,10 @@ class SamplingStep:
         sampling_metadata.grammar_bitmask = inputs.grammar_bitmask
         return sampling_metadata
 
-    def sample(self, hidden_states: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
+    def sample(self, hidden_states: torch.Tensor, inputs: StepInputs,
+               defer: bool = False) -> ModelRunnerOutput | DeferredStepOutput:
+        if defer and not inputs.spec_decode_tokens and self.proposer is None:
+            return self.sample_deferred(hidden_states, inputs)
         if inputs.spec_decode_tokens:
             sampled_token_ids, logprobs = verify_drafts(self, hidden_states, inputs)
         else:
@@ -119,6 +125,21 @@ class SamplingStep:
             if logprobs_rows is not None and logprobs_rows[row] is not None:
                 logprobs[state.req_id] = [logprobs_rows[row]]
         return sampled_token_ids, logprobs
+
+    def sample_deferred(self, hidden_states: torch.Tensor, inputs: StepInputs) -> DeferredStepOutput:
+        """The plain path's sampling without reading the tokens: they stay pending on the device
+        for the next step (sparrow.worker.deferred_tokens)."""
+        batch = self.batch
+        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])  # [num_reqs, vocab]
+        sampler_output = self.sampler(logits, self.sampling_metadata(inputs))
+        sampled = self.agree_on_sampled(sampler_output.sampled_token_ids)
+        rows = np.flatnonzero(inputs.complete_rows[: batch.num_reqs])
+        host, event = self.token_copies.start(sampled)
+        pending = PendingTokens(sampled, host, event, [batch.states[row] for row in rows.tolist()], rows)
+        if rows.size:
+            self._pending = pending
+        return DeferredStepOutput(list(batch.req_ids), inputs.complete_rows[: batch.num_reqs], pending,
+                                  sampler_output, self.prompt_logprobs(hidden_states, inputs))
 
     def agree_on_sampled(self, sampled_token_ids: torch.Tensor) -> torch.Tensor:
         """Tensor parallel: make rank 0's sampled tokens every rank's tokens.

@@ -120,6 +120,13 @@ class WorkerBase:
         assert self.model_runner is not None
         return self.model_runner.execute_model(scheduler_output)
 
+    def execute_model_deferred(self, scheduler_output: SchedulerOutput) -> Any:
+        """The step without waiting for its sampled tokens: a ``ModelRunnerOutput``, or an object
+        whose ``result()`` gives it (overlapped scheduling in one process)."""
+        assert self.model_runner is not None
+        deferred = getattr(self.model_runner, "execute_model_deferred", None)  # a plugin's runner may lack it
+        return (deferred or self.model_runner.execute_model)(scheduler_output)
+
     def num_parameters(self) -> int:
         """The whole model's parameter count, however it is split across tensor-parallel ranks."""
         assert self.model_runner is not None

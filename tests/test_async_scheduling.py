@@ -173,15 +173,25 @@ def test_configurations_that_cannot_overlap_are_refused_naming_the_field(extra, 
 
 def test_tensor_parallel_ranks_overlap_too():
     """With worker processes, step n+1 is sent to the ranks before step n's output is read; each
-    rank feeds its own sampled tokens forward."""
+    rank feeds its own sampled tokens forward on its device, and rank 0 sends a step's output
+    when it is ready or once the next step is launched."""
     prompts = [f"Tensor parallel prompt {i}" for i in range(5)]
     params = [SamplingParams(temperature=0.0, max_tokens=10 + 3 * i, ignore_eos=True) for i in range(5)]
+    mixed_prompts, mixed_params = mixed_batch()
     with LLM(multiprocess=False, tensor_parallel_size=2, async_scheduling=True) as llm:
         overlapped = llm.generate(prompts, params, use_tqdm=False)
-        assert llm.llm_engine.engine_core.engine_core.executor._pending == {}
+        mixed = [summary(o) for o in llm.generate(mixed_prompts, mixed_params, use_tqdm=False)]
+        executor = llm.llm_engine.engine_core.engine_core.executor
+        assert executor._pending == {}
+        counts = executor.collective_rpc("feed_counts")
+        assert all(c.get("identity", 0) > 0 and c.get("indexed", 0) > 0 for c in counts), counts
     with LLM(multiprocess=False) as llm:
         reference = llm.generate(prompts, params, use_tqdm=False)
+    with LLM(multiprocess=False, tensor_parallel_size=2) as llm:
+        mixed_reference = [summary(o) for o in llm.generate(mixed_prompts, mixed_params, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in overlapped] == [o.outputs[0].token_ids for o in reference]
+    for index, (want, got) in enumerate(zip(mixed_reference, mixed)):
+        assert_same(got, want, f"request {index} differs with tensor-parallel overlap")
 
 
 # -- the scheduler alone: placeholders --------------------------------------------------------

@@ -154,7 +154,7 @@ class WorkerProc:
     def __init__(self, spec: WorkerSpec, sock: zmq.Socket) -> None:
         from sparrow.executor.uniproc import execute_step
         from sparrow.platforms import resolve_platform
-        from sparrow.plugins import get_plugin_manager, import_object
+        from sparrow.plugins import get_plugin_manager, import_object, kernel_default_only
 
         self.spec = spec
         self.sock = sock
@@ -162,7 +162,14 @@ class WorkerProc:
         worker_cls = import_object(platform.worker_cls)
         self.worker = worker_cls(config=spec.config, platform=platform, rank=spec.rank, local_rank=spec.local_rank,
                                  world_size=spec.world_size, distributed_init_method=spec.distributed_init_method)
-        self._execute = execute_step(get_plugin_manager(), self.worker)
+        pm = get_plugin_manager()
+        self._execute = execute_step(pm, self.worker)
+        # Overlapped scheduling: a step returns before its sampled tokens reach the host; rank 0
+        # sends its output once the next step is launched, or when no next step is waiting.
+        deferred = getattr(self.worker, "execute_model_deferred", None)
+        if spec.config.scheduler.async_scheduling and deferred is not None and \
+                kernel_default_only(pm, "sparrow_execute_model"):
+            self._execute = deferred
         self.sock.send_multipart([HELLO, encode_seq(0), msgspec.msgpack.encode(self.process_info())])
 
     def process_info(self) -> dict[str, Any]:
@@ -172,6 +179,7 @@ class WorkerProc:
     def run(self) -> None:
         from sparrow.core.sched.output import SchedulerOutput
         from sparrow.engine import serial
+        from sparrow.wire import ModelRunnerOutput
 
         so_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
         # As in the engine core (core_proc.freeze_startup_objects): the model and the worker live
@@ -180,16 +188,41 @@ class WorkerProc:
         gc.freeze()
         generic = msgspec.msgpack.Decoder()
         encoder = msgspec.msgpack.Encoder()
+        waiting: tuple[bytes, Any] | None = None  # rank 0: a step's deferred output, not yet sent
+
+        def send_waiting() -> None:
+            nonlocal waiting
+            if waiting is None:
+                return
+            seq, deferred = waiting
+            waiting = None
+            try:
+                self.sock.send_multipart([OUTPUT, seq, encoder.encode(deferred.result())], copy=False)
+            except Exception:  # noqa: BLE001 - reported like a failed step
+                logger.exception("rank %d: execute_model failed", self.spec.rank)
+                self.sock.send_multipart([FAILURE, seq, encoder.encode(["E", traceback.format_exc()])])
+
         while True:
+            while waiting is not None:  # send it as soon as it is ready, unless a next step comes first
+                if waiting[1].ready():
+                    send_waiting()
+                elif self.sock.poll(0):
+                    break
             kind, seq, payload = self.sock.recv_multipart()
+            if kind != EXECUTE:
+                send_waiting()
             if kind == SHUTDOWN:
                 logger.debug("rank %d: shutdown", self.spec.rank)
                 return
             try:
                 if kind == EXECUTE:
                     output = self.execute_model(so_decoder.decode(payload))
+                    send_waiting()  # the previous step's, now that this one is launched
                     if self.spec.rank == 0:
-                        self.sock.send_multipart([OUTPUT, seq, encoder.encode(output)], copy=False)
+                        if isinstance(output, ModelRunnerOutput):
+                            self.sock.send_multipart([OUTPUT, seq, encoder.encode(output)], copy=False)
+                        else:
+                            waiting = (seq, output)
                 elif kind == RPC:
                     method, args, kwargs = generic.decode(payload)
                     result = serial.encode_result(self.call(method, args, kwargs))

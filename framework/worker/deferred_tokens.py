@@ -148,6 +148,11 @@ class DeferredStepOutput:
         self.sampler_output = sampler_output
         self.prompt_logprobs = prompt_logprobs
 
+    def ready(self) -> bool:
+        """Whether ``result()`` would return without waiting for the device."""
+        event = self.pending.event
+        return event is None or event.query()
+
     def result(self) -> ModelRunnerOutput:
         tokens = self.pending.tokens()
         logprobs_rows = self.sampler_output.logprobs_lists()

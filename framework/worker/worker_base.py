@@ -127,6 +127,11 @@ class WorkerBase:
         deferred = getattr(self.model_runner, "execute_model_deferred", None)  # a plugin's runner may lack it
         return (deferred or self.model_runner.execute_model)(scheduler_output)
 
+    def feed_counts(self) -> dict[str, int]:
+        """Overlapped scheduling: how the steps after deferred ones got their tokens (see
+        ``ModelRunner.feed_counts``)."""
+        return dict(getattr(self.model_runner, "feed_counts", {}))
+
     def num_parameters(self) -> int:
         """The whole model's parameter count, however it is split across tensor-parallel ranks."""
         assert self.model_runner is not None

@@ -43,3 +43,22 @@ def test_the_engine_process_reads_it(monkeypatch):
         info = llm.llm_engine.engine_core.call_utility("get_kv_cache_info")
         # sparrow-tiny in float32: 8 layers x (K, V) x 4 KV heads x 64 x 4 bytes = 16 KiB a token.
         assert info["num_blocks"] * info["block_size"] * 16 * 1024 == 1 << 27, info
+
+
+@pytest.mark.parametrize("bad", ["0", "abc"])
+def test_a_bad_value_is_refused_before_any_process_starts(monkeypatch, bad):
+    """The frontend refuses it as a configuration error naming the variable, before it starts
+    the engine process (whose start-up failure would otherwise bury the message)."""
+    from sparrow import LLM
+    from sparrow.config import ConfigError
+
+    monkeypatch.setenv(cpu_worker.ENV_KVCACHE_SPACE, bad)
+    started = []
+    monkeypatch.setattr("sparrow.engine.launch.start_process", lambda *a, **k: started.append(a))
+    with pytest.raises(ConfigError, match="SPARROW_CPU_KVCACHE_SPACE must be a number of GiB > 0"):
+        LLM(max_model_len=256)
+    assert not started
+    monkeypatch.undo()  # the real start_process again; the variable stays bad, but the argument wins
+    monkeypatch.setenv(cpu_worker.ENV_KVCACHE_SPACE, bad)
+    with LLM(max_model_len=256, kv_cache_memory_bytes=1 << 26, multiprocess=False) as llm:
+        assert llm.generate(["hi"], use_tqdm=False)[0].outputs[0].text is not None

@@ -18,28 +18,14 @@ import torch  # noqa: E402
 from sparrow.executor.topology import nnodes_from_env  # noqa: E402
 from sparrow.worker.model_runner import ModelRunner  # noqa: E402
 from sparrow.worker.worker_base import WorkerBase  # noqa: E402
+from sparrow_cpu.platform import ENV_KVCACHE_SPACE, kvcache_space_from_env  # noqa: E402, F401 - re-exported
 
 logger = logging.getLogger(__name__)
 
 # Without kv_cache_memory_bytes: ENV_KVCACHE_SPACE GiB if set (vLLM's VLLM_CPU_KVCACHE_SPACE),
 # else this share of the available RAM, at most DEFAULT_MAX_BYTES.
-ENV_KVCACHE_SPACE = "SPARROW_CPU_KVCACHE_SPACE"
 DEFAULT_RAM_FRACTION = 0.25
 DEFAULT_MAX_BYTES = 1 << 30
-
-
-def kvcache_space_from_env() -> int | None:
-    """Bytes from ``SPARROW_CPU_KVCACHE_SPACE`` (GiB, a number > 0), or None when it is unset."""
-    text = os.environ.get(ENV_KVCACHE_SPACE, "").strip()
-    if not text:
-        return None
-    try:
-        gib = float(text)
-    except ValueError:
-        gib = -1.0
-    if not 0 < gib < float("inf"):  # also refuses nan
-        raise ValueError(f"{ENV_KVCACHE_SPACE} must be a number of GiB > 0, got {text!r}")
-    return int(gib * (1 << 30))
 
 
 def available_ram_bytes() -> int:

@@ -125,7 +125,20 @@ def test_structured_requests_run_in_turn_beside_overlapped_ones():
     prompts = ["Give me a number:", "Tell a story", "Another one:"]
     params = [constrained, free, free]
     with LLM(multiprocess=False, async_scheduling=True) as llm:
+        core = llm.llm_engine.engine_core.engine_core
+        may_overlap = []
+        schedule_step = core._schedule_step
+
+        def watched():
+            may_overlap.append((core.scheduler.num_structured_requests, core._may_schedule_ahead()))
+            return schedule_step()
+
+        core._schedule_step = watched
         overlapped = llm.generate(prompts, params, use_tqdm=False)
+        # The scheduler's count of requests with a grammar decides, and drops to 0 when they finish.
+        assert (1, False) in may_overlap and core.scheduler.num_structured_requests == 0
+        assert all(ok == (count == 0) for count, ok in may_overlap)
+        assert core.scheduler.requests == {}
     with LLM(multiprocess=False, async_scheduling=False) as llm:
         reference = llm.generate(prompts, params, use_tqdm=False)
     assert json.loads(overlapped[0].outputs[0].text)["answer"] in ("yes", "no", "maybe")

@@ -154,6 +154,9 @@ class EngineCore:
         the token in flight."""
         if self._structured_output is None:
             return True
+        count = getattr(self.scheduler, "num_structured_requests", None)
+        if count is not None:
+            return count == 0
         return not any(r.structured_output is not None for r in getattr(self.scheduler, "requests", {}).values())
 
     def _schedule_step(self) -> SchedulerOutput | None:

@@ -19,21 +19,14 @@ from sparrow.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from sparrow.core.request import Request, RequestStatus
 from sparrow.core.sched.interface import SchedulerInterface
 from sparrow.core.sched.plan import AllocateFn, StepPlan, allocate_directly
-from sparrow.core.sched.spec import SpecDecodeStats, usable_drafts
-from sparrow.core.sched.stop import advance_grammar, check_stop
+from sparrow.core.sched.spec import SpecDecodeStats
+from sparrow.core.sched.update import StepOutputs
 from sparrow.errors import InvalidArgumentError
-from sparrow.wire import (
-    CachedRequestData,
-    EngineCoreOutput,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-    SchedulerStats,
-)
+from sparrow.wire import CachedRequestData, NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-class Scheduler(SchedulerInterface):
+class Scheduler(StepOutputs, SchedulerInterface):
     """Running requests are served first, then waiting ones, until the token budget is spent.
 
     Subclasses set ``sort_waiting = True`` and override :meth:`waiting_key` to reorder admission;
@@ -80,6 +73,7 @@ class Scheduler(SchedulerInterface):
         self.spec_decode_stats = SpecDecodeStats()
 
         self.requests: dict[str, Request] = {}  # req_id -> request, every unfinished one
+        self.num_structured_requests = 0  # of them, those with a grammar (overlap waits for them)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         # Finished or preempted since the last schedule(): the workers must drop their state.
@@ -115,6 +109,7 @@ class Scheduler(SchedulerInterface):
         if request.request_id in self.requests:
             raise InvalidArgumentError(f"request_id {request.request_id!r} is already in use", "request_id")
         self.requests[request.request_id] = request
+        self.num_structured_requests += request.structured_output is not None
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
@@ -138,6 +133,7 @@ class Scheduler(SchedulerInterface):
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        self.num_structured_requests -= request.structured_output is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -329,88 +325,4 @@ class Scheduler(SchedulerInterface):
             output_token_ids=list(request.output_token_ids),
             extra_group_block_ids=self.kv_cache_manager.get_extra_group_block_ids(request.request_id),
             lora_request=request.lora_request,
-        )
-
-    # -- after the forward ------------------------------------------------------------------
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
-        sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
-        logprobs = model_runner_output.logprobs
-        prompt_logprobs = model_runner_output.prompt_logprobs
-        scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            if request is None:
-                continue  # aborted while the step ran
-            generated = sampled.get(req_id, ())
-            if generated and request.num_output_placeholders:
-                request.num_output_placeholders -= len(generated)
-            if scheduled_drafts:
-                drafts = scheduled_drafts.get(req_id)
-                if drafts:
-                    # The step computed the last token and the accepted drafts; the rejected
-                    # ones' KV slots are written over by the next steps.
-                    num_accepted = max(len(generated) - 1, 0)
-                    request.num_computed_tokens -= len(drafts) - num_accepted
-                    self.spec_decode_stats.observe(len(drafts), num_accepted)
-            new_token_ids: list[int] = []
-            for token_id in generated:
-                request.append_output_token_ids(token_id)
-                new_token_ids.append(token_id)
-                status, stop_reason = check_stop(request, token_id, self.max_model_len)
-                if status is None and request.structured_output is not None:
-                    status = advance_grammar(request, token_id)
-                if status is not None:
-                    request.status, request.stop_reason = status, stop_reason
-                    break
-            new_logprobs = logprobs.get(req_id)
-            if new_logprobs is not None:
-                new_logprobs = new_logprobs[: len(new_token_ids)]
-            new_prompt_logprobs = prompt_logprobs.get(req_id)
-            finished = request.is_finished()
-            if new_token_ids or finished or new_prompt_logprobs:
-                outputs.append(EngineCoreOutput(
-                    request_id=req_id, new_token_ids=new_token_ids, new_logprobs=new_logprobs,
-                    new_prompt_logprobs=new_prompt_logprobs,
-                    finish_reason=request.get_finish_reason(), stop_reason=request.stop_reason,
-                    num_cached_tokens=request.num_cached_tokens or 0,
-                ))
-            if finished:
-                try:
-                    self.running.remove(request)
-                except ValueError:  # preempted while its step ran (overlapped scheduling)
-                    self.waiting.remove(request)
-                self._free(request)
-        if model_runner_output.spec_token_ids:
-            self._keep_drafts(model_runner_output)
-        return outputs
-
-    def _keep_drafts(self, model_runner_output: ModelRunnerOutput) -> None:
-        """Hold the workers' drafts for each unfinished request's next step."""
-        for req_id, drafts in zip(model_runner_output.req_ids, model_runner_output.spec_token_ids):
-            if not drafts:
-                continue
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue
-            drafts = usable_drafts(request, drafts, self.max_model_len)
-            if drafts:
-                self.draft_token_ids[req_id] = drafts
-
-    def make_stats(self) -> SchedulerStats:
-        """A snapshot: gauges now, counters since the scheduler was built (nothing is reset)."""
-        cache_stats = self.kv_cache_manager.make_prefix_cache_stats()
-        return SchedulerStats(
-            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=self.kv_cache_manager.usage, prefix_cache_queries=cache_stats.queries,
-            prefix_cache_hits=cache_stats.hits, num_preemptions=self.num_preemptions,
-            num_free_blocks=self.kv_cache_manager.num_free_blocks,
-            num_total_blocks=self.kv_cache_manager.num_blocks,
-            kv_connector_loaded_tokens=self.num_external_computed_tokens,
-            spec_decode_num_drafts=self.spec_decode_stats.num_drafts,
-            spec_decode_num_draft_tokens=self.spec_decode_stats.num_draft_tokens,
-            spec_decode_num_accepted_tokens=self.spec_decode_stats.num_accepted_tokens,
-            spec_decode_num_accepted_tokens_per_pos=list(self.spec_decode_stats.num_accepted_tokens_per_pos),
         )

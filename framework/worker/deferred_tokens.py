@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from sparrow.core.sched.output import SchedulerOutput
+from sparrow.sample.logprobs import LogprobsTensors
 from sparrow.worker.outputs import ModelRunnerOutput, TokenLogprobs
 
 # Pinned host buffers for the copies: step n's is read by the engine core (result) and by step
@@ -46,10 +47,13 @@ class TokenCopies:
         self._buffers: list[torch.Tensor] = []  # made on first use (only overlapped steps copy)
         self._events: list[Any] = []
 
-    def start(self, sampled: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Begin copying ``sampled`` [R] to the host: ``(host tensor, event or None)``."""
+    def start(self, sampled: torch.Tensor, logprobs: LogprobsTensors | None = None
+              ) -> tuple[torch.Tensor, Any, LogprobsTensors | None]:
+        """Begin copying ``sampled`` [R] (and the step's logprobs, if any) to the host: ``(host
+        tensor, event or None, host logprobs)``. Reading them after the event never waits for
+        later steps, as a plain ``.tolist()`` from another thread would (it syncs the stream)."""
         if self.device.type != "cuda":
-            return sampled, None
+            return sampled, None, logprobs
         if not self._buffers:
             with torch.inference_mode(False):
                 self._buffers = [torch.zeros(self.max_num_reqs, dtype=torch.int64, pin_memory=True)
@@ -58,9 +62,19 @@ class TokenCopies:
         index, self._next = self._next, (self._next + 1) % _RING
         host = self._buffers[index][: sampled.shape[0]]
         host.copy_(sampled, non_blocking=True)
+        if logprobs is not None:
+            logprobs = LogprobsTensors(*(_pinned_copy(t) for t in (logprobs.token_ids, logprobs.logprobs,
+                                                                  logprobs.ranks)))
         event = self._events[index]
         event.record()
-        return host, event
+        return host, event, logprobs
+
+
+def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A non-blocking copy into pinned host memory (torch's caching host allocator keeps the
+    block until the copy ran)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
 
 
 class PendingTokens:

@@ -134,7 +134,7 @@ class SamplingStep:
         sampler_output = self.sampler(logits, self.sampling_metadata(inputs))
         sampled = self.agree_on_sampled(sampler_output.sampled_token_ids)
         rows = np.flatnonzero(inputs.complete_rows[: batch.num_reqs])
-        host, event = self.token_copies.start(sampled)
+        host, event, sampler_output.logprobs = self.token_copies.start(sampled, sampler_output.logprobs)
         pending = PendingTokens(sampled, host, event, [batch.states[row] for row in rows.tolist()], rows)
         if rows.size:
             self._pending = pending

@@ -23,7 +23,7 @@ LAYOUT = {"sparrow": "framework", "sparrow_schedulers": "plugins/schedulers", "s
           "sparrow_cuda": "plugins/builtin_cuda"}
 # What CI keeps clean: the kernel's scheduling and memory code, the plugin contract and the loader.
 CHECKED = ("sparrow.hookspecs", "sparrow.core", "sparrow.ops", "sparrow.plugins", "sparrow.config",
-           "sparrow.interfaces", "sparrow.wire", "sparrow.errors", "sparrow.platforms")
+           "sparrow.interfaces", "sparrow.wire", "sparrow.errors", "sparrow.platforms", "sparrow.sample")
 
 
 def build_tree(dest: Path) -> None:

@@ -264,10 +264,13 @@ class SamplingTensors:
                 f"output_token_ids has {len(output_token_ids)} rows, the batch has "
                 f"{self._static.temperature.shape[0]}"
             )
-        update = self._pending_update
-        if update is True:
+        pending, self._pending_update = self._pending_update, None
+        # True: rebuild every row's state (the rows changed more than one update can say).
+        update: BatchUpdate | None
+        if pending is True:
             update = full_update(self._processor_rows, self._params, self._prompt_token_ids, output_token_ids)
-        self._pending_update = None
+        else:
+            update = pending if isinstance(pending, BatchUpdate) else None
         if update is not None:
             self._processor_rows = update.batch_size
         self.logits_processors.update_state(update)

@@ -299,6 +299,7 @@ def draw(
     ``generator``."""
     uniforms = torch.rand(probs.shape[0], generator=generator, device=probs.device, dtype=sum_dtype(probs.device))
     if seeded_rows is not None and seeded_rows.shape[0] > 0:
+        assert seeded_uniforms is not None, "seeded rows come with their uniforms"
         uniforms.index_copy_(0, seeded_rows, seeded_uniforms.to(uniforms.dtype))
     return inverse_cdf(probs, uniforms)
 

@@ -88,7 +88,9 @@ class LogitBiasLogitsProcessor(_RowIndexProcessor):
         if not self.rows:
             return logits
         if self.stale(logits.shape[1]):
-            rows, token_ids, biases = [], [], []
+            rows: list[int] = []
+            token_ids: list[int] = []
+            biases: list[float] = []
             for row, bias_by_token in self.rows.items():
                 rows.extend([row] * len(bias_by_token))
                 token_ids.extend(bias_by_token)

@@ -21,9 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # import name -> source directory (as in setup.py)
 LAYOUT = {"sparrow": "framework", "sparrow_schedulers": "plugins/schedulers", "sparrow_cpu": "plugins/cpu",
           "sparrow_cuda": "plugins/builtin_cuda"}
-# What CI keeps clean: the kernel's scheduling and memory code, the plugin contract and the loader.
+# What CI keeps clean: the kernel's scheduling and memory code, the plugin contract, the sampler,
+# the worker and the executors.
 CHECKED = ("sparrow.hookspecs", "sparrow.core", "sparrow.ops", "sparrow.plugins", "sparrow.config",
-           "sparrow.interfaces", "sparrow.wire", "sparrow.errors", "sparrow.platforms", "sparrow.sample")
+           "sparrow.interfaces", "sparrow.wire", "sparrow.errors", "sparrow.platforms", "sparrow.sample",
+           "sparrow.worker", "sparrow.executor")
 
 
 def build_tree(dest: Path) -> None:

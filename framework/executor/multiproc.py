@@ -139,6 +139,7 @@ class MultiprocExecutor(Executor):
     def _start_local_workers(self) -> None:
         if self.topology.is_multi_node:
             # node 0's store, which the other nodes reach through env:// (MASTER_ADDR / MASTER_PORT)
+            assert self.topology.master_addr is not None and self.topology.master_port is not None  # validated
             init_method = tcp_init_method(self.topology.master_addr, self.topology.master_port)
         else:
             init_method = tcp_init_method("127.0.0.1", get_open_port())
@@ -223,7 +224,7 @@ class MultiprocExecutor(Executor):
         try:
             while not ranks <= replies.keys():
                 self._raise_failures(fatal=fatal, what=what, seq=seq)
-                wait_ms = _POLL_SLICE_MS
+                wait_ms: float = _POLL_SLICE_MS
                 if deadline is not None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
@@ -252,8 +253,8 @@ class MultiprocExecutor(Executor):
         if self._monitor is not None and self._monitor in events:
             while self._monitor.poll(0):
                 event = recv_monitor_message(self._monitor)
-                endpoint = event.get("endpoint", b"")
-                endpoint = endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+                raw = event.get("endpoint", b"")
+                endpoint = raw.decode() if isinstance(raw, bytes) else str(raw)
                 if endpoint.startswith("tcp://") and self._remote_lost is None:
                     self._remote_lost = f"a remote node's connection to {endpoint} was lost"
         self._check_liveness()

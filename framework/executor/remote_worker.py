@@ -197,7 +197,7 @@ def _install_signal_handlers() -> dict[int, Any]:
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    previous = {}
+    previous: dict[int, Any] = {}
     for signum in (signal.SIGTERM, signal.SIGINT):
         previous[signum] = signal.signal(signum, interrupt)
     return previous

@@ -73,6 +73,7 @@ class NodeTopology:
         if master_port is None:
             master_port = _read_int(env, ("MASTER_PORT",), None)
         executor_port = _read_int(env, (ENV_EXECUTOR_PORT,), None)
+        assert nnodes is not None and node_rank is not None  # read with defaults
         topology = cls(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr or env.get("MASTER_ADDR") or None,
                        master_port=master_port, executor_port=executor_port)
         topology.validate()

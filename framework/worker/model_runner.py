@@ -73,7 +73,8 @@ class ModelRunner(SamplingStep):
         self.kv_cache_dtype = dtype
         self.block_size = block_size
         self.tp_rank = tp_rank
-        self.max_model_len = config.model.max_model_len
+        assert config.model.max_model_len is not None, "the engine's setup fills max_model_len"
+        self.max_model_len: int = config.model.max_model_len
         self.max_num_reqs = config.scheduler.max_num_seqs
         self.max_num_blocks_per_req = -(-self.max_model_len // block_size)
         self.vocab_size = model.vocab_size
@@ -159,8 +160,9 @@ class ModelRunner(SamplingStep):
             return ModelRunnerOutput()
         inputs = self.prepare_inputs(scheduler_output)
         if feed is not None:
-            self.feed_counts[feed.feed(self.batch, inputs.input_ids, inputs.metadata.query_start_loc_cpu.numpy(),
-                                       self.to_device)] += 1
+            query_start_loc = inputs.metadata.query_start_loc_cpu
+            assert query_start_loc is not None  # prepare_inputs sets it
+            self.feed_counts[feed.feed(self.batch, inputs.input_ids, query_start_loc.numpy(), self.to_device)] += 1
         inputs.grammar_bitmask, inputs.draft_grammar_bitmask = self.grammar_bitmask(scheduler_output)
         inputs.spec_decode_tokens = scheduler_output.scheduled_spec_decode_tokens
         connector_meta = scheduler_output.kv_connector_metadata

@@ -9,7 +9,7 @@ the state it reads (``batch``, ``model``, ``sampler``, ``sampling_tensors``, ``p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ from sparrow.worker.deferred_tokens import DeferredStepOutput, PendingTokens
 from sparrow.worker.outputs import ModelRunnerOutput, TokenLogprobs
 
 if TYPE_CHECKING:
-    from sparrow.worker.model_runner import StepInputs
+    from sparrow.worker.model_runner import ModelRunner, StepInputs
 
 
 class SamplingStep:
@@ -39,6 +39,11 @@ class SamplingStep:
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         raise NotImplementedError
+
+    @property
+    def runner(self) -> ModelRunner:
+        """This object as the model runner it is a mixin of."""
+        return cast("ModelRunner", self)
 
     def grammar_bitmask(self, so: SchedulerOutput) -> tuple[tuple[torch.Tensor, torch.Tensor] | None,
                                                             tuple[torch.Tensor, torch.Tensor] | None]:
@@ -90,7 +95,7 @@ class SamplingStep:
         if defer and not inputs.spec_decode_tokens and self.proposer is None:
             return self.sample_deferred(hidden_states, inputs)
         if inputs.spec_decode_tokens:
-            sampled_token_ids, logprobs = verify_drafts(self, hidden_states, inputs)
+            sampled_token_ids, logprobs = verify_drafts(self.runner, hidden_states, inputs)
         else:
             sampled_token_ids, logprobs = self.sample_tokens(hidden_states, inputs)
         output = ModelRunnerOutput(
@@ -98,7 +103,7 @@ class SamplingStep:
             prompt_logprobs=self.prompt_logprobs(hidden_states, inputs),
         )
         if self.proposer is not None:
-            output.spec_token_ids = propose_drafts(self, sampled_token_ids, hidden_states, inputs)
+            output.spec_token_ids = propose_drafts(self.runner, sampled_token_ids, hidden_states, inputs)
         return output
 
     def sample_tokens(self, hidden_states: torch.Tensor,
@@ -160,6 +165,7 @@ class SamplingStep:
         """Logprobs of the prompt tokens whose preceding position was computed this step."""
         out: dict[str, list[TokenLogprobs]] = {}
         qsl = inputs.metadata.query_start_loc_cpu
+        assert qsl is not None  # prepare_inputs sets it
         for row, state in enumerate(self.batch.states):
             k = state.sampling_params.prompt_logprobs
             if k is None:

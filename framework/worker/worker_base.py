@@ -61,6 +61,7 @@ class WorkerBase:
         from sparrow.model_loader import get_hf_config, load_model
 
         model_dir = self.config.model.model
+        assert model_dir is not None, "the engine's setup fills the model directory"
         hf_config = get_hf_config(model_dir)
         model = load_model(model_dir, self.attention_backend_cls(hf_config), self.dtype, self.device, tp=self.tp,
                            config=self.config)
@@ -139,6 +140,7 @@ class WorkerBase:
             return sum(p.numel() for p in self.model_runner.model.parameters())
         from sparrow.model_loader import checkpoint_num_parameters
 
+        assert self.config.model.model is not None
         return checkpoint_num_parameters(self.config.model.model)
 
     # -- LoRA adapters (the engine core's add_lora / remove_lora / list_loras) -------------------

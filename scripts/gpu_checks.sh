@@ -33,3 +33,8 @@ python3 -m sparrow.entrypoints.cli --log-level INFO bench throughput --preset gp
 echo "bench exit code $?"; grep -v "Loading weights" "$out/gpu_bench.log" | tail -20
 # 3. Where a decode step's time goes.
 python3 scripts/profile_gpu.py --trace "$out/gpu_trace.json" 2>&1 | tee "$out/profile.txt" | grep -v "^USDT" | head -40
+# 4. The same benchmark with overlapped scheduling and the device-side token feed (#14): compare
+#    its output tok/s with step 2's (docs/benchmarks.md predicts 10-25 % more).
+python3 -m sparrow.entrypoints.cli --log-level INFO bench throughput --preset gpu \
+  --engine-args '{"async_scheduling": true}' --result-file "$out/gpu_bench_async.json" > "$out/gpu_bench_async.log" 2>&1
+echo "async bench exit code $?"; grep -v "Loading weights" "$out/gpu_bench_async.log" | tail -12

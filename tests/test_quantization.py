@@ -398,12 +398,12 @@ def test_unsupported_combinations_fail_naming_the_field(quant_dirs, qwen3_dir, t
             finalized(**kwargs)
 
 
-def test_mixture_of_experts_models_are_refused():
-    config = SimpleNamespace(device=SimpleNamespace(device="cpu"), model=SimpleNamespace(dtype="auto"),
+def test_mixture_of_experts_models_are_refused_where_no_experts_op_is_served():
+    config = SimpleNamespace(device=SimpleNamespace(device="cuda"), model=SimpleNamespace(dtype="auto"),
                              parallel=SimpleNamespace(tensor_parallel_size=1))
-    method = AwqMethod(None)  # int8 quantizes them (tests/test_quantization_moe.py); the others refuse
+    method = Fp8Method(None)  # int8, awq and gptq serve them (tests/test_quantization_moe*.py)
     method.hf_config = SimpleNamespace(num_experts=4)
-    with pytest.raises(ConfigError, match=r"'quantization': 'awq' does not quantize mixture-of-experts models "
+    with pytest.raises(ConfigError, match=r"'quantization': 'fp8' does not quantize mixture-of-experts models "
                                           r"\(config.json has num_experts\)"):
         method.check_config(config)
 

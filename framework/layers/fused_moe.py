@@ -10,6 +10,13 @@ with the routing weights. The experts' weights are stacked, one tensor per proje
 Tensor parallelism splits every expert's intermediate size, as a dense MLP is split (gate/up
 column-parallel, down row-parallel): each rank computes a partial sum over its slice of the
 intermediate features, and the layer all-reduces it. The op call itself is rank-local.
+
+Built under a quantization method whose linear layers load a quantized checkpoint (AWQ, GPTQ), the
+layer holds each expert as the linear layers a dense MLP has (children ``"0"``, ``"1"``...: a
+merged ``gate_up_proj`` and a ``down_proj``), so that the checkpoint's per-expert ``qweight`` /
+``qzeros`` / ``scales`` / ``g_idx`` load, and split over ranks, exactly as a dense layer's do;
+:meth:`FusedMoE.dequantize_experts` turns them into the stacked weights once, when the op is
+bound (``sparrow.quantization.dequant.DequantizedFusedMoE``).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparrow.layers.linear import DENSE, MergedColumnParallelLinear, RowParallelLinear
 from sparrow.layers.parallel import (
     ParallelContext,
     copy_checked,
@@ -71,6 +79,15 @@ class FusedMoE(CustomOp):
         self.intermediate_size_per_rank = divide(intermediate_size, self.tp.world_size, "moe_intermediate_size")
         self.reduce_results = reduce_results
         inter = self.intermediate_size_per_rank
+        first = ExpertLinears(hidden_size, intermediate_size, self.tp, params_dtype)
+        self.quantized = first.gate_up_proj.weights is not DENSE
+        if self.quantized:  # the checkpoint's quantized experts, loaded as linear layers
+            self.register_parameter("gate_up_proj", None)
+            self.register_parameter("down_proj", None)
+            self.add_module("0", first)
+            for expert in range(1, num_experts):
+                self.add_module(str(expert), ExpertLinears(hidden_size, intermediate_size, self.tp, params_dtype))
+            return
         # Uninitialised on purpose: every value is overwritten by load_weights.
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, dtype=params_dtype),
                                          requires_grad=False)
@@ -78,6 +95,22 @@ class FusedMoE(CustomOp):
                                       requires_grad=False)
         self.gate_up_proj.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.down_proj.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def dequantize_experts(self) -> None:
+        """Quantized experts -> the stacked ``gate_up_proj`` / ``down_proj`` in the layer's dtype
+        (their quantized parameters are released); nothing when the experts are dense."""
+        if not self.quantized:
+            return
+        experts = [self.get_submodule(str(expert)) for expert in range(self.num_experts)]
+        stacks = {}
+        for name in ("gate_up_proj", "down_proj"):
+            linears = [getattr(expert, name) for expert in experts]
+            stacks[name] = torch.stack([linear.weights.dense_weight(linear) for linear in linears])
+        for expert in range(self.num_experts):
+            delattr(self, str(expert))
+        self.gate_up_proj = nn.Parameter(stacks["gate_up_proj"], requires_grad=False)
+        self.down_proj = nn.Parameter(stacks["down_proj"], requires_grad=False)
+        self.quantized = False
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         impl = self._op_impl
@@ -89,6 +122,8 @@ class FusedMoE(CustomOp):
 
     def forward_native(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized:  # not bound through a quantization method's op: dequantize here, once
+            self.dequantize_experts()
         # The (token, expert) pairs are sorted by expert so that each expert runs one matmul over
         # all its tokens; the Python loop is over experts, never over tokens.
         num_tokens, top_k = topk_ids.shape
@@ -155,7 +190,20 @@ class FusedMoE(CustomOp):
 
     def layer_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
-                f"intermediate_per_rank={self.intermediate_size_per_rank}, tp={self.tp.rank}/{self.tp.world_size}")
+                f"intermediate_per_rank={self.intermediate_size_per_rank}, tp={self.tp.rank}/{self.tp.world_size}"
+                + (", quantized" if self.quantized else ""))
+
+
+class ExpertLinears(nn.Module):
+    """One expert as a dense MLP's linear layers (how quantized experts load: see the module
+    docstring); never called, only dequantized into the stacks."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: ParallelContext,
+                 params_dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], False,
+                                                       tp=tp, params_dtype=params_dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, tp=tp, params_dtype=params_dtype)
 
 
 class MoeRouter(nn.Module):

@@ -44,16 +44,37 @@ class MoeCheckpointNames:
                 continue
             block = module_name.rpartition(".")[0]  # model.layers.N.mlp
             checkpoint_block = f"{block.rpartition('.')[0]}.{self.CHECKPOINT_BLOCK}"
-            for param_leaf, projections in self.EXPERT_PROJECTIONS.items():
-                param_name = f"{module_name}.{param_leaf}"
-                del names[param_name]  # loaded per expert (or whole, under its own name)
-                for expert in range(module.num_experts):
-                    for projection, part in projections:
-                        names[f"{checkpoint_block}.experts.{expert}.{projection}.weight"] = (param_name, (part, expert))
+            if module.quantized:
+                self._rename_quantized_experts(names, module_name, checkpoint_block)
+            else:
+                self._name_stacked_experts(names, module, module_name, checkpoint_block)
             if checkpoint_block != block:
                 router = f"{block}.gate.weight"
                 names[f"{checkpoint_block}.gate.weight"] = names.pop(router)
         return names
+
+    def _rename_quantized_experts(self, names: dict[str, tuple[str, Hashable]], module_name: str,
+                                  checkpoint_block: str) -> None:
+        """Quantized experts are linear layers ``{module}.{e}.gate_up_proj`` / ``.down_proj``: the
+        base class named their tensors as a dense MLP's (``{module}.{e}.gate_proj.qweight``...);
+        put them under the checkpoint's block and projection names (Mixtral: ``w1``/``w3``/``w2``)."""
+        checkpoint_projection = {part: projection for projections in self.EXPERT_PROJECTIONS.values()
+                                 for projection, part in projections}
+        dense_part = {"gate_proj": GATE, "up_proj": UP, "down_proj": DOWN}
+        prefix = module_name + "."
+        for key in [key for key in names if key.startswith(prefix)]:
+            expert, projection, leaf = key[len(prefix):].split(".", 2)
+            names[f"{checkpoint_block}.experts.{expert}.{checkpoint_projection[dense_part[projection]]}.{leaf}"] = \
+                names.pop(key)
+
+    def _name_stacked_experts(self, names: dict[str, tuple[str, Hashable]], module: FusedMoE, module_name: str,
+                              checkpoint_block: str) -> None:
+        for param_leaf, projections in self.EXPERT_PROJECTIONS.items():
+            param_name = f"{module_name}.{param_leaf}"
+            del names[param_name]  # loaded per expert (or whole, under its own name)
+            for expert in range(module.num_experts):
+                for projection, part in projections:
+                    names[f"{checkpoint_block}.experts.{expert}.{projection}.weight"] = (param_name, (part, expert))
 
 
 def is_sparse_layer(hf_config: Any, layer_index: int) -> bool:

@@ -47,8 +47,9 @@ class BuiltinQuantization(QuantizationMethod):
         # router stays in full precision): the built-in int8 does on the CPU.
         if experts and "fused_moe" not in self.implementations.get(device, {}):
             raise config_error("quantization", f"{self.name!r} does not quantize mixture-of-experts models "
-                               f"(config.json has {experts[0]}); of the built-in methods only 'int8' does (on "
-                               "the CPU): run it unquantized or with quantization='int8'")
+                               f"(config.json has {experts[0]}) on device {device!r}; of the built-in methods "
+                               "'int8' does on the CPU, and 'awq' and 'gptq' checkpoints load on CPU and CUDA: "
+                               "run it unquantized or with one of those")
         if self.needs_checkpoint and not self.hf_quant_config:
             raise config_error("quantization", f"{self.name!r} loads checkpoints quantized with it (config.json "
                                "quantization_config); this model has none")
@@ -73,8 +74,11 @@ def tp_shapes(hf_config: Any, tp: int) -> dict[str, int]:
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    return {
+    shapes = {
         "attention heads x head_dim": heads * head_dim // tp,
         "key/value heads x head_dim": max(1, kv_heads // tp) * head_dim,
         "intermediate_size": hf_config.intermediate_size // tp,
     }
+    if getattr(hf_config, "moe_intermediate_size", None):  # Qwen3-MoE's experts (Mixtral's: intermediate_size)
+        shapes["moe_intermediate_size"] = hf_config.moe_intermediate_size // tp
+    return shapes

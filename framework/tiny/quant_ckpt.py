@@ -35,11 +35,16 @@ import torch
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # Projections that read the same input share GPTQ's act-order permutation.
 SHARED_INPUT = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "qkv_proj": "attn_in",
-                "gate_proj": "mlp_in", "up_proj": "mlp_in", "gate_up_proj": "mlp_in"}
+                "gate_proj": "mlp_in", "up_proj": "mlp_in", "gate_up_proj": "mlp_in", "w1": "mlp_in", "w3": "mlp_in"}
 
 
 def _is_decoder_linear(name: str, tensor: torch.Tensor) -> bool:
-    return tensor.dim() == 2 and ".layers." in f".{name}" and name.endswith("_proj.weight")
+    """A decoder layer's linear weight, per-expert ones included (Mixtral's ``experts.N.w1/w2/w3``);
+    routers (``mlp.gate``) stay in full precision, as quantizers leave them."""
+    if tensor.dim() != 2 or ".layers." not in f".{name}":
+        return False
+    return name.endswith("_proj.weight") or (".experts." in name and name.endswith((".w1.weight", ".w2.weight",
+                                                                                      ".w3.weight")))
 
 
 def _group_bounds(weight: torch.Tensor, group_of: torch.Tensor, groups: int, sym: bool, bits: int):

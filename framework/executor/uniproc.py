@@ -28,15 +28,11 @@ class UniProcExecutor(Executor):
         worker_cls = import_object(self.platform.worker_cls)
         self.worker = worker_cls(config=config, platform=self.platform, rank=0, local_rank=0,
                                  world_size=1, distributed_init_method=None)
-        pm = get_plugin_manager()
-        self._execute = execute_step(pm, self.worker)
+        self._execute = execute_step(get_plugin_manager(), self.worker, defer=bool(config.scheduler.async_scheduling))
         self._thread: ThreadPoolExecutor | None = None
         if config.scheduler.async_scheduling:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="sparrow-worker",
                                               initializer=_bind_device, initargs=(self.worker,))
-            deferred = getattr(self.worker, "execute_model_deferred", None)
-            if deferred is not None and kernel_default_only(pm, "sparrow_execute_model"):
-                self._execute = deferred  # a plugin's step hook gets and returns plain outputs
 
     def initialize(self) -> KVCacheInfo:
         self.worker.init_device()
@@ -98,11 +94,14 @@ def _bind_device(worker: Any) -> None:
         torch.cuda.set_device(device)
 
 
-def execute_step(pm: Any, worker: Any) -> Callable[[SchedulerOutput], ModelRunnerOutput | None]:
+def execute_step(pm: Any, worker: Any, defer: bool = False) -> Callable[[SchedulerOutput], Any]:
     """The step's model call on ``worker``, resolved once: ``worker.execute_model`` itself while the
     kernel's default is the only ``sparrow_execute_model`` implementation, else the hook (a plugin
-    replaces or wraps the step)."""
+    replaces or wraps the step, and gets and returns plain outputs). With ``defer`` (overlapped
+    scheduling) the kernel's own step is ``worker.execute_model_deferred`` where the worker has it:
+    its output may be a deferred one, whose ``result()`` is the ``ModelRunnerOutput``."""
     if kernel_default_only(pm, "sparrow_execute_model"):
-        return worker.execute_model
+        deferred = getattr(worker, "execute_model_deferred", None) if defer else None
+        return deferred or worker.execute_model
     hook = pm.hook.sparrow_execute_model
     return lambda scheduler_output: hook(worker=worker, scheduler_output=scheduler_output)

@@ -154,7 +154,7 @@ class WorkerProc:
     def __init__(self, spec: WorkerSpec, sock: zmq.Socket) -> None:
         from sparrow.executor.uniproc import execute_step
         from sparrow.platforms import resolve_platform
-        from sparrow.plugins import get_plugin_manager, import_object, kernel_default_only
+        from sparrow.plugins import get_plugin_manager, import_object
 
         self.spec = spec
         self.sock = sock
@@ -162,14 +162,10 @@ class WorkerProc:
         worker_cls = import_object(platform.worker_cls)
         self.worker = worker_cls(config=spec.config, platform=platform, rank=spec.rank, local_rank=spec.local_rank,
                                  world_size=spec.world_size, distributed_init_method=spec.distributed_init_method)
-        pm = get_plugin_manager()
-        self._execute = execute_step(pm, self.worker)
         # Overlapped scheduling: a step returns before its sampled tokens reach the host; rank 0
-        # sends its output once the next step is launched, or when no next step is waiting.
-        deferred = getattr(self.worker, "execute_model_deferred", None)
-        if spec.config.scheduler.async_scheduling and deferred is not None and \
-                kernel_default_only(pm, "sparrow_execute_model"):
-            self._execute = deferred
+        # sends its output once the next step is launched, or when no next step is waiting (run).
+        self._execute = execute_step(get_plugin_manager(), self.worker,
+                                     defer=bool(spec.config.scheduler.async_scheduling))
         self.sock.send_multipart([HELLO, encode_seq(0), msgspec.msgpack.encode(self.process_info())])
 
     def process_info(self) -> dict[str, Any]:

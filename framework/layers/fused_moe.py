@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparrow.layers.linear import DENSE, MergedColumnParallelLinear, RowParallelLinear
+from sparrow.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from sparrow.layers.linear_weights import DENSE
 from sparrow.layers.parallel import (
     ParallelContext,
     copy_checked,
@@ -38,6 +39,7 @@ from sparrow.layers.parallel import (
     resolve_tp,
 )
 from sparrow.ops.base import CustomOp
+from sparrow.quantization import building_method
 
 # shard ids of one expert's checkpoint tensor: (projection, expert index)
 GATE, UP, DOWN = "gate", "up", "down"
@@ -79,9 +81,11 @@ class FusedMoE(CustomOp):
         self.intermediate_size_per_rank = divide(intermediate_size, self.tp.world_size, "moe_intermediate_size")
         self.reduce_results = reduce_results
         inter = self.intermediate_size_per_rank
-        first = ExpertLinears(hidden_size, intermediate_size, self.tp, params_dtype)
-        self.quantized = first.gate_up_proj.weights is not DENSE
-        if self.quantized:  # the checkpoint's quantized experts, loaded as linear layers
+        # Under a quantization method, an expert's linear layers tell whether the checkpoint
+        # stores them quantized (their weights are then not DENSE).
+        first = ExpertLinears(hidden_size, intermediate_size, self.tp, params_dtype) \
+            if building_method() is not None else None
+        if first is not None and first.gate_up_proj.weights is not DENSE:  # loaded as linear layers
             self.register_parameter("gate_up_proj", None)
             self.register_parameter("down_proj", None)
             self.add_module("0", first)
@@ -95,6 +99,11 @@ class FusedMoE(CustomOp):
                                       requires_grad=False)
         self.gate_up_proj.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.down_proj.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the experts are still the checkpoint's quantized linear layers."""
+        return self.gate_up_proj is None
 
     def dequantize_experts(self) -> None:
         """Quantized experts -> the stacked ``gate_up_proj`` / ``down_proj`` in the layer's dtype
@@ -110,7 +119,6 @@ class FusedMoE(CustomOp):
             delattr(self, str(expert))
         self.gate_up_proj = nn.Parameter(stacks["gate_up_proj"], requires_grad=False)
         self.down_proj = nn.Parameter(stacks["down_proj"], requires_grad=False)
-        self.quantized = False
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         impl = self._op_impl

@@ -5,14 +5,10 @@ Column-parallel layers split the output dimension (each rank holds a slice of th
 the group. A fused layer (QKV, gate/up) is one column-parallel weight made of several shards; each
 shard is sliced per rank separately so that rank r holds ``[q_r; k_r; v_r]``.
 
-How a layer stores its weight is a :class:`LinearWeights` (the "create weights" seam): a dense
-``weight`` by default; a quantization method may give the layers it builds its own (int4
-``qweight``/``qzeros``/``scales``, fp8 ``weight`` with ``weight_scale``...) through
-:meth:`sparrow.quantization.QuantizationMethod.linear_weights`. Every parameter is registered with
-:meth:`LinearBase.add_weight`, which says which of its dimensions follow the layer's output and
-input dimensions (and how many of the layer's rows or columns one stored row stands for: 8 for a
-dimension packed eight int4 values per int32, the group size for per-group scales), so one loader
-slices every layout per rank and per shard.
+How a layer stores its weight is a :class:`~sparrow.layers.linear_weights.LinearWeights` (the
+"create weights" seam, in ``sparrow.layers.linear_weights``); every parameter is registered with
+:meth:`LinearBase.add_weight` and its :class:`WeightLayout`, so one loader slices every layout per
+rank and per shard.
 
 Every parameter carries ``param.weight_loader(param, loaded, shard_id=None)``, which takes the
 *full* checkpoint tensor (or a lazy safetensors slice) and copies this rank's part into ``param``.
@@ -27,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparrow.layers.linear_weights import DENSE, DenseWeights, LinearWeights, WeightLayout, new_tensor
 from sparrow.layers.parallel import (
     ParallelContext,
     copy_checked,
@@ -38,6 +35,9 @@ from sparrow.layers.parallel import (
 )
 from sparrow.ops.base import CustomOp
 
+__all__ = ["DENSE", "ColumnParallelLinear", "DenseWeights", "LinearBase", "LinearWeights", "MergedColumnParallelLinear",
+           "OutputShard", "QKVParallelLinear", "RowParallelLinear", "WeightLayout"]
+
 
 @dataclass(slots=True, frozen=True)
 class OutputShard:
@@ -48,61 +48,6 @@ class OutputShard:
     loaded_start: int  # first row this rank reads from the shard's checkpoint tensor
     fused_offset: int  # first row of the shard in a checkpoint that stores the fused tensor
     full_size: int  # rows of the shard's whole checkpoint tensor (all ranks)
-
-
-@dataclass(slots=True, frozen=True)
-class WeightLayout:
-    """How one parameter of a linear layer maps onto the layer's ``[out, in]`` matrix.
-
-    ``output_dim`` / ``input_dim``: the parameter's dimension that follows the layer's output rows
-    / input columns (None: the parameter is whole on every rank along it, e.g. a per-tensor
-    scale). ``output_div`` / ``input_div``: layer rows / columns per stored element along that
-    dimension (1 dense, 8 for int4 packed in int32, the group size for per-group scales).
-    ``per_shard``: one value per output shard (``[num_shards]``: fp8 per-tensor scales of a
-    fused layer, loaded from each projection's scalar)."""
-
-    output_dim: int | None = None
-    input_dim: int | None = None
-    output_div: int = 1
-    input_div: int = 1
-    per_shard: bool = False
-
-
-class LinearWeights:
-    """How a linear layer holds its weight: a quantization method's seam into the layers.
-
-    ``create_weights`` registers the parameters (through ``layer.add_weight``) when the layer is
-    built; the checkpoint then fills them by name; ``dense_weight`` gives the ``[out, in]`` matrix
-    in the layer's dtype, which the torch reference (``forward_native``) multiplies by. An
-    implementation of the ``linear`` op (an OpImpl) reads the parameters directly.
-    """
-
-    name = "dense"
-
-    def create_weights(self, layer: LinearBase) -> None:
-        raise NotImplementedError
-
-    def dense_weight(self, layer: LinearBase) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class DenseWeights(LinearWeights):
-    """One ``weight`` ``[out_per_rank, in_per_rank]`` in the layer's dtype."""
-
-    def create_weights(self, layer: LinearBase) -> None:
-        layer.add_weight("weight", _new_tensor(layer.output_size_per_rank, layer.input_size_per_rank,
-                                               dtype=layer.params_dtype), WeightLayout(output_dim=0, input_dim=1))
-
-    def dense_weight(self, layer: LinearBase) -> torch.Tensor:
-        return layer.weight
-
-
-DENSE = DenseWeights()
-
-
-def _new_tensor(*shape: int, dtype: torch.dtype | None) -> torch.Tensor:
-    # Uninitialised on purpose: every value is overwritten by load_weights.
-    return torch.empty(*shape, dtype=dtype)
 
 
 class LinearBase(CustomOp):
@@ -136,7 +81,7 @@ class LinearBase(CustomOp):
         self.weights: LinearWeights = linear_weights_for(self) or DENSE
         self.weights.create_weights(self)
         if bias:
-            self.add_weight("bias", _new_tensor(self.output_size_per_rank, dtype=self.params_dtype),
+            self.add_weight("bias", new_tensor(self.output_size_per_rank, dtype=self.params_dtype),
                             WeightLayout(output_dim=0))
         else:
             self.register_parameter("bias", None)

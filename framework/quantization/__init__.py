@@ -45,10 +45,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
 if TYPE_CHECKING:
     from sparrow.config import EngineConfig
-    from sparrow.layers.linear import LinearBase, LinearWeights
+    from sparrow.layers.linear import LinearBase
+    from sparrow.layers.linear_weights import LinearWeights
     from sparrow.ops.base import OpImpl
 
-__all__ = ["QuantizationMethod", "get_quantization_method", "hf_quant_config", "linear_weights_for",
+__all__ = ["QuantizationMethod", "building_method", "get_quantization_method", "hf_quant_config", "linear_weights_for",
            "op_overrides_for", "quantization_method_class", "quantization_scope", "resolve_quantization"]
 
 # The method the model being built is quantized with (see quantization_scope).
@@ -81,7 +82,7 @@ class QuantizationMethod:
 
     def linear_weights(self, layer: LinearBase) -> LinearWeights | None:
         """How ``layer`` (a linear layer being built under this method) holds its weight: a
-        :class:`sparrow.layers.linear.LinearWeights` creating the parameters the checkpoint
+        :class:`sparrow.layers.linear_weights.LinearWeights` creating the parameters the checkpoint
         stores, or None for the dense ``weight`` (a method that quantizes after loading)."""
         return None
 
@@ -95,6 +96,11 @@ def quantization_scope(method: QuantizationMethod | None) -> Iterator[None]:
         yield
     finally:
         _BUILDING.reset(token)
+
+
+def building_method() -> QuantizationMethod | None:
+    """The method the model being built is quantized with (None: unquantized, or not building)."""
+    return _BUILDING.get()
 
 
 def linear_weights_for(layer: LinearBase) -> LinearWeights | None:

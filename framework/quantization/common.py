@@ -44,7 +44,7 @@ class BuiltinQuantization(QuantizationMethod):
                                f"got {config.model.dtype!r}")
         experts = [f for f in EXPERT_FIELDS if getattr(self.hf_config, f, None)]
         # A method quantizes a mixture-of-experts model where it serves the experts' op too (its
-        # router stays in full precision): the built-in int8 does on the CPU.
+        # router stays in full precision): int8 on the CPU, awq and gptq on CPU and CUDA.
         if experts and "fused_moe" not in self.implementations.get(device, {}):
             raise config_error("quantization", f"{self.name!r} does not quantize mixture-of-experts models "
                                f"(config.json has {experts[0]}) on device {device!r}; of the built-in methods "

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from sparrow.layers.linear import DENSE, LinearBase, LinearWeights, WeightLayout
+from sparrow.layers.linear import LinearBase
+from sparrow.layers.linear_weights import DENSE, LinearWeights, WeightLayout
 from sparrow.ops.base import OpImpl
 from sparrow.quantization.common import BuiltinQuantization, config_error
 

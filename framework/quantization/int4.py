@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from sparrow.layers.linear import LinearBase, LinearWeights, WeightLayout
+from sparrow.layers.linear import LinearBase
+from sparrow.layers.linear_weights import LinearWeights, WeightLayout
 from sparrow.quantization.common import BuiltinQuantization, config_error, tp_shapes
 
 if TYPE_CHECKING:

@@ -150,14 +150,28 @@ class PendingTokens:
                 batch.append_token(row, token_id)
 
 
+def sampled_lists(req_ids: list[str], rows: list[int], tokens: list[int],
+                  logprobs_rows: list[TokenLogprobs | None] | None
+                  ) -> tuple[list[list[int]], dict[str, list[TokenLogprobs]]]:
+    """A plain step's ``sampled_token_ids`` and ``logprobs``: ``tokens[row]`` for each of ``rows``
+    (the rows that sampled), nothing for the others (partial prefills)."""
+    sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
+    logprobs: dict[str, list[TokenLogprobs]] = {}
+    for row in rows:
+        sampled_token_ids[row] = [tokens[row]]
+        entry = logprobs_rows[row] if logprobs_rows is not None else None
+        if entry is not None:
+            logprobs[req_ids[row]] = [entry]
+    return sampled_token_ids, logprobs
+
+
 class DeferredStepOutput:
     """A step's :class:`ModelRunnerOutput` once its sampled tokens reach the host: ``result()``,
     called by whoever collects the step (the engine core's thread)."""
 
-    def __init__(self, req_ids: list[str], complete_rows: np.ndarray, pending: PendingTokens,
-                 sampler_output: Any, prompt_logprobs: dict[str, list[TokenLogprobs]]) -> None:
+    def __init__(self, req_ids: list[str], pending: PendingTokens, sampler_output: Any,
+                 prompt_logprobs: dict[str, list[TokenLogprobs]]) -> None:
         self.req_ids = req_ids
-        self.complete_rows = complete_rows.copy()  # the step's buffer is reused two steps later
         self.pending = pending
         self.sampler_output = sampler_output
         self.prompt_logprobs = prompt_logprobs
@@ -168,16 +182,7 @@ class DeferredStepOutput:
         return event is None or event.query()
 
     def result(self) -> ModelRunnerOutput:
-        tokens = self.pending.tokens()
-        logprobs_rows = self.sampler_output.logprobs_lists()
-        sampled_token_ids: list[list[int]] = []
-        logprobs: dict[str, list[TokenLogprobs]] = {}
-        for row, req_id in enumerate(self.req_ids):
-            if not self.complete_rows[row]:
-                sampled_token_ids.append([])
-                continue
-            sampled_token_ids.append([tokens[row]])
-            if logprobs_rows is not None and logprobs_rows[row] is not None:
-                logprobs[req_id] = [logprobs_rows[row]]
+        sampled_token_ids, logprobs = sampled_lists(self.req_ids, self.pending.rows.tolist(), self.pending.tokens(),
+                                                    self.sampler_output.logprobs_lists())
         return ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled_token_ids, logprobs=logprobs,
                                  prompt_logprobs=self.prompt_logprobs)

@@ -18,7 +18,7 @@ from sparrow.core.sched.output import SchedulerOutput
 from sparrow.sample.logprobs import compute_token_logprobs
 from sparrow.sample.metadata import SamplingMetadata
 from sparrow.spec_decode.worker import propose_drafts, verify_drafts
-from sparrow.worker.deferred_tokens import DeferredStepOutput, PendingTokens
+from sparrow.worker.deferred_tokens import DeferredStepOutput, PendingTokens, sampled_lists
 from sparrow.worker.outputs import ModelRunnerOutput, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -106,45 +106,36 @@ class SamplingStep:
             output.spec_token_ids = propose_drafts(self.runner, sampled_token_ids, hidden_states, inputs)
         return output
 
+    def _sample_rows(self, hidden_states: torch.Tensor, inputs: StepInputs) -> tuple[Any, torch.Tensor]:
+        """The plain path's sampler run: its output and the agreed sampled tokens [num_reqs]."""
+        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])  # [num_reqs, vocab]
+        sampler_output = self.sampler(logits, self.sampling_metadata(inputs))
+        return sampler_output, self.agree_on_sampled(sampler_output.sampled_token_ids)
+
     def sample_tokens(self, hidden_states: torch.Tensor,
                       inputs: StepInputs) -> tuple[list[list[int]], dict[str, list[TokenLogprobs]]]:
         """One token per row that completed its tokens (the plain path, without drafts)."""
         batch = self.batch
-        num_reqs = batch.num_reqs
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])  # [num_reqs, vocab]
-        sampler_output = self.sampler(logits, self.sampling_metadata(inputs))
-        sampled = self.agree_on_sampled(sampler_output.sampled_token_ids).tolist()
-        logprobs_rows = sampler_output.logprobs_lists()
-
-        sampled_token_ids: list[list[int]] = []
-        logprobs: dict[str, list[TokenLogprobs]] = {}
-        for row in range(num_reqs):
-            if not inputs.complete_rows[row]:
-                sampled_token_ids.append([])
-                continue
-            token_id = sampled[row]
-            state = batch.states[row]
-            state.output_token_ids.append(token_id)
-            batch.append_token(row, token_id)
-            sampled_token_ids.append([token_id])
-            if logprobs_rows is not None and logprobs_rows[row] is not None:
-                logprobs[state.req_id] = [logprobs_rows[row]]
-        return sampled_token_ids, logprobs
+        sampler_output, sampled = self._sample_rows(hidden_states, inputs)
+        tokens = sampled.tolist()
+        rows = np.flatnonzero(inputs.complete_rows).tolist()
+        for row in rows:
+            batch.states[row].output_token_ids.append(tokens[row])
+            batch.append_token(row, tokens[row])
+        return sampled_lists(batch.req_ids, rows, tokens, sampler_output.logprobs_lists())
 
     def sample_deferred(self, hidden_states: torch.Tensor, inputs: StepInputs) -> DeferredStepOutput:
         """The plain path's sampling without reading the tokens: they stay pending on the device
         for the next step (sparrow.worker.deferred_tokens)."""
         batch = self.batch
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])  # [num_reqs, vocab]
-        sampler_output = self.sampler(logits, self.sampling_metadata(inputs))
-        sampled = self.agree_on_sampled(sampler_output.sampled_token_ids)
-        rows = np.flatnonzero(inputs.complete_rows[: batch.num_reqs])
+        sampler_output, sampled = self._sample_rows(hidden_states, inputs)
+        rows = np.flatnonzero(inputs.complete_rows)
         host, event, sampler_output.logprobs = self.token_copies.start(sampled, sampler_output.logprobs)
         pending = PendingTokens(sampled, host, event, [batch.states[row] for row in rows.tolist()], rows)
         if rows.size:
             self._pending = pending
-        return DeferredStepOutput(list(batch.req_ids), inputs.complete_rows[: batch.num_reqs], pending,
-                                  sampler_output, self.prompt_logprobs(hidden_states, inputs))
+        return DeferredStepOutput(list(batch.req_ids), pending, sampler_output,
+                                  self.prompt_logprobs(hidden_states, inputs))
 
     def agree_on_sampled(self, sampled_token_ids: torch.Tensor) -> torch.Tensor:
         """Tensor parallel: make rank 0's sampled tokens every rank's tokens.

@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from sparrow.engine.input_processor import check_text, find_unencodable
+from sparrow.engine.text_checks import check_text, find_unencodable
 from sparrow.errors import InvalidArgumentError
 
 # Accepted and ignored: OpenAI bookkeeping (metadata, store, service_tier).

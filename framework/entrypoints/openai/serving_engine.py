@@ -15,7 +15,7 @@ from fastapi import Request
 
 from sparrow.engine.async_llm import AsyncLLM
 from sparrow.engine.exceptions import EngineDeadError, EngineShutdownError
-from sparrow.engine.input_processor import check_text
+from sparrow.engine.text_checks import check_text
 from sparrow.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_fields, param_of
 from sparrow.entrypoints.openai.structured_outputs import GUIDED_FIELDS, structured_outputs_of

@@ -3,15 +3,18 @@
 Quantizers store every expert's projections as linear layers of their own
 (``experts.N.gate_proj.qweight`` / ``qzeros`` / ``scales`` / ``g_idx``; Mixtral's ``w1`` / ``w3`` /
 ``w2``), routers in full precision. Sparrow loads them as a dense MLP's quantized layers (split over
-tensor-parallel ranks the same way) and dequantizes them into the stacked experts when the op is
-bound (sparrow.quantization.dequant.DequantizedFusedMoE). The reference, as for the dense int4
-checkpoints (tests/test_quantization.py): the same weights dequantized into a float32 checkpoint,
-run unquantized; nothing else separates the two, so the logprobs agree to float rounding.
+tensor-parallel ranks the same way); on the CPU it dequantizes them into the stacked experts when
+the op is bound (sparrow.quantization.dequant.DequantizedFusedMoE), on CUDA they stay packed
+(sparrow_cuda.triton_moe_int4, tested against a float32 reference in tests/test_triton_moe_int4.py).
+The reference, as for the dense int4 checkpoints (tests/test_quantization.py): the same weights
+dequantized into a float32 checkpoint, run unquantized; nothing else separates the two, so the
+logprobs agree to float rounding.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sparrow.layers.fused_moe import FusedMoE
 from sparrow.tiny import quant_ckpt
@@ -89,7 +92,13 @@ def test_tensor_parallel_two_equals_one(moe_quant_dirs, model):
 @pytest.mark.cuda
 @pytest.mark.parametrize("model", list(MODELS))
 def test_quantized_experts_on_a_gpu_match_their_dequantized_weights(moe_quant_dirs, model):
-    """On CUDA the dequantized experts run in the Triton grouped GEMM (fp32 here, as the reference)."""
+    """On CUDA the experts stay packed and run in the Triton grouped int4 GEMM (fp32 here, as the
+    reference); nothing of them is dense."""
     quantized_dir, reference_dir = moe_quant_dirs(model, "gptq asym g16")
     worst, _, top1 = compare(teacher_forced(quantized_dir, device="cuda"), teacher_forced(reference_dir, device="cuda"))
     assert worst < 1e-3 and top1 == 1.0, (worst, top1)
+    with llm(quantized_dir, device="cuda") as engine:
+        model = engine.llm_engine.engine_core.engine_core.executor.worker.model_runner.model
+        moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        assert moes and all(type(m.op_impl).__name__ == "TritonInt4FusedMoE" and m.gate_up_proj is None
+                            and m.w13_qweight.dtype == torch.int32 for m in moes)

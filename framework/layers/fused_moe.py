@@ -15,8 +15,10 @@ Built under a quantization method whose linear layers load a quantized checkpoin
 layer holds each expert as the linear layers a dense MLP has (children ``"0"``, ``"1"``...: a
 merged ``gate_up_proj`` and a ``down_proj``), so that the checkpoint's per-expert ``qweight`` /
 ``qzeros`` / ``scales`` / ``g_idx`` load, and split over ranks, exactly as a dense layer's do;
-:meth:`FusedMoE.dequantize_experts` turns them into the stacked weights once, when the op is
-bound (``sparrow.quantization.dequant.DequantizedFusedMoE``).
+the op implementation bound to the layer then takes them: on CUDA
+``sparrow_cuda.triton_moe_int4.TritonInt4FusedMoE`` stacks them still packed, elsewhere
+:meth:`FusedMoE.dequantize_experts` turns them into the stacked weights once
+(``sparrow.quantization.dequant.DequantizedFusedMoE``).
 """
 
 from __future__ import annotations
@@ -204,7 +206,7 @@ class FusedMoE(CustomOp):
 
 class ExpertLinears(nn.Module):
     """One expert as a dense MLP's linear layers (how quantized experts load: see the module
-    docstring); never called, only dequantized into the stacks."""
+    docstring); never called, only read into the stacks."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, tp: ParallelContext,
                  params_dtype: torch.dtype | None) -> None:

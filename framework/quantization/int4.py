@@ -38,12 +38,12 @@ if TYPE_CHECKING:
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
 
-# Mixture-of-experts layers: the experts dequantized when bound, on both (memory of the dense
-# experts; a grouped int4 kernel is still to come).
+# Mixture-of-experts layers: on the CPU the experts are dequantized when bound (memory of the dense
+# experts); on CUDA they stay packed and a grouped GEMM dequantizes each tile as it goes.
 CPU_IMPL = {"linear": "sparrow.quantization.dequant:DequantizedLinear",
             "fused_moe": "sparrow.quantization.dequant:DequantizedFusedMoE"}
 CUDA_IMPL = {"linear": "sparrow_cuda.triton_quant:TritonInt4Linear",
-             "fused_moe": "sparrow.quantization.dequant:DequantizedFusedMoE"}
+             "fused_moe": "sparrow_cuda.triton_moe_int4:TritonInt4FusedMoE"}
 
 
 def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:

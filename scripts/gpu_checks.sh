@@ -3,12 +3,18 @@
 # throughput benchmark against HF, and a profile of the decode steps. Results go to OUTDIR.
 #
 # Usage (repository root, on a machine with torch + CUDA):
-#   scripts/gpu_checks.sh [OUTDIR] [WHEELHOUSE]
-# WHEELHOUSE (optional): wheels from scripts/build_wheelhouse.py --flat-target, installed into a
-# private target directory first (for air-gapped machines whose image lacks Sparrow's other deps).
+#   scripts/gpu_checks.sh [OUTDIR] [WHEELHOUSE] [STAGES]
+# WHEELHOUSE (optional, "" for none): wheels from scripts/build_wheelhouse.py --flat-target,
+# installed into a private target directory first (for air-gapped machines whose image lacks
+# Sparrow's other deps).
+# STAGES (optional, default all): a comma-separated subset of tests,bench,profile,async, so that a
+# machine that limits each command's time (10 minutes on the device tool) runs them in two calls,
+# e.g. "tests" then "bench,profile,async".
 set -uo pipefail
 out=${1:-gpu-results}
 wheels=${2:-}
+stages=",${3:-tests,bench,profile,async},"
+want() { [[ "$stages" == *",$1,"* ]]; }
 mkdir -p "$out"
 if [ -n "$wheels" ]; then
   site=$(mktemp -d)
@@ -25,16 +31,18 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 } | tee "$out/machine.txt"
 # 1. Every CUDA test (graph vs eager, KV fill, bf16 parity, Triton/FlashInfer kernels, the
 #    persistent input buffers, overlapped scheduling, LoRA and MoE kernels).
-python3 -m pytest -q -p no:cacheprovider -m cuda tests/ \
-  2>&1 | tee "$out/cuda_tests.log" | tail -25
+want tests && { python3 -m pytest -q -p no:cacheprovider -m cuda tests/ \
+  2>&1 | tee "$out/cuda_tests.log" | tail -25; }
 # 2. The GPU benchmark of BENCHMARKS.md with HF on the same card.
-python3 -m sparrow.entrypoints.cli --log-level INFO bench throughput --preset gpu --compare-hf \
+want bench && { python3 -m sparrow.entrypoints.cli --log-level INFO bench throughput --preset gpu --compare-hf \
   --result-file "$out/gpu_bench.json" > "$out/gpu_bench.log" 2>&1
-echo "bench exit code $?"; grep -v "Loading weights" "$out/gpu_bench.log" | tail -20
+echo "bench exit code $?"; grep -v "Loading weights" "$out/gpu_bench.log" | tail -20; }
 # 3. Where a decode step's time goes.
-python3 scripts/profile_gpu.py --trace "$out/gpu_trace.json" 2>&1 | tee "$out/profile.txt" | grep -v "^USDT" | head -40
+want profile && { python3 scripts/profile_gpu.py --trace "$out/gpu_trace.json" 2>&1 | tee "$out/profile.txt" \
+  | grep -v "^USDT" | head -40; }
 # 4. The same benchmark with overlapped scheduling and the device-side token feed (#14): compare
 #    its output tok/s with step 2's (docs/benchmarks.md predicts 10-25 % more).
-python3 -m sparrow.entrypoints.cli --log-level INFO bench throughput --preset gpu \
-  --engine-args '{"async_scheduling": true}' --result-file "$out/gpu_bench_async.json" > "$out/gpu_bench_async.log" 2>&1
-echo "async bench exit code $?"; grep -v "Loading weights" "$out/gpu_bench_async.log" | tail -12
+want async && { python3 -m sparrow.entrypoints.cli --log-level INFO bench throughput --preset gpu \
+  --engine-args '{"async_scheduling": true}' --result-file "$out/gpu_bench_async.json" \
+  > "$out/gpu_bench_async.log" 2>&1
+echo "async bench exit code $?"; grep -v "Loading weights" "$out/gpu_bench_async.log" | tail -12; }

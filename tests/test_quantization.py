@@ -280,7 +280,8 @@ class CpuFp8(Fp8Method):
     """The built-in fp8 method with its emulated GEMM also offered on the CPU: what a vendor's
     override looks like, and how fp8 runs through the engine without a GPU."""
 
-    implementations = {**Fp8Method.implementations, "cpu": {"linear": "sparrow.quantization.fp8:Fp8Linear"}}
+    implementations = {**Fp8Method.implementations, "cpu": {"linear": "sparrow.quantization.fp8:Fp8Linear",
+                                                            "fused_moe": "sparrow.quantization.fp8:Fp8FusedMoE"}}
 
 
 class CpuFp8Plugin:
@@ -324,6 +325,33 @@ def test_fp8_checkpoints_match_their_dequantized_weights(quant_dirs, fp8_on_cpu,
     quantized_dir, reference_dir = quant_dirs(f"fp8-{scheme}", "fp8", activation_scheme=scheme)
     worst, mean, top1 = compare(teacher_forced(quantized_dir), teacher_forced(reference_dir))
     assert worst < FP8_ATOL and mean < FP8_MEAN_ATOL and top1 >= FP8_MIN_TOP1, (worst, mean, top1)
+
+
+def test_fp8_checkpoint_scales_load_from_lazy_slices_on_any_rank(tmp_path):
+    """A rank reads its rows lazily from the safetensors file (``get_slice``), and AutoFP8 stores
+    the per-tensor scales 0-dim, which the lazy reader once refused (``[:]`` on a 0-dim slice)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from sparrow.layers.linear import MergedColumnParallelLinear
+    from sparrow.layers.parallel import ParallelContext
+    from sparrow.quantization import quantization_scope
+
+    gen = torch.Generator().manual_seed(2)
+    parts = {name: quant_ckpt.fp8_tensors(torch.randn(32, 16, generator=gen), static=False)[0] for name in "gu"}
+    save_file({f"{name}.{key}": value for name, tensors in parts.items() for key, value in tensors.items()},
+              str(tmp_path / "fp8.safetensors"))
+    method = Fp8Method({"quant_method": "fp8", "activation_scheme": "dynamic"})
+    with quantization_scope(method):
+        layer = MergedColumnParallelLinear(16, [32, 32], bias=False, tp=ParallelContext(1, 2, communicator=object()))
+    with safe_open(str(tmp_path / "fp8.safetensors"), "pt") as f:
+        for shard, name in enumerate("gu"):
+            for key in ("weight", "weight_scale"):
+                param = getattr(layer, key)
+                param.weight_loader(param, f.get_slice(f"{name}.{key}"), shard)
+    assert torch.equal(layer.weight_scale, torch.stack([parts[name]["weight_scale"] for name in "gu"]))
+    expected = torch.cat([parts[name]["weight"][16:] for name in "gu"])  # rank 1's rows of each
+    assert torch.equal(layer.weight.view(torch.uint8), expected.view(torch.uint8))
 
 
 def test_fp8_quantized_on_load_matches_dequantized_weights(qwen3_dir, fp8_on_cpu, tmp_path):

@@ -207,21 +207,32 @@ def _config(device: str) -> SimpleNamespace:
                            parallel=SimpleNamespace(tensor_parallel_size=1))
 
 
-def test_fp8_still_refuses_moe_models():
-    method = Fp8Method(None)
+def test_a_method_without_an_experts_op_refuses_moe_models():
+    """A method (a plugin's, say) that serves ``linear`` but not ``fused_moe`` on the device."""
+    class LinearOnly(Fp8Method):
+        implementations = {"cuda": {"linear": "sparrow.quantization.fp8:Fp8Linear"}}
+
+    method = LinearOnly(None)
     method.hf_config = SimpleNamespace(num_local_experts=8)
     with pytest.raises(ConfigError, match=r"'quantization': 'fp8' does not quantize mixture-of-experts models "
                                           r"\(config.json has num_local_experts\) on device 'cuda'; of the built-in "
-                                          r"methods 'int8' does on the CPU, and 'awq' and 'gptq' checkpoints load"):
+                                          r"methods 'int8' does on the CPU, 'fp8' on CUDA, and 'awq' and 'gptq'"):
         method.check_config(_config("cuda"))
 
 
+def test_fp8_accepts_moe_models_on_cuda():
+    method = Fp8Method(None)
+    method.hf_config = SimpleNamespace(num_local_experts=8)
+    method.check_config(_config("cuda"))
+    assert method.implementations["cuda"]["fused_moe"] == "sparrow_cuda.triton_moe:TritonFp8FusedMoE"
+
+
 @pytest.mark.parametrize("method_cls", [AwqMethod, GptqMethod])
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_awq_and_gptq_serve_moe_models_by_dequantized_experts(method_cls, device):
-    """Their checkpoints' experts load (tests/test_quantization_moe_int4.py runs them); the
-    configuration check lets MoE models through on both platforms."""
-    assert method_cls.implementations[device]["fused_moe"] == "sparrow.quantization.dequant:DequantizedFusedMoE"
+def test_awq_and_gptq_serve_moe_models_on_both_platforms(method_cls):
+    """Their checkpoints' experts load (tests/test_quantization_moe_int4.py runs them): dequantized
+    on the CPU, packed on CUDA (tests/test_triton_moe_int4.py)."""
+    assert method_cls.implementations["cpu"]["fused_moe"] == "sparrow.quantization.dequant:DequantizedFusedMoE"
+    assert method_cls.implementations["cuda"]["fused_moe"] == "sparrow_cuda.triton_moe_int4:TritonInt4FusedMoE"
 
 
 def test_int8_accepts_moe_models():

@@ -128,6 +128,28 @@ def check_align(device: str) -> None:
     assert [e for e in tile_experts.tolist() if e >= 0] == [0, 1, 3, 4]
 
 
+def check_fp8_against_emulation(device: str, rows: int, top_k: int, dtype: torch.dtype) -> None:
+    """The fp8 grouped GEMM against the emulated fp8 product (sparrow.quantization.fp8.Fp8FusedMoE)
+    on the same fp8 weights: the same fp8 operands, both accumulated in float32."""
+    from sparrow.ops import bind_ops
+    from sparrow.quantization.fp8 import Fp8FusedMoE
+    from sparrow_cuda.triton_moe import TritonFp8FusedMoE
+
+    emulated, triton_layer = (make_layer(5, 64, 48, dtype, device) for _ in range(2))
+    bind_ops(emulated, device, overrides={"fused_moe": Fp8FusedMoE})
+    bind_ops(triton_layer, device, overrides={"fused_moe": TritonFp8FusedMoE})
+    assert triton_layer.gate_up_proj.dtype == torch.float8_e4m3fn and triton_layer.op_impl.use_triton
+    x, weights, ids = routed_inputs(rows, 64, 5, top_k, dtype, device)
+    expected = emulated.op_impl(x, weights, ids)
+    got = triton_layer.op_impl(x, weights, ids)
+    assert got.shape == expected.shape and got.dtype == dtype
+    # A gated activation that lands on an fp8 rounding boundary may round the other way in one
+    # of the two (their gate/up sums differ in the last bits, float32's or, rounded to the model's
+    # dtype between the GEMMs, bfloat16's), moving an output by up to an fp8 step of that term.
+    scale = expected.abs().max().item() * (5e-3 if dtype == torch.float32 else 3e-2)
+    torch.testing.assert_close(got.float(), expected.float(), atol=scale, rtol=tolerance(dtype)["rtol"])
+
+
 def check_tensor_parallel_slice(device: str) -> None:
     """Rank 1 of 2 holds half of every expert's intermediate features: the kernel computes the
     same partial sum as the reference on that slice."""
@@ -159,6 +181,13 @@ def test_fused_moe_with_float32_routing_weights_and_a_tp_slice():
     # Mixtral's routing weights stay float32 while the model runs in bfloat16.
     check_against_reference("cpu", 5, 5, 2, 40, torch.bfloat16, weights_dtype=torch.float32)
     check_tensor_parallel_slice("cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_fused_moe(dtype):
+    for rows, top_k in ((1, 2), (13, 3)):
+        check_fp8_against_emulation("cpu", rows, top_k, dtype)
 
 
 @interpreted
@@ -198,6 +227,16 @@ def test_launcher_refuses_what_it_cannot_read():
 def test_gpu_fused_moe(dtype):
     for rows, num_experts, top_k, inter in CASES + [(300, 8, 2, 96)]:
         check_against_reference("cuda", rows, num_experts, top_k, inter, dtype)
+
+
+@pytest.mark.cuda
+@compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_fp8_fused_moe(dtype):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need compute capability 8.9+")
+    for rows, top_k in ((1, 2), (13, 3), (300, 2)):
+        check_fp8_against_emulation("cuda", rows, top_k, dtype)
 
 
 @pytest.mark.cuda

@@ -23,7 +23,7 @@ the op implementation bound to the layer then takes them: on CUDA
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,32 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def mix_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                expert_mlp: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The ``fused_moe`` op's torch reference around ``expert_mlp(expert, rows [n, H]) -> [n, H]``.
+
+    The (token, expert) pairs are sorted by expert so that each expert runs once over all its
+    tokens; the Python loop is over experts, never over tokens. As transformers does, the routing
+    weight multiplies each expert's output in the weights' dtype (float32 for Mixtral), then the
+    products are summed per token in the model's dtype.
+    """
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)  # [T*k] pair indices grouped by expert
+    token_of_pair = order // top_k
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    x = hidden.index_select(0, token_of_pair)  # [T*k, H] in expert order
+    expert_out = torch.empty_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            expert_out[start:start + count] = expert_mlp(expert, x[start:start + count])
+            start += count
+    weighted = (expert_out * topk_weights.reshape(-1)[order].unsqueeze(1)).to(hidden.dtype)
+    out = torch.zeros(num_tokens, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+    return out.index_add_(0, token_of_pair, weighted)
 
 
 class FusedMoE(CustomOp):
@@ -134,30 +160,13 @@ class FusedMoE(CustomOp):
                        topk_ids: torch.Tensor) -> torch.Tensor:
         if self.quantized:  # not bound through a quantization method's op: dequantize here, once
             self.dequantize_experts()
-        # The (token, expert) pairs are sorted by expert so that each expert runs one matmul over
-        # all its tokens; the Python loop is over experts, never over tokens.
-        num_tokens, top_k = topk_ids.shape
         inter = self.gate_up_proj.shape[1] // 2
-        flat_ids = topk_ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)  # [T*k] pair indices grouped by expert
-        token_of_pair = order // top_k
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        x = hidden.index_select(0, token_of_pair)  # [T*k, H] in expert order
-        expert_out = torch.empty_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = slice(start, start + count)
-            gate_up = F.linear(x[rows], self.gate_up_proj[expert])  # [n, 2 * inter]
-            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            expert_out[rows] = F.linear(act, self.down_proj[expert])  # [n, H]
-            start += count
-        # As transformers does: the routing weight multiplies each expert's output in the weights'
-        # dtype (float32 for Mixtral), then the products are summed per token in the model's dtype.
-        weighted = (expert_out * topk_weights.reshape(-1)[order].unsqueeze(1)).to(hidden.dtype)
-        out = torch.zeros(num_tokens, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-        return out.index_add_(0, token_of_pair, weighted)
+
+        def expert_mlp(expert: int, x: torch.Tensor) -> torch.Tensor:
+            gate_up = F.linear(x, self.gate_up_proj[expert])  # [n, 2 * inter]
+            return F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], self.down_proj[expert])  # [n, H]
+
+        return mix_experts(hidden, topk_weights, topk_ids, self.num_experts, expert_mlp)
 
     # -- weight loading ------------------------------------------------------------------------
 

@@ -93,7 +93,7 @@ def materialize(loaded: Any) -> torch.Tensor:
     """The whole of a loaded tensor or safetensors slice as a tensor."""
     if isinstance(loaded, torch.Tensor):
         return loaded
-    return loaded[:]
+    return loaded[...]  # not [:], which a 0-dim slice (an fp8 checkpoint's per-tensor scale) refuses
 
 
 def narrow_loaded(loaded: Any, dim: int, start: int, length: int) -> torch.Tensor:

@@ -44,11 +44,12 @@ class BuiltinQuantization(QuantizationMethod):
                                f"got {config.model.dtype!r}")
         experts = [f for f in EXPERT_FIELDS if getattr(self.hf_config, f, None)]
         # A method quantizes a mixture-of-experts model where it serves the experts' op too (its
-        # router stays in full precision): int8 on the CPU, awq and gptq on CPU and CUDA.
+        # router stays in full precision): int8 on the CPU, fp8 on CUDA, awq and gptq on both.
         if experts and "fused_moe" not in self.implementations.get(device, {}):
             raise config_error("quantization", f"{self.name!r} does not quantize mixture-of-experts models "
                                f"(config.json has {experts[0]}) on device {device!r}; of the built-in methods "
-                               "'int8' does on the CPU, and 'awq' and 'gptq' checkpoints load on CPU and CUDA: "
+                               "'int8' does on the CPU, 'fp8' on CUDA, and 'awq' and 'gptq' checkpoints load on "
+                               "CPU and CUDA: "
                                "run it unquantized or with one of those")
         if self.needs_checkpoint and not self.hf_quant_config:
             raise config_error("quantization", f"{self.name!r} loads checkpoints quantized with it (config.json "

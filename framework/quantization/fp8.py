@@ -15,6 +15,9 @@ Activations: ``x ~= q[m, :] * s[m]`` per token, computed on every call. The GEMM
 ``torch._scaled_mm`` with row-wise scales on GPUs that have fp8 tensor cores (compute capability
 8.9+); elsewhere (and on the CPU, which has the float8 dtypes but no fp8 GEMM) the same quantized
 operands are multiplied in float32, which is how the arithmetic is tested without a GPU.
+
+Mixture-of-experts layers (:class:`Fp8FusedMoE`): every expert's projections per output channel,
+each GEMM's input per row; on CUDA a Triton grouped GEMM on fp8 operands serves them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import logging
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from sparrow.layers.linear import LinearBase
 from sparrow.layers.linear_weights import DENSE, LinearWeights, WeightLayout
@@ -133,11 +137,72 @@ class Fp8Linear(OpImpl):
         return (out * (x_scale.unsqueeze(1) * layer.weight_scale)).to(dtype)
 
 
+class Fp8FusedMoE(OpImpl):
+    """``fused_moe`` with fp8 experts (per expert and output channel) and fp8 activations per row.
+
+    The weights are quantized when bound from the layer's stacked dense experts, or stacked from
+    an fp8 checkpoint's per-expert layers as they are (per-tensor scales repeated over the
+    channels); ``gate_up_proj`` / ``down_proj`` then hold float8_e4m3fn ``[E, 2I, H]`` / ``[E, H, I]``
+    and ``gate_up_scale`` / ``down_scale`` float32 ``[E, 2I]`` / ``[E, H]``. Each GEMM's input is
+    quantized per row: every token's hidden state for gate/up, every (token, expert) pair's gated
+    activation for down. This implementation multiplies the fp8 operands in float32 (emulated, as
+    :class:`Fp8Linear` does without fp8 tensor cores); on CUDA a Triton grouped GEMM multiplies
+    them on the tensor cores (``sparrow_cuda.triton_moe.TritonFp8FusedMoE``).
+    """
+
+    name = "fp8_w8a8"
+    PROJECTIONS = ("gate_up_proj", "down_proj")
+
+    @classmethod
+    def supports(cls, layer: Any) -> bool:
+        if layer.quantized:  # an fp8 checkpoint's experts, still per-expert linear layers
+            return isinstance(layer.get_submodule("0").gate_up_proj.weights, Fp8CheckpointWeights)
+        return layer.gate_up_proj.is_floating_point() and layer.gate_up_proj.dtype != FP8
+
+    def process_weights(self) -> None:
+        layer = self.layer
+        stacks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if layer.quantized:
+            experts = [layer.get_submodule(str(expert)) for expert in range(layer.num_experts)]
+            for name in self.PROJECTIONS:
+                linears = [getattr(expert, name) for expert in experts]
+                stacks[name] = (torch.stack([linear.weight.data for linear in linears]),
+                                torch.stack([Fp8CheckpointWeights.channel_scales(linear) for linear in linears]))
+            for expert in range(layer.num_experts):
+                delattr(layer, str(expert))
+        else:
+            for name in self.PROJECTIONS:
+                dense = getattr(layer, name).data
+                q, scale = quantize_fp8_rows(dense.reshape(-1, dense.shape[-1]))
+                stacks[name] = (q.view(dense.shape), scale.view(dense.shape[:2]))
+        for name, (q, scale) in stacks.items():
+            layer.replace_parameter(name, q.contiguous())
+            layer.replace_parameter(name.replace("_proj", "_scale"), scale.float().contiguous())
+
+    def __call__(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        from sparrow.layers.fused_moe import mix_experts
+
+        layer = self.layer
+        inter = layer.gate_up_proj.shape[1] // 2
+
+        def expert_mlp(expert: int, x: torch.Tensor) -> torch.Tensor:
+            # Per-row quantization commutes with the gather by expert: the rows are the tokens'.
+            w13 = dequantize_fp8_rows(layer.gate_up_proj[expert], layer.gate_up_scale[expert])
+            gate_up = (dequantize_fp8_rows(*quantize_fp8_rows(x)) @ w13.t()).to(x.dtype)
+            act = F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()
+            w2 = dequantize_fp8_rows(layer.down_proj[expert], layer.down_scale[expert])
+            return (dequantize_fp8_rows(*quantize_fp8_rows(act.to(x.dtype))) @ w2.t()).to(x.dtype)
+
+        return mix_experts(hidden, topk_weights, topk_ids, layer.num_experts, expert_mlp)
+
+
 class Fp8Method(BuiltinQuantization):
     """fp8 W8A8: weights quantized on load, or an fp8 checkpoint loaded as it is."""
 
     name = "fp8"
-    implementations: ClassVar[dict[str, dict[str, str]]] = {"cuda": {"linear": "sparrow.quantization.fp8:Fp8Linear"}}
+    implementations: ClassVar[dict[str, dict[str, str]]] = {
+        "cuda": {"linear": "sparrow.quantization.fp8:Fp8Linear",
+                 "fused_moe": "sparrow_cuda.triton_moe:TritonFp8FusedMoE"}}
 
     def check_config(self, config: EngineConfig) -> None:
         # Both unquantized and fp8 checkpoints are accepted: decide which before the shared checks.

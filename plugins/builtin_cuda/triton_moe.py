@@ -23,20 +23,22 @@ import triton
 import triton.language as tl
 
 from sparrow.ops.base import OpImpl
+from sparrow.quantization.fp8 import Fp8FusedMoE
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, tile_experts_ptr,
+    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, tile_experts_ptr, a_scale_ptr, b_scale_ptr,
     num_pairs, N, K,
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_bse,
     A_ROWS_PER_PAIR_DIV: tl.constexpr, MUL_WEIGHTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # grid: (num_tiles, cdiv(N, BLOCK_N)). c[pair, n] = sum_k a[pair // DIV, k] * b[e, n, k].
+    # grid: (num_tiles, cdiv(N, BLOCK_N)). c[pair, n] = sum_k a[pair // DIV, k] * b[e, n, k]; with
+    # SCALED (fp8 operands) times a_scale[pair // DIV] * b_scale[e, n].
     tile = tl.program_id(0)
     expert = tl.load(tile_experts_ptr + tile).to(tl.int64)
     if expert < 0:  # a tile past the last expert's padded group
@@ -59,7 +61,14 @@ def _grouped_gemm_kernel(
         if DOT_IN_FP32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+        if SCALED:
+            acc += tl.dot(a, b)  # fp8 x fp8 on the tensor cores, float32 accumulation
+        else:
+            acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+    if SCALED:
+        a_scale = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)
+        b_scale = tl.load(b_scale_ptr + expert * stride_bse + offs_n, mask=col_ok, other=0.0)
+        acc = acc * a_scale[:, None] * b_scale[None, :]
     if MUL_WEIGHTS:
         weights = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * weights[:, None]
@@ -105,19 +114,25 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
 
 def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, sorted_pairs: torch.Tensor,
                   tile_experts: torch.Tensor, num_pairs: int, rows_per_pair_div: int,
-                  weights: torch.Tensor | None, block_m: int) -> None:
+                  weights: torch.Tensor | None, block_m: int,
+                  scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """``scales``: (``a_scale [rows of a]``, ``b_scale [E, N]``) float32, for fp8 ``a`` and ``b``."""
     n, k = b.shape[1], b.shape[2]
     block_n = min(64, max(16, triton.next_power_of_2(n)))
-    block_k = min(64 if a.dtype != torch.float32 else 32, max(16, triton.next_power_of_2(k)))
+    # fp8 tensor-core dots take k in multiples of 32.
+    block_k = 64 if scales is not None else min(64 if a.dtype != torch.float32 else 32,
+                                                  max(16, triton.next_power_of_2(k)))
+    a_scale, b_scale = scales if scales is not None else (c, c)
     grid = (tile_experts.shape[0], triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
-        a, b, c, weights if weights is not None else c, sorted_pairs, tile_experts,
+        a, b, c, weights if weights is not None else c, sorted_pairs, tile_experts, a_scale, b_scale,
         num_pairs, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        b_scale.stride(0) if scales is not None else 0,
         A_ROWS_PER_PAIR_DIV=rows_per_pair_div, MUL_WEIGHTS=weights is not None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         # Triton's CPU interpreter computes bf16 tl.dot wrongly; it only ever runs on CPU tensors.
-        DOT_IN_FP32=a.device.type == "cpu" and a.dtype == torch.bfloat16,
+        DOT_IN_FP32=a.device.type == "cpu" and a.dtype == torch.bfloat16, SCALED=scales is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4,
     )
@@ -173,3 +188,57 @@ class TritonFusedMoE(OpImpl):
         if hidden.dtype != layer.gate_up_proj.dtype or hidden.dim() != 2 or hidden.stride(-1) != 1:
             return layer.forward_native(hidden, topk_weights, topk_ids)
         return fused_moe(hidden, layer.gate_up_proj, layer.down_proj, topk_weights, topk_ids)
+
+
+def fused_moe_fp8(hidden: torch.Tensor, gate_up_proj: torch.Tensor, gate_up_scale: torch.Tensor,
+                  down_proj: torch.Tensor, down_scale: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """:func:`fused_moe` with fp8 experts (``*_proj`` float8_e4m3fn, ``*_scale [E, N]`` float32 per
+    output channel); each GEMM's input is quantized to fp8 per row first (see
+    ``sparrow.quantization.fp8.Fp8FusedMoE``, whose emulated product this equals)."""
+    from sparrow.quantization.fp8 import quantize_fp8_rows
+    from sparrow_cuda.triton_elementwise import silu_and_mul
+
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_inter, _ = gate_up_proj.shape
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(hidden)
+    block_m = _block_m(num_pairs, num_experts)
+    sorted_pairs, tile_experts = align_pairs(topk_ids, num_experts, block_m)
+    x_q, x_scale = quantize_fp8_rows(hidden)  # per token
+    gate_up = torch.empty(num_pairs, two_inter, dtype=hidden.dtype, device=hidden.device)
+    _grouped_gemm(x_q, gate_up_proj, gate_up, sorted_pairs, tile_experts, num_pairs, top_k, None, block_m,
+                  scales=(x_scale, gate_up_scale))
+    act_q, act_scale = quantize_fp8_rows(silu_and_mul(gate_up))  # per (token, expert) pair
+    out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    weights = topk_weights.reshape(-1).contiguous()
+    _grouped_gemm(act_q, down_proj, out, sorted_pairs, tile_experts, num_pairs, 1, weights, block_m,
+                  scales=(act_scale, down_scale))
+    return out.view(num_tokens, top_k, hidden_size).sum(dim=1)
+
+
+def fp8_dots_compile(device: torch.device) -> bool:
+    """Whether Triton's fp8 (e4m3) dots run here: the interpreter, or compute capability 8.9+."""
+    if device.type != "cuda":
+        return True  # CPU tensors only ever run in the interpreter
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class TritonFp8FusedMoE(Fp8FusedMoE):
+    """fp8 experts in two grouped-GEMM launches on the tensor cores (the emulated product where
+    the GPU has no fp8 support, compute capability below 8.9)."""
+
+    name = "triton_fp8"
+
+    def process_weights(self) -> None:
+        super().process_weights()
+        self.use_triton = fp8_dots_compile(self.layer.gate_up_proj.device)
+
+    def __call__(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if not self.use_triton or hidden.dim() != 2:
+            return super().__call__(hidden, topk_weights, topk_ids)
+        layer = self.layer
+        return fused_moe_fp8(hidden, layer.gate_up_proj, layer.gate_up_scale, layer.down_proj, layer.down_scale,
+                             topk_weights, topk_ids)

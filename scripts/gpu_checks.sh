@@ -33,9 +33,10 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 #    persistent input buffers, overlapped scheduling, LoRA and MoE kernels).
 want tests && { python3 -m pytest -q -p no:cacheprovider -m cuda tests/ \
   2>&1 | tee "$out/cuda_tests.log" | tail -25; }
-# 2. The GPU benchmark of BENCHMARKS.md with HF on the same card.
+# 2. The GPU benchmark of BENCHMARKS.md with HF on the same card; --profile adds an untimed run
+#    under torch.profiler and prints the device's busy fraction over it.
 want bench && { python3 -m sparrow.entrypoints.cli --log-level INFO bench throughput --preset gpu --compare-hf \
-  --result-file "$out/gpu_bench.json" > "$out/gpu_bench.log" 2>&1
+  --profile --result-file "$out/gpu_bench.json" > "$out/gpu_bench.log" 2>&1
 echo "bench exit code $?"; grep -v "Loading weights" "$out/gpu_bench.log" | tail -20; }
 # 3. Where a decode step's time goes.
 want profile && { python3 scripts/profile_gpu.py --trace "$out/gpu_trace.json" 2>&1 | tee "$out/profile.txt" \
@@ -43,6 +44,6 @@ want profile && { python3 scripts/profile_gpu.py --trace "$out/gpu_trace.json" 2
 # 4. The same benchmark with overlapped scheduling and the device-side token feed (#14): compare
 #    its output tok/s with step 2's (docs/benchmarks.md predicts 10-25 % more).
 want async && { python3 -m sparrow.entrypoints.cli --log-level INFO bench throughput --preset gpu \
-  --engine-args '{"async_scheduling": true}' --result-file "$out/gpu_bench_async.json" \
+  --engine-args '{"async_scheduling": true}' --profile --result-file "$out/gpu_bench_async.json" \
   > "$out/gpu_bench_async.log" 2>&1
 echo "async bench exit code $?"; grep -v "Loading weights" "$out/gpu_bench_async.log" | tail -12; }

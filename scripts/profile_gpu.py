@@ -18,27 +18,11 @@ It writes a Chrome trace (``--trace``) to open in Perfetto. ``--device cpu`` wit
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import random
-import re
 import time
 
 os.environ.setdefault("SPARROW_ENABLE_MULTIPROCESSING", "0")
-
-FAMILIES = [  # (family, regex over kernel names), first match wins
-    ("attention", r"attention|attn|flash|paged"),
-    ("gemm", r"gemm|matmul|cutlass|sm90|sm80|cublas|_mm|addmm|linear"),
-    ("sampling", r"cumsum|scan|searchsorted|softmax|sort|topk|argmax|uniform|rand"),
-    ("copies", r"copy|memcpy|memset|fill|cat|index"),
-    ("element-wise", r"."),
-]
-
-
-def family(name: str) -> str:
-    lowered = name.lower()
-    return next(label for label, pattern in FAMILIES if re.search(pattern, lowered))
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -57,6 +41,7 @@ def main() -> None:
 
     from sparrow import LLM, SamplingParams
     from sparrow.engine.core import EngineCore
+    from sparrow.worker.profiler import device_time_by_family
 
     model = args.model
     engine_args: dict = {"device": args.device, "max_num_seqs": 256}
@@ -112,11 +97,7 @@ def main() -> None:
         return
     elapsed = window["elapsed"] or (time.perf_counter() - window["started"])
     print(f"window wall time: {elapsed:.3f} s = {elapsed / steps * 1e3:.2f} ms per step")
-    device_time = collections.defaultdict(float)
-    for event in prof.key_averages():
-        self_device = getattr(event, "self_device_time_total", 0) or getattr(event, "self_cuda_time_total", 0)
-        if self_device > 0:
-            device_time[family(event.key)] += self_device / 1e6
+    device_time = device_time_by_family(prof)
     if device_time:
         busy = sum(device_time.values())
         print(f"device busy: {busy:.3f} s = {busy / elapsed:.0%} of the window "

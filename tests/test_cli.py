@@ -216,6 +216,9 @@ def test_serve_flag_constants_match_the_server():
 
     assert cli_args.DEFAULT_SHUTDOWN_TIMEOUT_S == lifecycle.DEFAULT_SHUTDOWN_TIMEOUT_S
     assert cli_args.ENV_RUNTIME_LORA == serving_models.ENV_RUNTIME_LORA
+    from sparrow.worker.profiler import PROFILER_DIR_ENV
+
+    assert cli_args.ENV_PROFILER_DIR == PROFILER_DIR_ENV
     from sparrow.entrypoints.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--lora-modules", "sql=/adapters/sql", "--shutdown-timeout", "2.5"])

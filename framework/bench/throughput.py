@@ -56,6 +56,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--structured-outputs", choices=("none", "json"), default="none",
                    help="json: constrain every request to a JSON array of strings too long to end before its "
                    "max_tokens, so outputs are as long as unconstrained ones (structured outputs' overhead)")
+    p.add_argument("--profile", action="store_true",
+                   help="one more, untimed run of the workload under torch.profiler: reports the device's busy "
+                        "fraction (a GPU's kernels' time over the run's wall time) and, with "
+                        "SPARROW_TORCH_PROFILER_DIR set, writes each rank's Chrome trace there")
     p.add_argument("--preset", choices=("cpu", "gpu"), default="cpu",
                    help="gpu: Qwen3-0.6B-shaped random bf16 model, 256 requests, lengths 100-1024, temperature 0.6")
     p.set_defaults(func=run)
@@ -172,10 +176,16 @@ def run_engine(model_path: str, workload, args, engine_args: dict) -> dict[str, 
         loads.append(load)
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_params = llm.num_parameters()
+    profile = None
+    if getattr(args, "profile", False):  # after the timed runs: the profiler's overhead stays out of them
+        llm.reset_prefix_cache()
+        llm.start_profile()
+        llm.generate(prompts, params, use_tqdm=False)
+        profile = llm.stop_profile()
     llm.shutdown()
     elapsed = sorted(times)[len(times) // 2]
     return {"elapsed_s": elapsed, "all_elapsed_s": times, "output_tokens": num_output, "num_params": num_params,
-            "machine_load": loads}
+            "machine_load": loads, "profile": profile}
 
 
 def run_hf(model_path: str, workload, device: str = "cpu", dtype_name: str = "float32",
@@ -280,6 +290,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["roofline_bytes"] = roofline["total_bytes"]
         result["copy_bandwidth_bytes_s"] = flops
         result["device_name"] = torch.cuda.get_device_name()
+    if engine["profile"] is not None:
+        result["profile"] = engine["profile"]  # one summary per rank (sparrow.worker.profiler)
     if args.compare_hf:
         result.update(compare_hf(model_path, workload, args, result["engine_output_tok_s"]))
     print_table(result)
@@ -328,6 +340,11 @@ def print_table(result: dict[str, Any]) -> None:
         ("copy GB/s" if "roofline_bytes" in result else "matmul fp32 GFLOP/s", f"{result['matmul_flops'] / 1e9:.1f}"),
         ("roofline share", f"{100 * result['roofline_share']:.1f} %"),
     ]
+    if result.get("profile"):
+        first = result["profile"][0]
+        busy = first["device_busy_fraction"]
+        rows.append(("device busy (profiled run)", f"{100 * busy:.1f} % of {first['wall_s']:.2f} s"
+                     if busy is not None else f"n/a on {first['device']} (no device kernels to time)"))
     if "hf_elapsed_s" in result:
         same = result["hf_same_workload"]
         scope = "same prompts" if same else f"first {result['hf_num_prompts']} of {result['num_prompts']} prompts"

@@ -346,6 +346,12 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.call_utility_async("reset_prefix_cache")
 
+    async def start_profile(self) -> None:
+        await self.engine_core.call_utility_async("profile", True)
+
+    async def stop_profile(self) -> list[dict[str, Any]]:
+        return await self.engine_core.call_utility_async("profile", False)
+
     async def get_scheduler_stats(self) -> SchedulerStats:
         stats = await self.engine_core.call_utility_async("get_scheduler_stats")
         # The call consumed the cache-counter deltas; keep them in the Prometheus counters.

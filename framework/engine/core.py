@@ -245,6 +245,11 @@ class EngineCore:
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         return self.executor.collective_rpc(method, args, kwargs)
 
+    def profile(self, is_start: bool = True) -> list[Any]:
+        """Start or stop every worker's profiler (sparrow.worker.profiler); stopping returns each
+        rank's summary."""
+        return self.executor.collective_rpc("start_profile" if is_start else "stop_profile")
+
     # LoRA adapters (vLLM's add_lora / remove_lora / list_loras): the workers load them ahead of
     # use, or forget them. Arguments are builtins: utility calls carry no Structs.
     def add_lora(self, lora_name: str, lora_int_id: int, lora_path: str) -> bool:

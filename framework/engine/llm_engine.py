@@ -142,6 +142,12 @@ class LLMEngine:
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         return self.engine_core.call_utility("collective_rpc", method, args)
 
+    def start_profile(self) -> None:
+        self.engine_core.call_utility("profile", True)
+
+    def stop_profile(self) -> list[dict[str, Any]]:
+        return self.engine_core.call_utility("profile", False)
+
     # -- LoRA adapters (vLLM's names) -------------------------------------------------------
     def add_lora(self, lora_request: Any) -> bool:
         """Load an adapter into the workers ahead of its first request."""

@@ -168,6 +168,17 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    def start_profile(self) -> None:
+        """Start ``torch.profiler`` in every worker (vLLM's name); with ``SPARROW_TORCH_PROFILER_DIR``
+        set, :meth:`stop_profile` writes each rank's Chrome trace there."""
+        self.llm_engine.start_profile()
+
+    def stop_profile(self) -> list[dict[str, Any]]:
+        """Stop the profilers; returns each rank's summary of the window: ``wall_s``,
+        ``device_busy_s`` / ``device_busy_fraction`` (None without a GPU), ``device_s_by_family``
+        and ``trace`` (the file written, or None)."""
+        return self.llm_engine.stop_profile()
+
     # -- LoRA adapters (vLLM's names) ------------------------------------------------------
     def add_lora(self, lora_request: Any) -> bool:
         """Load an adapter into the workers ahead of its first request."""

@@ -168,6 +168,20 @@ class WorkerBase:
 
         return dataclasses.asdict(self._lora_manager().stats)
 
+    # -- profiling (the engine core's profile, LLM.start_profile / stop_profile) -----------------
+    def start_profile(self) -> None:
+        from sparrow.worker.profiler import WorkerProfiler
+
+        if getattr(self, "_profiler", None) is None:
+            self._profiler = WorkerProfiler(self.device, self.rank)
+        self._profiler.start()
+
+    def stop_profile(self) -> dict[str, Any]:
+        profiler = getattr(self, "_profiler", None)
+        if profiler is None or not profiler.active:
+            raise RuntimeError("the profiler is not running: call start_profile() first")
+        return profiler.stop()
+
     def ping(self) -> str:
         return "pong"
 

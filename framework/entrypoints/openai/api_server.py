@@ -12,6 +12,8 @@
     GET  /tokenizer_info       the tokenizer's configuration (special tokens, chat template, ...)
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter   with --enable-lora and
                                SPARROW_ALLOW_RUNTIME_LORA_UPDATING=true (serving_models)
+    POST /start_profile, /stop_profile   with SPARROW_TORCH_PROFILER_DIR set: torch.profiler in
+                               every worker, a Chrome trace per rank there (stop returns summaries)
 
 Every route answers CORS preflight requests (--allowed-origins, --allowed-methods, ...).
 
@@ -44,6 +46,7 @@ from sparrow.engine.metrics import PROMETHEUS_CONTENT_TYPE, render
 from sparrow.entrypoints.openai.cli_args import (  # noqa: F401 - add_serve_parser: re-exported
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     ENV_API_KEY,
+    ENV_PROFILER_DIR,
     add_serve_parser,
 )
 from sparrow.entrypoints.openai.protocol import (
@@ -244,6 +247,15 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
 
     if lora_modules is not None and runtime_lora_updating():
         add_lora_routes(app, lora_modules)
+    if os.environ.get(ENV_PROFILER_DIR):  # as vLLM: the routes exist only where traces have a home
+        @app.post("/start_profile")
+        async def start_profile() -> Response:
+            await engine.start_profile()
+            return Response(status_code=200)
+
+        @app.post("/stop_profile")
+        async def stop_profile() -> list[dict[str, Any]]:
+            return await engine.stop_profile()
     return app
 
 

@@ -13,10 +13,12 @@ from typing import Any
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 10 * 1024 * 1024
 ENV_API_KEY = "SPARROW_API_KEY"
-# The same values as lifecycle.DEFAULT_SHUTDOWN_TIMEOUT_S and serving_models.ENV_RUNTIME_LORA,
-# repeated here so that building the parser does not import those modules (a test keeps them equal).
+# The same values as lifecycle.DEFAULT_SHUTDOWN_TIMEOUT_S, serving_models.ENV_RUNTIME_LORA and
+# sparrow.worker.profiler.PROFILER_DIR_ENV, repeated here so that building the parser (and the
+# server) does not import those modules (a test keeps them equal).
 DEFAULT_SHUTDOWN_TIMEOUT_S = 0.0
 ENV_RUNTIME_LORA = "SPARROW_ALLOW_RUNTIME_LORA_UPDATING"
+ENV_PROFILER_DIR = "SPARROW_TORCH_PROFILER_DIR"
 
 
 def _run_server(args: argparse.Namespace) -> int:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -424,16 +423,6 @@ def test_unsupported_combinations_fail_naming_the_field(quant_dirs, qwen3_dir, t
     for kwargs, message in cases:
         with pytest.raises(ConfigError, match=message):
             finalized(**kwargs)
-
-
-def test_mixture_of_experts_models_are_refused_where_no_experts_op_is_served():
-    config = SimpleNamespace(device=SimpleNamespace(device="cuda"), model=SimpleNamespace(dtype="auto"),
-                             parallel=SimpleNamespace(tensor_parallel_size=1))
-    method = Fp8Method(None)  # int8, awq and gptq serve them (tests/test_quantization_moe*.py)
-    method.hf_config = SimpleNamespace(num_experts=4)
-    with pytest.raises(ConfigError, match=r"'quantization': 'fp8' does not quantize mixture-of-experts models "
-                                          r"\(config.json has num_experts\)"):
-        method.check_config(config)
 
 
 def test_int8_weights_take_a_quarter_of_the_memory(qwen3_dir):

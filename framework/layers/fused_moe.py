@@ -133,20 +133,22 @@ class FusedMoE(CustomOp):
         """Whether the experts are still the checkpoint's quantized linear layers."""
         return self.gate_up_proj is None
 
+    def pop_expert_linears(self) -> dict[str, list[Any]]:
+        """The quantized experts' linear layers, ``{"gate_up_proj": [E], "down_proj": [E]}``, taken
+        out of the layer (an op implementation stacks them into its own layout when bound)."""
+        experts = [self.get_submodule(str(expert)) for expert in range(self.num_experts)]
+        for expert in range(self.num_experts):
+            delattr(self, str(expert))
+        return {name: [getattr(expert, name) for expert in experts] for name in ("gate_up_proj", "down_proj")}
+
     def dequantize_experts(self) -> None:
         """Quantized experts -> the stacked ``gate_up_proj`` / ``down_proj`` in the layer's dtype
         (their quantized parameters are released); nothing when the experts are dense."""
         if not self.quantized:
             return
-        experts = [self.get_submodule(str(expert)) for expert in range(self.num_experts)]
-        stacks = {}
-        for name in ("gate_up_proj", "down_proj"):
-            linears = [getattr(expert, name) for expert in experts]
-            stacks[name] = torch.stack([linear.weights.dense_weight(linear) for linear in linears])
-        for expert in range(self.num_experts):
-            delattr(self, str(expert))
-        self.gate_up_proj = nn.Parameter(stacks["gate_up_proj"], requires_grad=False)
-        self.down_proj = nn.Parameter(stacks["down_proj"], requires_grad=False)
+        for name, linears in self.pop_expert_linears().items():
+            stacked = torch.stack([linear.weights.dense_weight(linear) for linear in linears])
+            setattr(self, name, nn.Parameter(stacked, requires_grad=False))
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         impl = self._op_impl

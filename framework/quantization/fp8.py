@@ -163,13 +163,9 @@ class Fp8FusedMoE(OpImpl):
         layer = self.layer
         stacks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if layer.quantized:
-            experts = [layer.get_submodule(str(expert)) for expert in range(layer.num_experts)]
-            for name in self.PROJECTIONS:
-                linears = [getattr(expert, name) for expert in experts]
+            for name, linears in layer.pop_expert_linears().items():
                 stacks[name] = (torch.stack([linear.weight.data for linear in linears]),
                                 torch.stack([Fp8CheckpointWeights.channel_scales(linear) for linear in linears]))
-            for expert in range(layer.num_experts):
-                delattr(layer, str(expert))
         else:
             for name in self.PROJECTIONS:
                 dense = getattr(layer, name).data

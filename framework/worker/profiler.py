@@ -53,10 +53,6 @@ class WorkerProfiler:
         self._prof: Any = None
         self._started = 0.0
 
-    @property
-    def active(self) -> bool:
-        return self._prof is not None
-
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

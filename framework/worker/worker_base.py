@@ -13,6 +13,7 @@ from sparrow.platforms.interface import Platform
 from sparrow.plugins import get_plugin_manager
 from sparrow.worker.model_runner import DTYPES, ModelRunner
 from sparrow.worker.outputs import ModelRunnerOutput
+from sparrow.worker.profiler import WorkerProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class WorkerBase:
             parallel.data_parallel_rank * parallel.tensor_parallel_size + local_rank)
         self.tp: Any = None
         self.model_runner: ModelRunner | None = None
+        self.profiler = WorkerProfiler(self.device, self.rank)  # LLM.start_profile / stop_profile
 
     # -- start-up ---------------------------------------------------------------------------
     def init_device(self) -> None:
@@ -170,17 +172,10 @@ class WorkerBase:
 
     # -- profiling (the engine core's profile, LLM.start_profile / stop_profile) -----------------
     def start_profile(self) -> None:
-        from sparrow.worker.profiler import WorkerProfiler
-
-        if getattr(self, "_profiler", None) is None:
-            self._profiler = WorkerProfiler(self.device, self.rank)
-        self._profiler.start()
+        self.profiler.start()
 
     def stop_profile(self) -> dict[str, Any]:
-        profiler = getattr(self, "_profiler", None)
-        if profiler is None or not profiler.active:
-            raise RuntimeError("the profiler is not running: call start_profile() first")
-        return profiler.stop()
+        return self.profiler.stop()
 
     def ping(self) -> str:
         return "pong"

@@ -16,7 +16,7 @@ interpreter (``TRITON_INTERPRET=1``) runs: that is how they are tested without a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
 import triton
@@ -112,10 +112,49 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
 
 
-def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, sorted_pairs: torch.Tensor,
-                  tile_experts: torch.Tensor, num_pairs: int, rows_per_pair_div: int,
-                  weights: torch.Tensor | None, block_m: int,
-                  scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+class PairTiles(NamedTuple):
+    """A step's (token, expert) pairs in ``block_m`` tiles of one expert each (:func:`align_pairs`)."""
+
+    sorted_pairs: torch.Tensor
+    tile_experts: torch.Tensor
+    num_pairs: int
+    block_m: int
+
+
+GroupedGemm = Callable[[int, torch.Tensor, torch.Tensor, PairTiles, int, "torch.Tensor | None"], None]
+
+
+def run_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                gate_up_width: int, gemm: GroupedGemm) -> torch.Tensor:
+    """What every ``fused_moe`` variant does around its grouped GEMM: tile the pairs, then
+
+    1. ``gemm(0, hidden, gate_up, tiles, k, None)``: ``gate_up[pair] = hidden[pair // k] @ W13_e``;
+    2. ``gemm(1, silu_and_mul(gate_up), out, tiles, 1, weights)``: ``out[pair] = weight * act @ W2_e``;
+
+    and the ``k`` rows of each token summed. ``gemm`` is the variant's (dense, fp8, int4).
+    """
+    from sparrow_cuda.triton_elementwise import silu_and_mul
+
+    num_tokens, hidden_size = hidden.shape
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must "
+                         f"both be [{num_tokens}, k]")
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(hidden)
+    block_m = _block_m(num_pairs, num_experts)
+    tiles = PairTiles(*align_pairs(topk_ids, num_experts, block_m), num_pairs, block_m)
+    gate_up = torch.empty(num_pairs, gate_up_width, dtype=hidden.dtype, device=hidden.device)
+    gemm(0, hidden, gate_up, tiles, top_k, None)
+    act = silu_and_mul(gate_up)  # [T*k, I]
+    out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    gemm(1, act, out, tiles, 1, topk_weights.reshape(-1).contiguous())
+    return out.view(num_tokens, top_k, hidden_size).sum(dim=1)
+
+
+def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, tiles: PairTiles, rows_per_pair_div: int,
+                  weights: torch.Tensor | None, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """``scales``: (``a_scale [rows of a]``, ``b_scale [E, N]``) float32, for fp8 ``a`` and ``b``."""
     n, k = b.shape[1], b.shape[2]
     block_n = min(64, max(16, triton.next_power_of_2(n)))
@@ -123,17 +162,17 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, sorted_pair
     block_k = 64 if scales is not None else min(64 if a.dtype != torch.float32 else 32,
                                                   max(16, triton.next_power_of_2(k)))
     a_scale, b_scale = scales if scales is not None else (c, c)
-    grid = (tile_experts.shape[0], triton.cdiv(n, block_n))
+    grid = (tiles.tile_experts.shape[0], triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
-        a, b, c, weights if weights is not None else c, sorted_pairs, tile_experts, a_scale, b_scale,
-        num_pairs, n, k,
+        a, b, c, weights if weights is not None else c, tiles.sorted_pairs, tiles.tile_experts, a_scale, b_scale,
+        tiles.num_pairs, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         b_scale.stride(0) if scales is not None else 0,
         A_ROWS_PER_PAIR_DIV=rows_per_pair_div, MUL_WEIGHTS=weights is not None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         # Triton's CPU interpreter computes bf16 tl.dot wrongly; it only ever runs on CPU tensors.
         DOT_IN_FP32=a.device.type == "cpu" and a.dtype == torch.bfloat16, SCALED=scales is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4,
     )
 
@@ -145,31 +184,20 @@ def fused_moe(hidden: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch
     ``gate_up_proj [E, 2I, H]`` (gate rows then up rows), ``down_proj [E, H, I]``, ``topk_weights``
     and ``topk_ids`` ``[T, k]``. ``hidden`` needs a unit inner stride.
     """
-    from sparrow_cuda.triton_elementwise import silu_and_mul
-
-    num_tokens, hidden_size = hidden.shape
+    hidden_size = hidden.shape[1]
     num_experts, two_inter, _ = gate_up_proj.shape
     if gate_up_proj.shape[2] != hidden_size or down_proj.shape != (num_experts, hidden_size, two_inter // 2):
         raise ValueError(f"expert weights {tuple(gate_up_proj.shape)} / {tuple(down_proj.shape)} do not fit "
                          f"hidden size {hidden_size}")
-    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
-        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must "
-                         f"both be [{num_tokens}, k]")
     if hidden.stride(1) != 1:
         raise ValueError("fused_moe needs hidden with a unit inner stride")
-    top_k = topk_ids.shape[1]
-    num_pairs = num_tokens * top_k
-    if num_pairs == 0:
-        return torch.zeros_like(hidden)
-    block_m = _block_m(num_pairs, num_experts)
-    sorted_pairs, tile_experts = align_pairs(topk_ids, num_experts, block_m)
-    gate_up = torch.empty(num_pairs, two_inter, dtype=hidden.dtype, device=hidden.device)
-    _grouped_gemm(hidden, gate_up_proj, gate_up, sorted_pairs, tile_experts, num_pairs, top_k, None, block_m)
-    act = silu_and_mul(gate_up)  # [T*k, I]
-    out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    weights = topk_weights.reshape(-1).contiguous()
-    _grouped_gemm(act, down_proj, out, sorted_pairs, tile_experts, num_pairs, 1, weights, block_m)
-    return out.view(num_tokens, top_k, hidden_size).sum(dim=1)
+    projections = (gate_up_proj, down_proj)
+
+    def gemm(stage: int, a: torch.Tensor, c: torch.Tensor, tiles: PairTiles, div: int,
+             weights: torch.Tensor | None) -> None:
+        _grouped_gemm(a, projections[stage], c, tiles, div, weights)
+
+    return run_experts(hidden, topk_weights, topk_ids, num_experts, two_inter, gemm)
 
 
 class TritonFusedMoE(OpImpl):
@@ -197,26 +225,16 @@ def fused_moe_fp8(hidden: torch.Tensor, gate_up_proj: torch.Tensor, gate_up_scal
     output channel); each GEMM's input is quantized to fp8 per row first (see
     ``sparrow.quantization.fp8.Fp8FusedMoE``, whose emulated product this equals)."""
     from sparrow.quantization.fp8 import quantize_fp8_rows
-    from sparrow_cuda.triton_elementwise import silu_and_mul
 
-    num_tokens, hidden_size = hidden.shape
-    num_experts, two_inter, _ = gate_up_proj.shape
-    top_k = topk_ids.shape[1]
-    num_pairs = num_tokens * top_k
-    if num_pairs == 0:
-        return torch.zeros_like(hidden)
-    block_m = _block_m(num_pairs, num_experts)
-    sorted_pairs, tile_experts = align_pairs(topk_ids, num_experts, block_m)
-    x_q, x_scale = quantize_fp8_rows(hidden)  # per token
-    gate_up = torch.empty(num_pairs, two_inter, dtype=hidden.dtype, device=hidden.device)
-    _grouped_gemm(x_q, gate_up_proj, gate_up, sorted_pairs, tile_experts, num_pairs, top_k, None, block_m,
-                  scales=(x_scale, gate_up_scale))
-    act_q, act_scale = quantize_fp8_rows(silu_and_mul(gate_up))  # per (token, expert) pair
-    out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    weights = topk_weights.reshape(-1).contiguous()
-    _grouped_gemm(act_q, down_proj, out, sorted_pairs, tile_experts, num_pairs, 1, weights, block_m,
-                  scales=(act_scale, down_scale))
-    return out.view(num_tokens, top_k, hidden_size).sum(dim=1)
+    projections = ((gate_up_proj, gate_up_scale), (down_proj, down_scale))
+
+    def gemm(stage: int, a: torch.Tensor, c: torch.Tensor, tiles: PairTiles, div: int,
+             weights: torch.Tensor | None) -> None:
+        weight, weight_scale = projections[stage]
+        a_q, a_scale = quantize_fp8_rows(a)  # per token (gate/up), per (token, expert) pair (down)
+        _grouped_gemm(a_q, weight, c, tiles, div, weights, scales=(a_scale, weight_scale))
+
+    return run_experts(hidden, topk_weights, topk_ids, gate_up_proj.shape[0], gate_up_proj.shape[1], gemm)
 
 
 def fp8_dots_compile(device: torch.device) -> bool:

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from sparrow.ops.base import OpImpl
+from sparrow_cuda.triton_moe import PairTiles, run_experts
 
 
 @triton.jit
@@ -98,25 +99,24 @@ class PackedExperts:
         return self.qweight.shape[2]
 
 
-def grouped_int4_gemm(a: torch.Tensor, experts: PackedExperts, c: torch.Tensor, sorted_pairs: torch.Tensor,
-                      tile_experts: torch.Tensor, num_pairs: int, rows_per_pair_div: int,
-                      weights: torch.Tensor | None, block_m: int) -> None:
+def grouped_int4_gemm(a: torch.Tensor, experts: PackedExperts, c: torch.Tensor, tiles: PairTiles,
+                      rows_per_pair_div: int, weights: torch.Tensor | None) -> None:
     """``c[pair] = a[pair // rows_per_pair_div] @ W_e`` (times ``weights[pair]``) for every pair."""
     n, k = experts.out_features, experts.in_features
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(32, max(16, triton.next_power_of_2(k)))
-    grid = (tile_experts.shape[0], triton.cdiv(n, block_n))
+    grid = (tiles.tile_experts.shape[0], triton.cdiv(n, block_n))
     _grouped_int4_gemm_kernel[grid](
         a, experts.qweight, experts.zeros, experts.scales, experts.g_idx, c,
-        weights if weights is not None else c, sorted_pairs, tile_experts,
-        num_pairs, n, k,
+        weights if weights is not None else c, tiles.sorted_pairs, tiles.tile_experts,
+        tiles.num_pairs, n, k,
         a.stride(0), experts.qweight.stride(0), experts.qweight.stride(1), experts.scales.stride(0),
         experts.scales.stride(1), experts.g_idx.stride(0), c.stride(0),
         A_ROWS_PER_PAIR_DIV=rows_per_pair_div, MUL_WEIGHTS=weights is not None, BITS=experts.bits,
         IEEE=a.dtype == torch.float32,
         # Triton's CPU interpreter computes bf16 tl.dot wrongly; it only ever runs on CPU tensors.
         DOT_IN_FP32=a.device.type == "cpu" and a.dtype == torch.bfloat16,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4,
     )
 
@@ -124,28 +124,13 @@ def grouped_int4_gemm(a: torch.Tensor, experts: PackedExperts, c: torch.Tensor, 
 def fused_moe_int4(hidden: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor) -> torch.Tensor:
     """``[T, H]`` -> ``[T, H]`` as :func:`sparrow_cuda.triton_moe.fused_moe`, the experts packed."""
-    from sparrow_cuda.triton_elementwise import silu_and_mul
-    from sparrow_cuda.triton_moe import _block_m, align_pairs
+    projections = (w13, w2)
 
-    num_tokens, hidden_size = hidden.shape
-    num_experts = w13.qweight.shape[0]
-    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
-        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must "
-                         f"both be [{num_tokens}, k]")
-    top_k = topk_ids.shape[1]
-    num_pairs = num_tokens * top_k
-    if num_pairs == 0:
-        return torch.zeros_like(hidden)
-    hidden = hidden.contiguous()
-    block_m = _block_m(num_pairs, num_experts)
-    sorted_pairs, tile_experts = align_pairs(topk_ids, num_experts, block_m)
-    gate_up = torch.empty(num_pairs, w13.out_features, dtype=hidden.dtype, device=hidden.device)
-    grouped_int4_gemm(hidden, w13, gate_up, sorted_pairs, tile_experts, num_pairs, top_k, None, block_m)
-    act = silu_and_mul(gate_up)  # [T*k, I]
-    out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
-    weights = topk_weights.reshape(-1).contiguous()
-    grouped_int4_gemm(act, w2, out, sorted_pairs, tile_experts, num_pairs, 1, weights, block_m)
-    return out.view(num_tokens, top_k, hidden_size).sum(dim=1)
+    def gemm(stage: int, a: torch.Tensor, c: torch.Tensor, tiles: PairTiles, div: int,
+             weights: torch.Tensor | None) -> None:
+        grouped_int4_gemm(a, projections[stage], c, tiles, div, weights)
+
+    return run_experts(hidden.contiguous(), topk_weights, topk_ids, w13.qweight.shape[0], w13.out_features, gemm)
 
 
 def pack_experts(linears: list[Any]) -> PackedExperts:
@@ -183,11 +168,8 @@ class TritonInt4FusedMoE(OpImpl):
 
     def process_weights(self) -> None:
         layer = self.layer
-        experts = [layer.get_submodule(str(expert)) for expert in range(layer.num_experts)]
-        packed = {prefix: pack_experts([getattr(expert, name) for expert in experts])
-                  for prefix, name in self.PROJECTIONS}
-        for expert in range(layer.num_experts):  # before bind_ops reaches the experts' linear layers
-            delattr(layer, str(expert))
+        linears = layer.pop_expert_linears()  # before bind_ops reaches the experts' linear layers
+        packed = {prefix: pack_experts(linears[name]) for prefix, name in self.PROJECTIONS}
         for prefix, experts_packed in packed.items():
             for field in ("qweight", "zeros", "scales", "g_idx"):
                 layer.replace_parameter(f"{prefix}_{field}", getattr(experts_packed, field))

@@ -64,6 +64,11 @@ class AttentionBackend(ABC):
     # need one the backend lacks fails to build, naming the backend and the feature.
     supports_sliding_window: bool = False
     supports_logits_soft_cap: bool = False
+    # Which steps a CUDA graph captured once may replay with other inputs (read by the CUDA
+    # runner, sparrow_cuda.cuda_graphs): "always" when ``forward`` reads the step's layout from
+    # the metadata's device tensors alone (any step, padded with empty requests and slot -1
+    # tokens); "decode" for pure decode steps only; "never" when the backend plans on the host.
+    graph_support: str = "never"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  dtype: torch.dtype, device: torch.device) -> None:

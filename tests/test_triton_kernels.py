@@ -260,3 +260,52 @@ def test_triton_backend_forward():
     out = backend.forward(batch.query, batch.new_keys, batch.new_values, batch.kv_cache, metadata)
     assert out.shape == batch.query.shape
     torch.testing.assert_close(out, batch.reference(), atol=1e-4, rtol=1e-4)
+
+
+# -- a step padded as a CUDA graph replays it (sparrow_cuda.cuda_graphs) -------------------------
+
+@interpreted
+@pytest.mark.parametrize("family,lens,num_kv_splits", [
+    ("decode", [(1, 40), (1, 5), (1, 0)], 1),
+    ("decode", [(1, 40), (1, 5), (1, 0)], 4),
+    ("verify", [(3, 30), (1, 17), (3, 0)], 2),  # k = 2: one request drafted nothing
+    ("mixed", MIXED, 1),
+])
+def test_graph_padding_leaves_the_real_rows_and_the_cache_alone(family, lens, num_kv_splits):
+    """The step written into a graph's static buffers (empty padding requests, slot -1 padding
+    tokens, the attention told the captured shape's max_query_len) attends exactly as itself:
+    real rows match the reference, and nothing reads a slot it must not (the cache is NaN where
+    unwritten, so a stray read shows as NaN) or writes a padding token."""
+    from sparrow_cuda.cuda_graphs import GraphShape, StaticInputs
+
+    batch = Batch(lens, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32, seed=6)
+    t, r = batch.num_actual_tokens, len(lens)
+    query_len = {"decode": 1, "verify": 3, "mixed": 64}[family]
+    shape = GraphShape(family, max(2 * t, 8) if family == "mixed" else 2 * r * query_len, 2 * r, query_len, False)
+    static = StaticInputs(shape.num_tokens, shape.num_reqs,
+                          torch.zeros(shape.num_reqs, batch.block_table.shape[1], dtype=torch.int32),
+                          torch.device("cpu"), lora=False)
+    static.block_table[r:] = batch.block_table[0]  # stale rows of other requests: never read
+    static.clear()
+    metadata = static.metadata(shape, max_seq_len=256)
+    ids = torch.arange(t)
+    static.fill(shape, ids, ids, batch.metadata(), None)
+    padding = shape.num_tokens - t
+    gen = torch.Generator().manual_seed(7)
+    query = torch.cat([batch.query, torch.randn(padding, 4, 64, generator=gen)])
+    new_keys = torch.cat([batch.new_keys, torch.randn(padding, 2, 64, generator=gen)])
+    new_values = torch.cat([batch.new_values, torch.randn(padding, 2, 64, generator=gen)])
+    cache_before = batch.kv_cache.clone()
+    reshape_and_cache(new_keys, new_values, batch.kv_cache, metadata.slot_mapping)
+    written = batch.kv_cache.clone()
+    batch.kv_cache.copy_(cache_before)
+    reshape_and_cache(batch.new_keys, batch.new_values, batch.kv_cache, batch.slot_mapping)
+    assert torch.equal(written.nan_to_num(1234.5), batch.kv_cache.nan_to_num(1234.5)), "a padding token wrote"
+    out = torch.full_like(query, 7.0)
+    unified_paged_attention(query, batch.kv_cache, out, metadata.query_start_loc, metadata.seq_lens,
+                            metadata.block_table, batch.scale, metadata.max_query_len, metadata.max_seq_len,
+                            num_kv_splits=num_kv_splits, tile_n=16)
+    torch.testing.assert_close(out[:t], batch.reference(), atol=1e-4, rtol=1e-4)
+    assert torch.all(out[t:] == 7.0), "padding rows must be left untouched"
+    assert torch.equal(metadata.query_start_loc[r + 1:], torch.full((shape.num_reqs - r,), t, dtype=torch.int32))
+    assert torch.all(metadata.seq_lens[r:] == 0) and torch.all(metadata.slot_mapping[t:] == -1)

@@ -168,14 +168,14 @@ class ModelRunner(SamplingStep):
         connector_meta = scheduler_output.kv_connector_metadata
         if self.kv_connector is not None and connector_meta is not None:
             self.kv_connector.start_load_kv(self.kv_connector_meta(connector_meta))
-        if self.lora_manager is not None and self.prepare_lora(inputs):
-            # Adapter tokens: the eager forward (a captured CUDA graph holds no adapter path).
-            try:
-                hidden_states = ModelRunner.run_model(self, inputs)
-            finally:
-                self.lora_manager.finish_step()
-        else:
+        # Adapter tokens: the hooks read this step's token -> slot map (a platform's run_model may
+        # replay a graph captured with them, sparrow_cuda.cuda_graphs).
+        lora_step = self.lora_manager is not None and self.prepare_lora(inputs)
+        try:
             hidden_states = self.run_model(inputs)  # [T, hidden]
+        finally:
+            if lora_step:
+                self.lora_manager.finish_step()
         if self.kv_connector is not None and connector_meta is not None:
             self.kv_connector.save_kv(self.kv_connector_meta(connector_meta))
         if feed is not None:  # the forward is enqueued: the previous step's tokens may come home

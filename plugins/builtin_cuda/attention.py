@@ -32,6 +32,9 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    # One kernel reads the whole layout from device tensors; tiles and splits depend on
+    # max_query_len / max_seq_len only for speed (unified_paged_attention).
+    graph_support = "always"
     supported_kv_cache_dtypes = FP8_KV_CACHE_DTYPES
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
@@ -112,7 +115,8 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     The page size is the cache's block size. Pass ``block_size`` to plan in :meth:`prepare`;
     without it the plan is made by the first layer's :meth:`forward` of the step, when the cache's
-    shape is known. Planning runs on the host, so steps are not CUDA-graph capturable.
+    shape is known. Planning runs on the host, so steps are not CUDA-graph capturable
+    (``graph_support = "never"``).
 
     Layers with a sliding window or logit soft-capping need wrappers planned with them
     (``window_left = W - 1``, ``logits_soft_cap``): one pair of wrappers per distinct
@@ -126,6 +130,9 @@ class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    # The wrappers are planned on the host from each step's page table; a graph captured with one
+    # plan would replay it for every later step (wrong keys), so FlashInfer steps run eagerly.
+    graph_support = "never"
     supported_kv_cache_dtypes = FP8_KV_CACHE_DTYPES
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,

@@ -1,9 +1,9 @@
-"""CUDA model runner: the shared runner plus a profiling run and CUDA graphs for decode batches.
+"""CUDA model runner: the shared runner plus a profiling run and CUDA graphs.
 
-Decode steps are small and many, so host launch overhead dominates them. At start-up the runner
-captures the model's forward once per batch size of a ladder (1, 2, 4, 8, 16, 24, 32, ... up to
-max_num_seqs) on static input buffers; a pure-decode step is padded to the nearest captured size
-and replayed. Prefill and mixed steps run eagerly. ``enforce_eager=True`` turns graphs off.
+Small steps are many, and host launch overhead dominates them. At start-up the runner captures
+the model's forward for decode, verification and mixed step shapes (sparrow_cuda.cuda_graphs,
+which families depends on the attention backend) and replays the smallest that holds each step;
+larger steps run eagerly. ``enforce_eager=True`` turns graphs off.
 
 ``kv_cache_dtype="fp8"`` stores the paged cache as float8_e4m3fn (half the bytes of bf16, so twice
 the blocks in the same memory) with one key scale and one value scale per layer: read from the
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 from typing import Any
 
 import numpy as np
@@ -25,6 +24,7 @@ import torch
 from sparrow.attention import AttentionMetadata
 from sparrow.layers.attention import Attention
 from sparrow.worker.model_runner import ModelRunner, StepInputs
+from sparrow_cuda.cuda_graphs import StaticInputs, StepGraphs, graph_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -83,20 +83,12 @@ def apply_kv_scales(model: Any, scales: dict[int, tuple[float, float]]) -> int:
     return applied
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, 513, 16))
-    return [s for s in sizes if s <= max_num_seqs] or [1]
-
-
 class CudaModelRunner(ModelRunner):
     pin_memory = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # batch size -> captured decode forward
-        self.graph_outputs: dict[int, torch.Tensor] = {}  # batch size -> [bs, hidden] static output
-        self.graph_metadata: dict[int, AttentionMetadata] = {}
-        self.static: dict[str, torch.Tensor] = {}
+        self.step_graphs: StepGraphs | None = None  # captured forwards (None: eager)
         self.kv_scales: dict[int, tuple[float, float]] = {}
         if self.config.cache.kv_cache_dtype != "auto":
             self._use_fp8_kv_cache(self.config.cache.kv_cache_dtype)
@@ -161,78 +153,47 @@ class CudaModelRunner(ModelRunner):
         torch.sort(probs, dim=-1)
         del caches, hidden, logits, probs
 
-    # -- CUDA graphs ------------------------------------------------------------------------
+    # -- CUDA graphs (sparrow_cuda.cuda_graphs) ---------------------------------------------
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:
+        self.step_graphs = self.build_step_graphs(pool=torch.cuda.graph_pool_handle())
+        if self.step_graphs is not None:
+            self.step_graphs.capture()
+
+    def build_step_graphs(self, **graph_kwargs: Any) -> StepGraphs | None:
+        """The step graphs this model and backend allow, not yet captured (None: eager only);
+        ``graph_kwargs`` go to StepGraphs (tests pass a stand-in graph type to run on the CPU)."""
+        backend = self.model.attn_backend
+        support = getattr(backend, "graph_support", "never")
         if len(self.kv_cache_groups) > 1:
             # The static buffers hold one block table and one slot mapping; a hybrid cache has
-            # one per group. Such models decode eagerly.
+            # one per group. Such models run eagerly.
             logger.info("CUDA graphs off: the hybrid KV cache has %d groups", len(self.kv_cache_groups))
-            return
-        sizes = graph_batch_sizes(self.max_num_reqs)
-        max_bs = sizes[-1]
-        dev = self.device
-        self.static = {
-            "input_ids": torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            "positions": torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
-            "seq_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
-            "query_start_loc": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
-            # The persistent device block table itself (sparrow.worker.input_buffers), updated
-            # incrementally by prepare_inputs: a replay reads it with no copy. Rows past a step's
-            # requests hold other rows' blocks; padding rows (seq_len 1, slot -1) discard them.
-            "block_table": self.input_buffers().device_tables[0][:max_bs],
-        }
-        started = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        try:
-            for bs in reversed(sizes):  # largest first, so smaller graphs reuse its memory pool
-                metadata = self._static_metadata(bs)
-                for _ in range(2):  # warm-up (Triton autotuning, lazy inits) outside the capture
-                    self._forward_static(bs, metadata)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    output = self._forward_static(bs, metadata)
-                self.graphs[bs] = graph
-                self.graph_outputs[bs] = output
-                self.graph_metadata[bs] = metadata
-        except Exception as exc:  # noqa: BLE001 - graphs are an optimisation; eager always works
-            logger.warning("CUDA graph capture failed, running eagerly: %r", exc)
-            self.graphs.clear()
-            self.graph_outputs.clear()
-            self.graph_metadata.clear()
-            return
-        logger.info("captured %d CUDA graphs (batch sizes up to %d) in %.1fs", len(sizes), max_bs,
-                    time.perf_counter() - started)
-
-    def _static_metadata(self, bs: int) -> AttentionMetadata:
-        s = self.static
-        return AttentionMetadata(
-            num_actual_tokens=bs, num_reqs=bs, max_query_len=1, max_seq_len=self.max_model_len,
-            query_start_loc=s["query_start_loc"][: bs + 1], seq_lens=s["seq_lens"][:bs],
-            block_table=s["block_table"][:bs], slot_mapping=s["slot_mapping"][:bs], is_decode_only=True,
-        )
-
-    def _forward_static(self, bs: int, metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model.forward(self.static["input_ids"][:bs], self.static["positions"][:bs],
-                                  self.kv_caches, metadata)
+            return None
+        if support == "never":
+            logger.info("CUDA graphs off: attention backend %r plans its steps on the host",
+                        getattr(backend, "name", type(backend).__name__))
+            return None
+        spec = self.config.speculative.speculative_config
+        lora = self.lora_manager is not None
+        shapes = graph_shapes(support, self.max_num_reqs, self.config.max_num_batched_tokens,
+                              num_speculative_tokens=spec["num_speculative_tokens"] if spec else 0, lora=lora)
+        static = StaticInputs(max(s.num_tokens for s in shapes), max(s.num_reqs for s in shapes),
+                              self.input_buffers().device_tables[0], self.device, lora=lora)
+        return StepGraphs(shapes, static, self.max_model_len,
+                          lambda ids, positions, metadata: self.model.forward(ids, positions, self.kv_caches, metadata),
+                          self.lora_manager.state if lora else None, **graph_kwargs)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
+        graphs = self.step_graphs
         metadata = inputs.metadata
-        num_reqs = metadata.num_reqs
-        if not self.graphs or not metadata.is_decode_only or num_reqs > max(self.graphs):
-            return super().run_model(inputs)
-        bs = min(size for size in self.graphs if size >= num_reqs)
-        s = self.static
-        s["input_ids"][:num_reqs].copy_(inputs.input_ids)
-        s["positions"][:num_reqs].copy_(inputs.positions)
-        s["slot_mapping"][:num_reqs].copy_(metadata.slot_mapping)
-        s["slot_mapping"][num_reqs:bs].fill_(-1)  # padding rows write nothing
-        s["seq_lens"][:num_reqs].copy_(metadata.seq_lens)
-        s["seq_lens"][num_reqs:bs].fill_(1)
-        if metadata.block_table.data_ptr() != s["block_table"].data_ptr():  # not the persistent table
-            width = metadata.block_table.shape[1]
-            s["block_table"][:num_reqs, :width].copy_(metadata.block_table)
-        self.graphs[bs].replay()
-        return self.graph_outputs[bs][:num_reqs]
+        lora_state = self.lora_manager.state if self.lora_manager is not None else None
+        lora = lora_state is not None and lora_state.active
+        shape = None if graphs is None else graphs.select(
+            metadata.num_actual_tokens, metadata.num_reqs, metadata.max_query_len, lora)
+        if shape is None:
+            if graphs is not None:
+                graphs.replays["eager"] += 1
+            return ModelRunner.run_model(self, inputs)
+        return graphs.replay(shape, inputs.input_ids, inputs.positions, metadata,
+                             lora_state.token_slots if lora else None)

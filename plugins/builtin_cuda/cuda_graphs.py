@@ -1,0 +1,253 @@
+"""CUDA graphs for every step shape the attention backend can replay: decode, verification, mixed.
+
+A step's host cost is mostly kernel launches. At start-up the runner captures the model's forward
+once per *graph shape* on static input buffers and replays the smallest shape that holds a step.
+A shape is ``GraphShape(family, num_tokens, num_reqs, max_query_len, lora)``; three families are
+captured:
+
+    decode   (bs, bs, 1)               bs in 1, 2, 4, 8, 16, 32, ... max_num_seqs
+    verify   (bs * (k + 1), bs, k + 1) with speculative decoding of k tokens: every verification
+                                       step of up to bs requests (each 1..k+1 tokens)
+    mixed    (T, min(T, R), T)         T in 8 .. 512 tokens: any step of up to T tokens (chunked
+                                       prefill beside decodes, a short prompt), R = max_num_seqs
+
+and each again with ``lora=True`` when LoRA is enabled: the adapter hooks are captured reading
+the static token -> slot buffer (the Triton segment GEMMs read nothing back to the host), and a
+step whose tokens use adapters replays those. ``max_query_len`` is what the captured attention was
+told: it only picks tile sizes and the KV split count (decode and verify graphs split long
+contexts over programs), never the result.
+
+Which families a backend gets is its ``graph_support`` (sparrow.attention): "always" (the Triton
+backend: one kernel reads the step's layout from device tensors alone) gets all three, "decode"
+the decode family, "never" (a backend that plans on the host, as FlashInfer does) none.
+
+Padding, one rule for every shape: requests past the step's real ones have no query tokens
+(``query_start_loc`` repeats the real token count, ``seq_len`` 0) and tokens past the real ones
+belong to no request (slot -1: nothing is written to the KV cache). Every layer outside attention
+works row by row, so a padding row's output (never read) touches no real row. The real rows come
+out of the graph in the step's own layout, so sampling is unchanged.
+
+``StepGraphs`` takes the graph type, its capture context and a synchronize function, so tests run
+the whole capture/select/replay path on the CPU with a stand-in graph (tests/test_cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from sparrow.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+# The largest step the mixed family captures, in tokens (vLLM's default capture limit too):
+# larger steps are compute-bound, so launches cost them little.
+MAX_MIXED_TOKENS = 512
+_MIXED_TOKEN_SIZES = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512)
+
+
+class GraphShape(NamedTuple):
+    family: str  # "decode", "verify" or "mixed"
+    num_tokens: int  # token rows of the captured forward
+    num_reqs: int  # request rows (query_start_loc has one more)
+    max_query_len: int  # what the captured attention was told: tiles and splits only
+    lora: bool  # whether the adapter hooks were captured
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 513, 16))
+    return [s for s in sizes if s <= max_num_seqs] or [1]
+
+
+def graph_shapes(graph_support: str, max_num_seqs: int, max_num_batched_tokens: int,
+                 num_speculative_tokens: int = 0, lora: bool = False) -> list[GraphShape]:
+    """The shapes to capture for a backend's ``graph_support``: decode, then verify (with
+    speculative decoding), then mixed ("always" only); with ``lora``, each twice."""
+    if graph_support not in ("always", "decode", "never"):
+        raise ValueError(f"graph_support must be 'always', 'decode' or 'never', got {graph_support!r}")
+    if graph_support == "never":
+        return []
+    batch_sizes = graph_batch_sizes(max_num_seqs)
+    shapes = [GraphShape("decode", bs, bs, 1, False) for bs in batch_sizes]
+    if graph_support == "always":
+        q = num_speculative_tokens + 1
+        if q > 1:
+            shapes += [GraphShape("verify", bs * q, bs, q, False) for bs in batch_sizes
+                       if bs * q <= max_num_batched_tokens]
+        limit = min(MAX_MIXED_TOKENS, max_num_batched_tokens)
+        shapes += [GraphShape("mixed", t, min(t, max_num_seqs), t, False) for t in _MIXED_TOKEN_SIZES
+                   if t <= limit]
+    if lora:
+        shapes += [shape._replace(lora=True) for shape in shapes]
+    return shapes
+
+
+class StaticInputs:
+    """The buffers every captured forward reads, sized for the largest shape."""
+
+    def __init__(self, max_tokens: int, max_reqs: int, block_table: torch.Tensor, device: torch.device,
+                 lora: bool) -> None:
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.zeros(max_reqs + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_reqs, dtype=torch.int32, device=device)
+        # The runner's persistent device block table itself (sparrow.worker.input_buffers): a replay
+        # reads it with no copy. Rows past a step's requests hold other rows' blocks, never read.
+        self.block_table = block_table
+        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device) if lora else None
+
+    def metadata(self, shape: GraphShape, max_seq_len: int) -> AttentionMetadata:
+        t, r = shape.num_tokens, shape.num_reqs
+        return AttentionMetadata(
+            num_actual_tokens=t, num_reqs=r, max_query_len=shape.max_query_len, max_seq_len=max_seq_len,
+            query_start_loc=self.query_start_loc[: r + 1], seq_lens=self.seq_lens[:r],
+            block_table=self.block_table[:r], slot_mapping=self.slot_mapping[:t],
+            is_decode_only=shape.max_query_len == 1,
+        )
+
+    def fill(self, shape: GraphShape, input_ids: torch.Tensor, positions: torch.Tensor,
+             metadata: AttentionMetadata, token_slots: torch.Tensor | None) -> None:
+        """Write a step's inputs (T tokens, R requests) for ``shape``, padded as the module says."""
+        t, r = metadata.num_actual_tokens, metadata.num_reqs
+        self.input_ids[:t].copy_(input_ids[:t])
+        self.positions[:t].copy_(positions[:t])
+        self.slot_mapping[:t].copy_(metadata.slot_mapping[:t])
+        self.query_start_loc[: r + 1].copy_(metadata.query_start_loc[: r + 1])
+        self.seq_lens[:r].copy_(metadata.seq_lens[:r])
+        if t < shape.num_tokens:
+            self.slot_mapping[t: shape.num_tokens].fill_(-1)
+        if r < shape.num_reqs:
+            self.query_start_loc[r + 1: shape.num_reqs + 1].fill_(t)
+            self.seq_lens[r: shape.num_reqs].fill_(0)
+        if metadata.block_table.data_ptr() != self.block_table.data_ptr():  # not the persistent table
+            self.block_table[:r, : metadata.block_table.shape[1]].copy_(metadata.block_table[:r])
+        if self.token_slots is not None and shape.lora:
+            assert token_slots is not None, "a LoRA step comes with its token slots"
+            self.token_slots[:t].copy_(token_slots[:t])
+            if t < shape.num_tokens:
+                self.token_slots[t: shape.num_tokens].fill_(-1)
+
+    def clear(self) -> None:
+        """Every request empty and every token padding: what a capture runs on."""
+        self.slot_mapping.fill_(-1)
+        self.query_start_loc.zero_()
+        self.seq_lens.zero_()
+        if self.token_slots is not None:
+            self.token_slots.fill_(-1)
+
+
+class StepGraphs:
+    """The captured forwards of one model runner and the choice of one for a step.
+
+    ``forward(input_ids, positions, metadata)`` is the model's forward over the runner's KV caches;
+    ``lora_state`` (sparrow.lora.layers.StepLoRAState, or None) is switched on while LoRA shapes
+    are captured. ``new_graph``, ``graph_context(graph, pool)`` and ``synchronize`` default to
+    torch.cuda's; ``pool`` is shared by every graph (largest first, so smaller ones reuse it).
+    """
+
+    def __init__(self, shapes: list[GraphShape], static: StaticInputs, max_seq_len: int,
+                 forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+                 lora_state: Any = None, *, new_graph: Callable[[], Any] | None = None,
+                 graph_context: Callable[[Any, Any], Any] | None = None,
+                 synchronize: Callable[[], None] | None = None, pool: Any = None) -> None:
+        self.shapes = shapes
+        self.static = static
+        self.max_seq_len = max_seq_len
+        self.forward = forward
+        self.lora_state = lora_state
+        self.new_graph = new_graph or torch.cuda.CUDAGraph
+        self.graph_context = graph_context or (lambda graph, pool: torch.cuda.graph(graph, pool=pool))
+        self.synchronize = synchronize or torch.cuda.synchronize
+        self.pool = pool
+        self.graphs: dict[GraphShape, tuple[Any, torch.Tensor]] = {}  # shape -> (graph, static output)
+        # lora -> [(query length the family holds (None: any), token counts, shapes)] in try order
+        self._families: dict[bool, list[tuple[int | None, list[int], list[GraphShape]]]] = {}
+        self.replays: dict[str, int] = {"decode": 0, "verify": 0, "mixed": 0, "eager": 0}
+
+    # -- capture ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> int:
+        """Capture every shape, largest first; a family whose capture fails is left out (eager).
+        Returns how many graphs were captured."""
+        started = time.perf_counter()
+        failed: set[tuple[str, bool]] = set()
+        for shape in sorted(self.shapes, key=lambda s: (s.num_tokens, s.num_reqs), reverse=True):
+            if (shape.family, shape.lora) in failed:
+                continue
+            try:
+                self.graphs[shape] = self._capture_one(shape)
+            except Exception as exc:  # noqa: BLE001 - graphs are an optimisation; eager always works
+                logger.warning("CUDA graph capture of %s steps%s failed, they run eagerly: %r",
+                               shape.family, " with LoRA" if shape.lora else "", exc)
+                failed.add((shape.family, shape.lora))
+        for shape in list(self.graphs):
+            if (shape.family, shape.lora) in failed:
+                del self.graphs[shape]
+        self._index()
+        if self.graphs:
+            counts = collections.Counter(shape.family for shape in self.graphs)
+            logger.info("captured %d CUDA graphs (%s) in %.1fs", len(self.graphs),
+                        ", ".join(f"{n} {name}" for name, n in counts.items()), time.perf_counter() - started)
+        return len(self.graphs)
+
+    def _capture_one(self, shape: GraphShape) -> tuple[Any, torch.Tensor]:
+        static = self.static
+        metadata = static.metadata(shape, self.max_seq_len)
+        ids, positions = static.input_ids[: shape.num_tokens], static.positions[: shape.num_tokens]
+        static.clear()
+        state = self.lora_state
+        if shape.lora:
+            state.active, state.token_slots = True, static.token_slots[: shape.num_tokens]
+        try:
+            for _ in range(2):  # warm-up (Triton compilation, lazy inits) outside the capture
+                self.forward(ids, positions, metadata)
+            self.synchronize()
+            graph = self.new_graph()
+            with self.graph_context(graph, self.pool):
+                output = self.forward(ids, positions, metadata)
+        finally:
+            if shape.lora:
+                state.active, state.token_slots = False, None
+        return graph, output
+
+    def _index(self) -> None:
+        """Per LoRA flag, the families in the order a step tries them (decode, verify, mixed),
+        each as its shapes sorted by token count."""
+        self._families = {}
+        for lora in (False, True):
+            for family in ("decode", "verify", "mixed"):
+                shapes = sorted((s for s in self.graphs if s.family == family and s.lora == lora),
+                                key=lambda s: (s.num_tokens, s.num_reqs))
+                if shapes:
+                    self._families.setdefault(lora, []).append(
+                        (shapes[0].max_query_len if family != "mixed" else None, [s.num_tokens for s in shapes],
+                         shapes))
+
+    # -- the step ---------------------------------------------------------------------------
+    def select(self, num_tokens: int, num_reqs: int, max_query_len: int, lora: bool) -> GraphShape | None:
+        """The smallest captured shape that holds a step, or None (eager): decode and verify
+        graphs hold steps whose every query fits their query length, mixed graphs any step of up
+        to their token and request counts."""
+        for query_len, tokens, shapes in self._families.get(lora, ()):
+            if query_len is not None and max_query_len > query_len:
+                continue
+            for index in range(bisect.bisect_left(tokens, num_tokens), len(shapes)):
+                if shapes[index].num_reqs >= num_reqs:
+                    return shapes[index]
+        return None
+
+    def replay(self, shape: GraphShape, input_ids: torch.Tensor, positions: torch.Tensor,
+               metadata: AttentionMetadata, token_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Fill the static inputs for ``shape``, replay it; the real rows' hidden states."""
+        self.static.fill(shape, input_ids, positions, metadata, token_slots)
+        graph, output = self.graphs[shape]
+        graph.replay()
+        self.replays[shape.family] += 1
+        return output[: metadata.num_actual_tokens]

@@ -1,0 +1,307 @@
+"""CUDA graphs for decode, verification and mixed steps (sparrow_cuda.cuda_graphs), run on the CPU.
+
+The CUDA runner's capture, choice of graph, padding and copy-back run here unchanged on a CPU
+engine, with two stand-ins: a graph whose replay runs the captured shape's forward again on the
+static buffers and writes the captured output tensor (data flows as through a real graph: static
+inputs in, the capture's own output tensor out), and a paged torch attention backend that, like
+the Triton one, reads the step's whole layout from the metadata's tensors (graph_support
+"always"). The same engine without graphs, with the same backend, is the reference: greedy tokens
+identical and logprobs within 1e-4, for chunked prefill beside decodes, n-gram speculation
+(verification steps) and a batch mixing two LoRA adapters with the base model. The Triton
+kernel's behaviour on a padded step is checked in tests/test_triton_kernels.py (interpreted);
+the real graphs on a GPU in the `cuda` test at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import types
+
+import pytest
+import torch
+
+from sparrow import LLM, SamplingParams
+from sparrow.attention import AttentionBackend
+from sparrow.hookspecs import hookimpl
+from sparrow.layers.attention import Attention
+from sparrow.plugins import get_plugin_manager, register_plugin
+from sparrow.spec_decode.proposer import SpecProposer
+from sparrow_cuda.cuda_graphs import GraphShape, StaticInputs, StepGraphs, graph_shapes
+from sparrow_cuda.model_runner import CudaModelRunner
+
+
+def runner_of(llm):
+    return llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+
+
+class PagedReference(AttentionBackend):
+    """Causal paged attention in plain torch that reads everything from the metadata's tensors."""
+
+    name = "paged-reference"
+    graph_support = "always"
+
+    def forward(self, query, key, value, kv_cache, metadata):
+        num_kv_heads, head_dim = self.num_kv_heads, self.head_dim
+        slots = metadata.slot_mapping[: query.shape[0]]
+        write = torch.nonzero(slots >= 0).squeeze(1)
+        for side, new in ((0, key), (1, value)):
+            kv_cache[side].view(-1, num_kv_heads, head_dim).index_copy_(0, slots[write], new[write])
+        out = torch.zeros_like(query)
+        starts = metadata.query_start_loc.tolist()
+        block_size = kv_cache.shape[2]
+        group = self.num_heads // num_kv_heads
+        for i, seq_len in enumerate(metadata.seq_lens.tolist()):
+            start, end = starts[i], starts[i + 1]
+            if end == start:
+                continue
+            blocks = metadata.block_table[i, : -(-seq_len // block_size)].long()
+            keys = kv_cache[0][blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].repeat_interleave(group, 1)
+            values = kv_cache[1][blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].repeat_interleave(group, 1)
+            scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), keys.float()) * self.scale
+            query_pos = torch.arange(seq_len - (end - start), seq_len)[:, None]
+            scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
+            out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.float()).to(out.dtype)
+        return out
+
+
+def use_reference_backend(llm) -> None:
+    model = runner_of(llm).model
+    old = model.attn_backend
+    backend = PagedReference(old.num_heads, old.num_kv_heads, old.head_dim, old.scale, old.dtype, old.device)
+    model.attn_backend = backend
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.backend = backend
+
+
+class ReplayingGraph:
+    """A stand-in CUDAGraph: a replay runs its shape's forward again on the static buffers (the
+    adapter hooks reading the static token slots, as a graph captured with them does) and writes
+    the captured output tensor."""
+
+    def __init__(self, owner: list) -> None:
+        self.owner = owner  # [StepGraphs], filled once it exists
+
+    def replay(self) -> None:
+        graphs: StepGraphs = self.owner[0]
+        shape, (_, output) = next((s, entry) for s, entry in graphs.graphs.items() if entry[0] is self)
+        static = graphs.static
+        state = graphs.lora_state
+        if shape.lora:
+            saved = state.active, state.token_slots
+            state.active, state.token_slots = True, static.token_slots[: shape.num_tokens]
+        try:
+            fresh = graphs.forward(static.input_ids[: shape.num_tokens], static.positions[: shape.num_tokens],
+                                   static.metadata(shape, graphs.max_seq_len))
+        finally:
+            if shape.lora:
+                state.active, state.token_slots = saved
+        output.copy_(fresh)
+
+
+def attach_graphs(llm) -> StepGraphs:
+    """Give a CPU engine's runner the CUDA runner's graphs (stand-in graph type) and run_model."""
+    runner = runner_of(llm)
+    runner.step_graphs = None
+    owner: list = []
+    graphs = CudaModelRunner.build_step_graphs(
+        runner, new_graph=lambda: ReplayingGraph(owner), graph_context=lambda graph, pool: contextlib.nullcontext(),
+        synchronize=lambda: None)
+    assert graphs is not None
+    owner.append(graphs)
+    graphs.capture()
+    runner.step_graphs = graphs
+    runner.run_model = types.MethodType(CudaModelRunner.run_model, runner)
+    return graphs
+
+
+def summary(outputs) -> list[tuple[list[int], list[float]]]:
+    """Per request: its tokens and, when it asked for them, their logprobs."""
+    return [(list(o.outputs[0].token_ids),
+             [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs or (), o.outputs[0].token_ids)])
+            for o in outputs]
+
+
+def assert_same(got, want) -> None:
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, want, strict=True):
+        assert tokens == ref_tokens
+        assert len(logprobs) == len(ref_logprobs)
+        assert all(abs(a - b) < 1e-4 for a, b in zip(logprobs, ref_logprobs))
+
+
+def prompts(qwen3_dir, lengths, seed=0) -> list[dict]:
+    from sparrow.model_loader import get_hf_config
+
+    vocab_size = get_hf_config(qwen3_dir).vocab_size
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(8, vocab_size - 8) for _ in range(n)]} for n in lengths]
+
+
+def run_both(qwen3_dir, requests, params, generate_kwargs=None, **engine_args):
+    """(eager summary, graph summary, the graph engine's replay counts)."""
+    engine_args = dict(multiprocess=False, dtype="float32", max_model_len=256, block_size=16, **engine_args)
+    results = []
+    for graphs_on in (False, True):
+        with LLM(qwen3_dir, **engine_args) as llm:
+            use_reference_backend(llm)
+            graphs = attach_graphs(llm) if graphs_on else None
+            results.append(summary(llm.generate(requests, params, use_tqdm=False, **(generate_kwargs or {}))))
+            replays = dict(graphs.replays) if graphs else None
+    return results[0], results[1], replays
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+# Requests asking for logprobs do not speculate (sparrow.spec_decode.proposer.may_speculate).
+GREEDY_SPEC = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+# -- which graphs --------------------------------------------------------------------------------
+
+def test_graph_shapes_per_backend_support():
+    always = graph_shapes("always", 64, 256, num_speculative_tokens=3, lora=True)
+    families = {(s.family, s.lora) for s in always}
+    assert families == {(f, lora) for f in ("decode", "verify", "mixed") for lora in (False, True)}
+    assert all(s.num_tokens == s.num_reqs * 4 and s.max_query_len == 4 for s in always if s.family == "verify")
+    assert max(s.num_tokens for s in always if s.family == "mixed") == 256  # capped by the token budget
+    assert all(s.num_reqs <= 64 for s in always)
+    decode = graph_shapes("decode", 64, 256, num_speculative_tokens=3)
+    assert {s.family for s in decode} == {"decode"} and [s.num_reqs for s in decode] == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert graph_shapes("never", 64, 256) == []
+    with pytest.raises(ValueError, match="graph_support"):
+        graph_shapes("sometimes", 64, 256)
+
+
+def test_a_step_gets_the_smallest_graph_that_holds_it():
+    shapes = graph_shapes("always", 32, 512, num_speculative_tokens=2, lora=True)
+    static = StaticInputs(max(s.num_tokens for s in shapes), 32, torch.zeros(32, 4, dtype=torch.int32),
+                          torch.device("cpu"), lora=True)
+    lora_state = types.SimpleNamespace(active=False, token_slots=None)
+    graphs = StepGraphs(shapes, static, 64, lambda ids, positions, metadata: ids.float().unsqueeze(1), lora_state,
+                        new_graph=object, graph_context=lambda graph, pool: contextlib.nullcontext(),
+                        synchronize=lambda: None)
+    assert graphs.capture() == len(shapes)
+    assert graphs.select(3, 3, 1, False) == GraphShape("decode", 4, 4, 1, False)
+    assert graphs.select(32, 32, 1, True) == GraphShape("decode", 32, 32, 1, True)
+    # Verification: 5 requests, up to k + 1 = 3 tokens each.
+    assert graphs.select(11, 5, 3, False) == GraphShape("verify", 24, 8, 3, False)
+    # A query longer than k + 1 (a prompt chunk): the mixed family, by token count.
+    assert graphs.select(11, 5, 4, False) == GraphShape("mixed", 16, 16, 16, False)
+    assert graphs.select(40, 3, 38, False) == GraphShape("mixed", 48, 32, 48, False)
+    assert graphs.select(513, 3, 500, False) is None  # past the largest: eager
+    # A step using adapters never replays a graph captured without them, nor the reverse.
+    assert graphs.select(11, 5, 4, True).lora and not graphs.select(11, 5, 4, False).lora
+    assert graphs.select(3, 3, 1, True).family == "decode"
+
+
+def test_a_family_that_fails_to_capture_runs_eagerly_alone():
+    shapes = graph_shapes("always", 8, 64)
+
+    def forward(ids, positions, metadata):
+        if metadata.max_query_len > 1 and metadata.max_query_len == metadata.num_actual_tokens:
+            raise RuntimeError("no mixed steps here")
+        return ids.float().unsqueeze(1)
+
+    static = StaticInputs(64, 8, torch.zeros(8, 4, dtype=torch.int32), torch.device("cpu"), lora=False)
+    graphs = StepGraphs(shapes, static, 64, forward, new_graph=object,
+                        graph_context=lambda graph, pool: contextlib.nullcontext(), synchronize=lambda: None)
+    assert graphs.capture() == len([s for s in shapes if s.family == "decode"])
+    assert graphs.select(4, 4, 1, False) is not None and graphs.select(10, 2, 9, False) is None
+
+
+# -- the engine: graphs against eager, same backend -----------------------------------------------
+
+def test_decode_and_mixed_steps_replay_graphs(qwen3_dir):
+    requests = prompts(qwen3_dir, (3, 40, 9, 70, 1, 25), seed=1)
+    eager, graphs, replays = run_both(qwen3_dir, requests, GREEDY, max_num_batched_tokens=32, max_num_seqs=4,
+                                      num_kv_blocks=40)
+    assert_same(graphs, eager)
+    assert replays["decode"] > 0 and replays["mixed"] > 0, replays
+
+
+class UnevenProposer(SpecProposer):
+    """Row r guesses that its last token repeats (r + step) % (k + 1) times: verification steps
+    where requests verify 0..k drafts side by side (mostly rejected; the output is unchanged)."""
+
+    step = 0
+
+    def propose(self, rows, token_ids, num_tokens, hidden_states=None):
+        UnevenProposer.step += 1
+        k = self.num_speculative_tokens
+        return [[int(token_ids[row, num_tokens[row] - 1])] * ((row + self.step) % (k + 1)) for row in rows]
+
+
+class UnevenPlugin:
+    @hookimpl
+    def sparrow_register_spec_proposers(self, register):
+        register("uneven", UnevenProposer)
+
+
+@pytest.fixture
+def uneven_proposer():
+    pm = get_plugin_manager()
+    register_plugin(pm, UnevenPlugin(), "uneven-proposer")
+    yield {"method": "uneven", "num_speculative_tokens": 3}
+    pm.unregister(name="uneven-proposer")
+
+
+def test_verification_steps_replay_graphs(qwen3_dir, uneven_proposer):
+    text = [5, 6, 7, 8, 9, 10, 11, 12]
+    requests = [{"prompt_token_ids": text * 4}, *prompts(qwen3_dir, (17, 4, 30), seed=2)]
+    eager, graphs, replays = run_both(qwen3_dir, requests, GREEDY_SPEC, speculative_config=uneven_proposer,
+                                      max_num_batched_tokens=64, num_kv_blocks=40)
+    assert_same(graphs, eager)
+    assert replays["verify"] > 0, replays
+
+
+def test_lora_steps_replay_graphs_captured_with_the_adapter_hooks(qwen3_dir, tmp_path):
+    from sparrow.lora.request import LoRARequest
+    from sparrow.tiny.lora import build_lora_adapter
+
+    adapters = [LoRARequest(name, index + 1, str(build_lora_adapter(qwen3_dir, tmp_path / name, rank=8, alpha=16,
+                                                                    seed=index + 1)))
+                for index, name in enumerate(("a", "b"))]
+    requests = prompts(qwen3_dir, (5, 30, 12, 3), seed=3)
+    lora_requests = [adapters[0], None, adapters[1], adapters[0]]
+    eager, graphs, replays = run_both(qwen3_dir, requests, GREEDY, {"lora_request": lora_requests},
+                                      enable_lora=True, max_loras=2, max_lora_rank=8, max_num_batched_tokens=32,
+                                      num_kv_blocks=40)
+    assert_same(graphs, eager)
+    assert replays["decode"] > 0 and replays["mixed"] > 0, replays
+    # The adapters changed the output (so the graphs replayed the adapter path, not the base).
+    with LLM(qwen3_dir, multiprocess=False, dtype="float32", max_model_len=256, block_size=16) as base:
+        plain = summary(base.generate(requests, GREEDY, use_tqdm=False))
+    assert plain[0][0] != graphs[0][0] and plain[2][0] != graphs[2][0]
+    assert plain[1][0] == graphs[1][0]
+
+
+# -- the real thing ---------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["mixed", "spec", "lora"])
+def test_cuda_graphs_equal_eager_on_a_gpu(qwen3_dir, tmp_path, uneven_proposer, case):
+    """Triton attention, real CUDA graphs: every family replays and gives the eager tokens."""
+    engine_args = dict(multiprocess=False, device="cuda", dtype="float32", max_model_len=256,
+                       max_num_batched_tokens=64, max_num_seqs=8)
+    generate_kwargs = {}
+    params = GREEDY
+    requests = prompts(qwen3_dir, (3, 40, 9, 70, 1, 25), seed=1)
+    if case == "spec":
+        engine_args["speculative_config"] = uneven_proposer
+        params = GREEDY_SPEC
+    if case == "lora":
+        from sparrow.lora.request import LoRARequest
+        from sparrow.tiny.lora import build_lora_adapter
+
+        adapter = LoRARequest("a", 1, str(build_lora_adapter(qwen3_dir, tmp_path / "a", rank=8, alpha=16, seed=1)))
+        engine_args.update(enable_lora=True, max_loras=1, max_lora_rank=8)
+        generate_kwargs = {"lora_request": [adapter if i % 2 else None for i in range(len(requests))]}
+    results, replays = [], None
+    for eager in (True, False):
+        with LLM(qwen3_dir, enforce_eager=eager, **engine_args) as llm:
+            results.append(summary(llm.generate(requests, params, use_tqdm=False, **generate_kwargs)))
+            if not eager:
+                replays = dict(runner_of(llm).step_graphs.replays)
+    assert_same(results[1], results[0])
+    family = {"mixed": "mixed", "spec": "verify", "lora": "decode"}[case]
+    assert replays[family] > 0, replays

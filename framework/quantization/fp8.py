@@ -14,7 +14,9 @@ Weights come two ways:
 Activations: ``x ~= q[m, :] * s[m]`` per token, computed on every call. The GEMM is
 ``torch._scaled_mm`` with row-wise scales on GPUs that have fp8 tensor cores (compute capability
 8.9+); elsewhere (and on the CPU, which has the float8 dtypes but no fp8 GEMM) the same quantized
-operands are multiplied in float32, which is how the arithmetic is tested without a GPU.
+operands are multiplied in float32, which is how the arithmetic is tested without a GPU. On CUDA
+the per-row quantization itself runs in one Triton launch that computes :func:`quantize_fp8_rows`'s
+bits (``sparrow_cuda.triton_fp8``, through the ``quantize_rows`` hook of the op implementations).
 
 Mixture-of-experts layers (:class:`Fp8FusedMoE`): every expert's projections per output channel,
 each GEMM's input per row; on CUDA a Triton grouped GEMM on fp8 operands serves them.
@@ -99,10 +101,16 @@ class Fp8Linear(OpImpl):
         super().__init__(layer)
         self.use_scaled_mm = False
 
+    @staticmethod
+    def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`quantize_fp8_rows`, or a platform's kernel computing the same bits (a CUDA subclass
+        puts its one-launch Triton kernel here: ``sparrow_cuda.triton_fp8.TritonFp8Linear``)."""
+        return quantize_fp8_rows(x)
+
     def process_weights(self) -> None:
         layer = self.layer
         if layer.weights is DENSE:
-            q, scale = quantize_fp8_rows(layer.weight.data)
+            q, scale = self.quantize_rows(layer.weight.data)
         else:
             q, scale = layer.weight.data, Fp8CheckpointWeights.channel_scales(layer)
             for name in ("weight_scale", "input_scale"):
@@ -116,7 +124,7 @@ class Fp8Linear(OpImpl):
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         layer = self.layer
         x2 = x.reshape(-1, x.shape[-1])
-        q, x_scale = quantize_fp8_rows(x2)
+        q, x_scale = self.quantize_rows(x2)
         if self.use_scaled_mm and x2.shape[0] > 0:
             out = self._scaled_mm(q, x_scale, x.dtype)
         else:
@@ -153,6 +161,11 @@ class Fp8FusedMoE(OpImpl):
     name = "fp8_w8a8"
     PROJECTIONS = ("gate_up_proj", "down_proj")
 
+    @staticmethod
+    def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`Fp8Linear.quantize_rows`: a platform's subclass may compute the same bits in a kernel."""
+        return quantize_fp8_rows(x)
+
     @classmethod
     def supports(cls, layer: Any) -> bool:
         if layer.quantized:  # an fp8 checkpoint's experts, still per-expert linear layers
@@ -169,7 +182,7 @@ class Fp8FusedMoE(OpImpl):
         else:
             for name in self.PROJECTIONS:
                 dense = getattr(layer, name).data
-                q, scale = quantize_fp8_rows(dense.reshape(-1, dense.shape[-1]))
+                q, scale = self.quantize_rows(dense.reshape(-1, dense.shape[-1]))
                 stacks[name] = (q.view(dense.shape), scale.view(dense.shape[:2]))
         for name, (q, scale) in stacks.items():
             layer.replace_parameter(name, q.contiguous())
@@ -180,14 +193,15 @@ class Fp8FusedMoE(OpImpl):
 
         layer = self.layer
         inter = layer.gate_up_proj.shape[1] // 2
+        quantize_rows = self.quantize_rows
 
         def expert_mlp(expert: int, x: torch.Tensor) -> torch.Tensor:
             # Per-row quantization commutes with the gather by expert: the rows are the tokens'.
             w13 = dequantize_fp8_rows(layer.gate_up_proj[expert], layer.gate_up_scale[expert])
-            gate_up = (dequantize_fp8_rows(*quantize_fp8_rows(x)) @ w13.t()).to(x.dtype)
+            gate_up = (dequantize_fp8_rows(*quantize_rows(x)) @ w13.t()).to(x.dtype)
             act = F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()
             w2 = dequantize_fp8_rows(layer.down_proj[expert], layer.down_scale[expert])
-            return (dequantize_fp8_rows(*quantize_fp8_rows(act.to(x.dtype))) @ w2.t()).to(x.dtype)
+            return (dequantize_fp8_rows(*quantize_rows(act.to(x.dtype))) @ w2.t()).to(x.dtype)
 
         return mix_experts(hidden, topk_weights, topk_ids, layer.num_experts, expert_mlp)
 
@@ -197,7 +211,7 @@ class Fp8Method(BuiltinQuantization):
 
     name = "fp8"
     implementations: ClassVar[dict[str, dict[str, str]]] = {
-        "cuda": {"linear": "sparrow.quantization.fp8:Fp8Linear",
+        "cuda": {"linear": "sparrow_cuda.triton_fp8:TritonFp8Linear",
                  "fused_moe": "sparrow_cuda.triton_moe:TritonFp8FusedMoE"}}
 
     def check_config(self, config: EngineConfig) -> None:

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from sparrow.ops.base import OpImpl
 from sparrow.quantization.fp8 import Fp8FusedMoE
+from sparrow_cuda import triton_fp8
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -223,15 +224,14 @@ def fused_moe_fp8(hidden: torch.Tensor, gate_up_proj: torch.Tensor, gate_up_scal
                   topk_ids: torch.Tensor) -> torch.Tensor:
     """:func:`fused_moe` with fp8 experts (``*_proj`` float8_e4m3fn, ``*_scale [E, N]`` float32 per
     output channel); each GEMM's input is quantized to fp8 per row first (see
-    ``sparrow.quantization.fp8.Fp8FusedMoE``, whose emulated product this equals)."""
-    from sparrow.quantization.fp8 import quantize_fp8_rows
-
+    ``sparrow.quantization.fp8.Fp8FusedMoE``, whose emulated product this equals): on CUDA tensors
+    in one Triton launch each (``sparrow_cuda.triton_fp8``), the torch reference's bits."""
     projections = ((gate_up_proj, gate_up_scale), (down_proj, down_scale))
 
     def gemm(stage: int, a: torch.Tensor, c: torch.Tensor, tiles: PairTiles, div: int,
              weights: torch.Tensor | None) -> None:
         weight, weight_scale = projections[stage]
-        a_q, a_scale = quantize_fp8_rows(a)  # per token (gate/up), per (token, expert) pair (down)
+        a_q, a_scale = triton_fp8.quantize_rows(a)  # per token (gate/up), per (token, expert) pair (down)
         _grouped_gemm(a_q, weight, c, tiles, div, weights, scales=(a_scale, weight_scale))
 
     return run_experts(hidden, topk_weights, topk_ids, gate_up_proj.shape[0], gate_up_proj.shape[1], gemm)
@@ -249,6 +249,10 @@ class TritonFp8FusedMoE(Fp8FusedMoE):
     the GPU has no fp8 support, compute capability below 8.9)."""
 
     name = "triton_fp8"
+
+    @staticmethod
+    def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return triton_fp8.quantize_rows(x)  # the Triton kernel on CUDA tensors (also when the weights are bound)
 
     def process_weights(self) -> None:
         super().process_weights()

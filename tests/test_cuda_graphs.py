@@ -211,10 +211,12 @@ def test_a_family_that_fails_to_capture_runs_eagerly_alone():
 
 # -- the engine: graphs against eager, same backend -----------------------------------------------
 
-def test_decode_and_mixed_steps_replay_graphs(qwen3_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "overlapped"])
+def test_decode_and_mixed_steps_replay_graphs(qwen3_dir, async_scheduling):
+    # Overlapped: the previous step's tokens are fed into the inputs on the device, before the fill.
     requests = prompts(qwen3_dir, (3, 40, 9, 70, 1, 25), seed=1)
     eager, graphs, replays = run_both(qwen3_dir, requests, GREEDY, max_num_batched_tokens=32, max_num_seqs=4,
-                                      num_kv_blocks=40)
+                                      num_kv_blocks=40, async_scheduling=async_scheduling)
     assert_same(graphs, eager)
     assert replays["decode"] > 0 and replays["mixed"] > 0, replays
 

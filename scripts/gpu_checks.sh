@@ -7,13 +7,13 @@
 # WHEELHOUSE (optional, "" for none): wheels from scripts/build_wheelhouse.py --flat-target,
 # installed into a private target directory first (for air-gapped machines whose image lacks
 # Sparrow's other deps).
-# STAGES (optional, default all): a comma-separated subset of tests,bench,profile,async, so that a
+# STAGES (optional, default all): a comma-separated subset of tests,bench,profile,async,flashinfer, so that a
 # machine that limits each command's time (10 minutes on the device tool) runs them in two calls,
 # e.g. "tests" then "bench,profile,async".
 set -uo pipefail
 out=${1:-gpu-results}
 wheels=${2:-}
-stages=",${3:-tests,bench,profile,async},"
+stages=",${3:-tests,bench,profile,async,flashinfer},"
 want() { [[ "$stages" == *",$1,"* ]]; }
 mkdir -p "$out"
 if [ -n "$wheels" ]; then
@@ -47,3 +47,11 @@ want async && { python3 -m sparrow.entrypoints.cli --log-level INFO bench throug
   --engine-args '{"async_scheduling": true}' --profile --result-file "$out/gpu_bench_async.json" \
   > "$out/gpu_bench_async.log" 2>&1
 echo "async bench exit code $?"; grep -v "Loading weights" "$out/gpu_bench_async.log" | tail -12; }
+# 5. The same benchmark on the FlashInfer backend (#14 asks for both backends, same card, same day).
+#    FlashInfer plans each step on the host, so its steps run without CUDA graphs.
+want flashinfer && { if python3 -c "import flashinfer" 2>/dev/null; then
+  python3 -m sparrow.entrypoints.cli --log-level INFO bench throughput --preset gpu \
+  --engine-args '{"attention_backend": "flashinfer"}' --profile --result-file "$out/gpu_bench_flashinfer.json" \
+  > "$out/gpu_bench_flashinfer.log" 2>&1
+  echo "flashinfer bench exit code $?"; grep -v "Loading weights" "$out/gpu_bench_flashinfer.log" | tail -12
+else echo "flashinfer: not installed, stage skipped"; fi; }

@@ -100,13 +100,29 @@ class ReplayingGraph:
         output.copy_(fresh)
 
 
-def attach_graphs(llm) -> StepGraphs:
+class StaleGraph(ReplayingGraph):
+    """Replays what the capture saw, not the step: the inputs of the capture (an empty step) are
+    put back for the replay, as a graph that holds host-made state from its capture would."""
+
+    def replay(self) -> None:
+        graphs: StepGraphs = self.owner[0]
+        static = graphs.static
+        saved = [t.clone() for t in (static.query_start_loc, static.seq_lens, static.slot_mapping)]
+        static.clear()
+        try:
+            super().replay()
+        finally:
+            for tensor, value in zip((static.query_start_loc, static.seq_lens, static.slot_mapping), saved):
+                tensor.copy_(value)
+
+
+def attach_graphs(llm, graph_cls=ReplayingGraph) -> StepGraphs:
     """Give a CPU engine's runner the CUDA runner's graphs (stand-in graph type) and run_model."""
     runner = runner_of(llm)
     runner.step_graphs = None
     owner: list = []
     graphs = CudaModelRunner.build_step_graphs(
-        runner, new_graph=lambda: ReplayingGraph(owner), graph_context=lambda graph, pool: contextlib.nullcontext(),
+        runner, new_graph=lambda: graph_cls(owner), graph_context=lambda graph, pool: contextlib.nullcontext(),
         synchronize=lambda: None)
     assert graphs is not None
     owner.append(graphs)
@@ -138,16 +154,20 @@ def prompts(qwen3_dir, lengths, seed=0) -> list[dict]:
     return [{"prompt_token_ids": [rng.randrange(8, vocab_size - 8) for _ in range(n)]} for n in lengths]
 
 
-def run_both(qwen3_dir, requests, params, generate_kwargs=None, **engine_args):
-    """(eager summary, graph summary, the graph engine's replay counts)."""
+def run_both(qwen3_dir, requests, params, generate_kwargs=None, graph_cls=ReplayingGraph, **engine_args):
+    """(eager summary, graph summary, the graph engine's replay counts); every captured family's
+    start-up check against eager must have passed."""
     engine_args = dict(multiprocess=False, dtype="float32", max_model_len=256, block_size=16, **engine_args)
     results = []
     for graphs_on in (False, True):
         with LLM(qwen3_dir, **engine_args) as llm:
             use_reference_backend(llm)
-            graphs = attach_graphs(llm) if graphs_on else None
+            graphs = attach_graphs(llm, graph_cls) if graphs_on else None
             results.append(summary(llm.generate(requests, params, use_tqdm=False, **(generate_kwargs or {}))))
             replays = dict(graphs.replays) if graphs else None
+    if graph_cls is ReplayingGraph:
+        assert {family for family, _ in graphs.checked} == {shape.family for shape in graphs.shapes}
+        assert max(graphs.checked.values()) < 1e-5, graphs.checked
     return results[0], results[1], replays
 
 
@@ -245,6 +265,17 @@ def uneven_proposer():
     register_plugin(pm, UnevenPlugin(), "uneven-proposer")
     yield {"method": "uneven", "num_speculative_tokens": 3}
     pm.unregister(name="uneven-proposer")
+
+
+def test_a_graph_replaying_its_capture_is_caught_at_start_up(qwen3_dir, caplog):
+    """A family whose probe replay differs from eager is dropped: every step runs eagerly."""
+    requests = prompts(qwen3_dir, (3, 40, 9), seed=4)
+    with caplog.at_level("WARNING", logger="sparrow_cuda.cuda_graphs"):
+        eager, graphs, replays = run_both(qwen3_dir, requests, GREEDY, graph_cls=StaleGraph,
+                                          max_num_batched_tokens=32, max_num_seqs=4, num_kv_blocks=40)
+    assert_same(graphs, eager)
+    assert replays == {"decode": 0, "verify": 0, "mixed": 0, "eager": replays["eager"]} and replays["eager"] > 0
+    assert "decode steps replay a probe step" in caplog.text and "mixed steps replay a probe step" in caplog.text
 
 
 def test_verification_steps_replay_graphs(qwen3_dir, uneven_proposer):

@@ -38,6 +38,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -143,6 +144,61 @@ class StaticInputs:
             self.token_slots.fill_(-1)
 
 
+@dataclass(slots=True)
+class ProbeStep:
+    """A real step to check a family's replay with (see :func:`probe_step`)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    token_slots: torch.Tensor | None
+
+
+def probe_step(shape: GraphShape, *, block_size: int, num_blocks: int, max_blocks_per_req: int,
+               max_model_len: int, vocab_size: int, device: torch.device) -> ProbeStep | None:
+    """A step that ``shape`` holds with room to spare (fewer requests and tokens, so the padding
+    is exercised): requests with cached context of different lengths (a block boundary crossed
+    and not), query lengths of the family (decode: 1; verify: k + 1, 1 and k; mixed: a chunk
+    beside decodes), on cache blocks 1.. (consecutive, unused at start-up), random token ids from
+    a fixed seed; every token on adapter slot 0 for a LoRA shape. None when the cache is too small."""
+    num_reqs = max(1, min(3, shape.num_reqs - 1))
+    if shape.family == "decode":
+        query_lens = [1] * num_reqs
+    elif shape.family == "verify":
+        q = shape.max_query_len
+        query_lens = [q, 1, max(1, q - 1)][:num_reqs]
+    else:
+        budget = max(num_reqs, shape.num_tokens - 1 if shape.num_tokens > num_reqs else shape.num_tokens)
+        query_lens = [budget - (num_reqs - 1)] + [1] * (num_reqs - 1)
+    contexts = [2 * block_size + 3, 5, block_size][:num_reqs]
+    seq_lens = [min(c + q, max_model_len) for c, q in zip(contexts, query_lens)]
+    contexts = [s - q for s, q in zip(seq_lens, query_lens)]
+    blocks_per_req = [-(-s // block_size) for s in seq_lens]
+    if sum(blocks_per_req) + 1 > num_blocks or max(blocks_per_req) > max_blocks_per_req or min(contexts) < 0:
+        return None
+    block_table = torch.zeros(num_reqs, max_blocks_per_req, dtype=torch.int32)
+    slots, positions = [], []
+    first = 1
+    for row, (context, seq_len, count) in enumerate(zip(contexts, seq_lens, blocks_per_req)):
+        block_table[row, :count] = torch.arange(first, first + count, dtype=torch.int32)
+        first += count
+        pos = torch.arange(context, seq_len)
+        positions.append(pos)
+        slots.append(block_table[row, pos // block_size].long() * block_size + pos % block_size)
+    num_tokens = sum(query_lens)
+    query_start_loc = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    generator = torch.Generator().manual_seed(0)
+    metadata = AttentionMetadata(
+        num_actual_tokens=num_tokens, num_reqs=num_reqs, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_start_loc=query_start_loc.to(device), seq_lens=seq_lens_t.to(device),
+        block_table=block_table.to(device), slot_mapping=torch.cat(slots).to(device),
+        query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens_t, is_decode_only=max(query_lens) == 1)
+    return ProbeStep(input_ids=torch.randint(0, vocab_size, (num_tokens,), generator=generator).to(device),
+                     positions=torch.cat(positions).to(device), metadata=metadata,
+                     token_slots=torch.zeros(num_tokens, dtype=torch.int64, device=device) if shape.lora else None)
+
+
 class StepGraphs:
     """The captured forwards of one model runner and the choice of one for a step.
 
@@ -150,13 +206,19 @@ class StepGraphs:
     ``lora_state`` (sparrow.lora.layers.StepLoRAState, or None) is switched on while LoRA shapes
     are captured. ``new_graph``, ``graph_context(graph, pool)`` and ``synchronize`` default to
     torch.cuda's; ``pool`` is shared by every graph (largest first, so smaller ones reuse it).
+
+    ``probe(shape)`` (optional) builds a real step smaller than ``shape`` (:func:`probe_step`):
+    after capture, every family replays one, padded, against the eager forward on the same
+    inputs, and a family whose replay differs is dropped (eager), with a warning. A graph that
+    replayed stale state (a plan made on the host at capture) is caught at start-up this way.
     """
 
     def __init__(self, shapes: list[GraphShape], static: StaticInputs, max_seq_len: int,
                  forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
                  lora_state: Any = None, *, new_graph: Callable[[], Any] | None = None,
                  graph_context: Callable[[Any, Any], Any] | None = None,
-                 synchronize: Callable[[], None] | None = None, pool: Any = None) -> None:
+                 synchronize: Callable[[], None] | None = None, pool: Any = None,
+                 probe: Callable[[GraphShape], ProbeStep | None] | None = None) -> None:
         self.shapes = shapes
         self.static = static
         self.max_seq_len = max_seq_len
@@ -166,6 +228,9 @@ class StepGraphs:
         self.graph_context = graph_context or (lambda graph, pool: torch.cuda.graph(graph, pool=pool))
         self.synchronize = synchronize or torch.cuda.synchronize
         self.pool = pool
+        self.probe = probe
+        # (family, lora) -> the checked replay's largest difference from eager, relative to eager's scale
+        self.checked: dict[tuple[str, bool], float] = {}
         self.graphs: dict[GraphShape, tuple[Any, torch.Tensor]] = {}  # shape -> (graph, static output)
         # lora -> [(query length the family holds (None: any), token counts, shapes)] in try order
         self._families: dict[bool, list[tuple[int | None, list[int], list[GraphShape]]]] = {}
@@ -187,6 +252,8 @@ class StepGraphs:
                 logger.warning("CUDA graph capture of %s steps%s failed, they run eagerly: %r",
                                shape.family, " with LoRA" if shape.lora else "", exc)
                 failed.add((shape.family, shape.lora))
+        if self.probe is not None:
+            failed |= self._check_families()
         for shape in list(self.graphs):
             if (shape.family, shape.lora) in failed:
                 del self.graphs[shape]
@@ -216,6 +283,40 @@ class StepGraphs:
             if shape.lora:
                 state.active, state.token_slots = False, None
         return graph, output
+
+    def _check_families(self) -> set[tuple[str, bool]]:
+        """Replay one probe step per captured family against the eager forward; the families
+        whose replay differs."""
+        wrong: set[tuple[str, bool]] = set()
+        families: dict[tuple[str, bool], GraphShape] = {}
+        for shape in sorted(self.graphs, key=lambda s: (s.num_reqs < 2, s.num_tokens)):
+            families.setdefault((shape.family, shape.lora), shape)  # the smallest with room to pad
+        for family, shape in families.items():
+            assert self.probe is not None
+            step = self.probe(shape)
+            if step is None:
+                continue
+            state = self.lora_state
+            if shape.lora:
+                saved = state.active, state.token_slots
+                state.active, state.token_slots = True, step.token_slots
+            try:
+                raw = self.forward(step.input_ids, step.positions, step.metadata)[: step.metadata.num_actual_tokens]
+                eager = raw.float().clone()
+            finally:
+                if shape.lora:
+                    state.active, state.token_slots = saved
+            replayed = self.replay(shape, step.input_ids, step.positions, step.metadata, step.token_slots).float()
+            self.replays[shape.family] -= 1  # a check, not a step
+            scale = float(eager.abs().max().clamp(min=1e-6))
+            error = float((replayed - eager).abs().max()) / scale
+            self.checked[family] = error
+            tolerance = 1e-3 if raw.dtype == torch.float32 else 5e-2
+            if not error <= tolerance:  # NaN included
+                logger.warning("CUDA graphs of %s steps%s replay a probe step %.3g away from eager (relative); "
+                               "they run eagerly", shape.family, " with LoRA" if shape.lora else "", error)
+                wrong.add(family)
+        return wrong
 
     def _index(self) -> None:
         """Per LoRA flag, the families in the order a step tries them (decode, verify, mixed),

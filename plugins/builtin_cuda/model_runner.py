@@ -14,6 +14,7 @@ reach the backend as the attention layers' ``k_scale`` / ``v_scale`` keywords.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from typing import Any
@@ -24,7 +25,7 @@ import torch
 from sparrow.attention import AttentionMetadata
 from sparrow.layers.attention import Attention
 from sparrow.worker.model_runner import ModelRunner, StepInputs
-from sparrow_cuda.cuda_graphs import StaticInputs, StepGraphs, graph_shapes
+from sparrow_cuda.cuda_graphs import StaticInputs, StepGraphs, graph_shapes, probe_step
 
 logger = logging.getLogger(__name__)
 
@@ -180,9 +181,13 @@ class CudaModelRunner(ModelRunner):
                               num_speculative_tokens=spec["num_speculative_tokens"] if spec else 0, lora=lora)
         static = StaticInputs(max(s.num_tokens for s in shapes), max(s.num_reqs for s in shapes),
                               self.input_buffers().device_tables[0], self.device, lora=lora)
+        probe = functools.partial(
+            probe_step, block_size=self.block_size, num_blocks=self.kv_caches[0].shape[1],
+            max_blocks_per_req=self.max_num_blocks_per_req, max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size, device=self.device)
         return StepGraphs(shapes, static, self.max_model_len,
                           lambda ids, positions, metadata: self.model.forward(ids, positions, self.kv_caches, metadata),
-                          self.lora_manager.state if lora else None, **graph_kwargs)
+                          self.lora_manager.state if lora else None, probe=probe, **graph_kwargs)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         graphs = self.step_graphs

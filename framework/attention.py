@@ -82,6 +82,16 @@ class AttentionBackend(ABC):
     def prepare(self, metadata: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Called once per step before the forward (plan work shared by all layers)."""
 
+    # Whether prepare_graph_step reads the step's layout on the host (metadata.query_start_loc_cpu,
+    # seq_lens_cpu): a graph-capturing runner then keeps padded host copies beside its buffers.
+    graph_needs_host_layout: bool = False
+
+    def prepare_graph_step(self, metadata: AttentionMetadata, capturing: bool) -> None:  # noqa: B027
+        """For a graph-capturing runner (sparrow_cuda.cuda_graphs), on a captured shape's static
+        metadata: before its capture (``capturing``), and before each replay once the static
+        buffers hold the (padded) step. A backend with ``graph_support`` "decode" that plans on the
+        host re-plans here into the fixed buffers its captured kernels read."""
+
     @abstractmethod
     def forward(
         self,

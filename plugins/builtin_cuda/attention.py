@@ -80,6 +80,7 @@ class _FlashInferPlan:
     plan_args: tuple[tuple, dict]
     kv_group: int = 0  # the KV cache group whose block table was planned
     kv_dtype: torch.dtype | None = None  # the cache dtype the wrappers were planned for
+    graph_batch_size: int | None = None  # a CUDA graph's decode plan: its wrappers are that size's
 
 
 def paged_kv_layout(
@@ -130,9 +131,11 @@ class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
     supports_sliding_window = True
     supports_logits_soft_cap = True
-    # The wrappers are planned on the host from each step's page table; a graph captured with one
-    # plan would replay it for every later step (wrong keys), so FlashInfer steps run eagerly.
-    graph_support = "never"
+    # Decode steps replay CUDA graphs of wrappers made for them (use_cuda_graph, fixed buffers per
+    # batch size), re-planned on the host from the padded step before every replay
+    # (prepare_graph_step). Mixed steps plan a prefill wrapper per step and run eagerly.
+    graph_support = "decode"
+    graph_needs_host_layout = True
     supported_kv_cache_dtypes = FP8_KV_CACHE_DTYPES
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
@@ -156,6 +159,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
         # (kv_group, sliding_window, logits_soft_cap) -> (prefill wrapper, decode wrapper)
         self._wrappers: dict[tuple[int, int | None, float | None], tuple[Any, Any]] = {}
+        # CUDA graphs of decode steps: (batch size, sliding_window, logits_soft_cap) -> a decode
+        # wrapper in FlashInfer's graph mode, planned into fixed buffers of that batch size.
+        self._graph_wrappers: dict[tuple[int, int | None, float | None], Any] = {}
+        self._max_pages_per_req = 0  # the block table's width, read by prepare_graph_step
 
     def _wrapper_pair(self, variant: tuple[int, int | None, float | None]) -> tuple[Any, Any]:
         pair = self._wrappers.get(variant)
@@ -173,10 +180,30 @@ class FlashInferAttentionBackend(AttentionBackend):
         if self.block_size is not None:
             metadata.backend_state = self._plan(metadata, self.block_size, self.kv_cache_dtype)
 
-    def _plan(self, metadata: AttentionMetadata, page_size: int, kv_dtype: torch.dtype) -> _FlashInferPlan:
+    def prepare_graph_step(self, metadata: AttentionMetadata, capturing: bool) -> None:
+        """A decode graph's plan (sparrow_cuda.cuda_graphs): made before the capture, and made
+        again before each replay into the same wrappers' fixed buffers (every variant the capture
+        used), from the padded step's host layout. Padding requests (seq_len 0) are planned as one
+        key of their table row's first block, so every request has a page (outputs unread)."""
+        if not metadata.is_decode_only:
+            raise ValueError("FlashInfer CUDA graphs serve decode steps only")
+        if self.block_size is None:
+            raise ValueError("FlashInfer CUDA graphs need the block size when the backend is built")
+        self._max_pages_per_req = metadata.block_table.shape[1]
+        plan = self._plan(metadata, self.block_size, self.kv_cache_dtype, graph=True)
+        if not capturing:
+            for (size, *variant), _ in list(self._graph_wrappers.items()):
+                if size == metadata.num_reqs:
+                    self._planned_wrapper(plan, (variant[0], variant[1]))
+        metadata.backend_state = plan
+
+    def _plan(self, metadata: AttentionMetadata, page_size: int, kv_dtype: torch.dtype,
+              graph: bool = False) -> _FlashInferPlan:
         num_reqs = metadata.num_reqs
         seq_lens_cpu = (metadata.seq_lens_cpu if metadata.seq_lens_cpu is not None
                         else metadata.seq_lens.cpu())[:num_reqs]
+        if graph:
+            seq_lens_cpu = seq_lens_cpu.clamp(min=1)
         qo_indptr_cpu = (metadata.query_start_loc_cpu if metadata.query_start_loc_cpu is not None
                          else metadata.query_start_loc.cpu())[:num_reqs + 1].to(torch.int32)
         kv_indptr, kv_indices, last_page_len = paged_kv_layout(
@@ -190,9 +217,11 @@ class FlashInferAttentionBackend(AttentionBackend):
             # exactly our "token j sits at seq_len - query_len + j" rule for chunks after context.
             plan_args = ((qo_indptr_cpu, kv_indptr, kv_indices, last_page_len, self.num_heads,
                           self.num_kv_heads, self.head_dim, page_size), dict(common, causal=True))
-        plan = _FlashInferPlan(wrappers={}, page_size=page_size, num_tokens=int(qo_indptr_cpu[-1]),
+        plan = _FlashInferPlan(wrappers={}, page_size=page_size,
+                               num_tokens=num_reqs if graph else int(qo_indptr_cpu[-1]),
                                owner=id(self), is_decode_only=metadata.is_decode_only, plan_args=plan_args,
-                               kv_group=metadata.kv_group, kv_dtype=kv_dtype)
+                               kv_group=metadata.kv_group, kv_dtype=kv_dtype,
+                               graph_batch_size=num_reqs if graph else None)
         # Wrappers are planned by the first layer that runs each variant (see _planned_wrapper).
         return plan
 
@@ -200,8 +229,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         """The wrapper of ``variant`` planned for this step (planned now on first use)."""
         wrapper = plan.wrappers.get(variant)
         if wrapper is None:
-            prefill, decode = self._wrapper_pair((plan.kv_group, *variant))
-            wrapper = decode if plan.is_decode_only else prefill
+            if plan.graph_batch_size is not None:
+                wrapper = self._graph_wrapper(plan, variant)
+            else:
+                prefill, decode = self._wrapper_pair((plan.kv_group, *variant))
+                wrapper = decode if plan.is_decode_only else prefill
             sliding_window, soft_cap = variant
             args, kwargs = plan.plan_args
             # window_left = W - 1 keys before the query's own. Pages wholly before the window stay
@@ -210,6 +242,26 @@ class FlashInferAttentionBackend(AttentionBackend):
             wrapper.plan(*args, **kwargs, window_left=-1 if sliding_window is None else sliding_window - 1,
                          logits_soft_cap=soft_cap)
             plan.wrappers[variant] = wrapper
+        return wrapper
+
+    def _graph_wrapper(self, plan: _FlashInferPlan, variant: tuple[int | None, float | None]) -> Any:
+        """The graph-mode decode wrapper of the plan's batch size and ``variant``, made on first
+        use with fixed index buffers (as many pages as the block table holds per request)."""
+        size = plan.graph_batch_size
+        assert size is not None
+        wrapper = self._graph_wrappers.get((size, *variant))
+        if wrapper is None:
+            indptr, indices, last_page_len = plan.plan_args[0][:3]
+            max_pages = size * self._max_pages_per_req
+            device = self._workspace.device
+            wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_cuda_graph=True,
+                use_tensor_cores=self.num_heads // self.num_kv_heads > 4,
+                paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=device),
+                paged_kv_indices_buffer=torch.zeros(max(max_pages, int(indices.shape[0])), dtype=torch.int32,
+                                                    device=device),
+                paged_kv_last_page_len_buffer=torch.zeros(size, dtype=torch.int32, device=device))
+            self._graph_wrappers[(size, *variant)] = wrapper
         return wrapper
 
     def forward(

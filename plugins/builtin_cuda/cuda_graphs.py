@@ -93,7 +93,7 @@ class StaticInputs:
     """The buffers every captured forward reads, sized for the largest shape."""
 
     def __init__(self, max_tokens: int, max_reqs: int, block_table: torch.Tensor, device: torch.device,
-                 lora: bool) -> None:
+                 lora: bool, host_layout: bool = False) -> None:
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
@@ -103,6 +103,11 @@ class StaticInputs:
         # reads it with no copy. Rows past a step's requests hold other rows' blocks, never read.
         self.block_table = block_table
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device) if lora else None
+        # Host copies of query_start_loc and seq_lens, padded alike, for a backend that plans a
+        # replay on the host (AttentionBackend.graph_needs_host_layout).
+        self.host_layout = host_layout
+        self.query_start_loc_cpu = torch.zeros(max_reqs + 1, dtype=torch.int32)
+        self.seq_lens_cpu = torch.zeros(max_reqs, dtype=torch.int32)
 
     def metadata(self, shape: GraphShape, max_seq_len: int) -> AttentionMetadata:
         t, r = shape.num_tokens, shape.num_reqs
@@ -110,6 +115,8 @@ class StaticInputs:
             num_actual_tokens=t, num_reqs=r, max_query_len=shape.max_query_len, max_seq_len=max_seq_len,
             query_start_loc=self.query_start_loc[: r + 1], seq_lens=self.seq_lens[:r],
             block_table=self.block_table[:r], slot_mapping=self.slot_mapping[:t],
+            query_start_loc_cpu=self.query_start_loc_cpu[: r + 1] if self.host_layout else None,
+            seq_lens_cpu=self.seq_lens_cpu[:r] if self.host_layout else None,
             is_decode_only=shape.max_query_len == 1,
         )
 
@@ -129,6 +136,12 @@ class StaticInputs:
             self.seq_lens[r: shape.num_reqs].fill_(0)
         if metadata.block_table.data_ptr() != self.block_table.data_ptr():  # not the persistent table
             self.block_table[:r, : metadata.block_table.shape[1]].copy_(metadata.block_table[:r])
+        if self.host_layout:
+            assert metadata.query_start_loc_cpu is not None and metadata.seq_lens_cpu is not None
+            self.query_start_loc_cpu[: r + 1].copy_(metadata.query_start_loc_cpu[: r + 1])
+            self.query_start_loc_cpu[r + 1: shape.num_reqs + 1].fill_(t)
+            self.seq_lens_cpu[:r].copy_(metadata.seq_lens_cpu[:r])
+            self.seq_lens_cpu[r: shape.num_reqs].fill_(0)
         if self.token_slots is not None and shape.lora:
             assert token_slots is not None, "a LoRA step comes with its token slots"
             self.token_slots[:t].copy_(token_slots[:t])
@@ -140,6 +153,8 @@ class StaticInputs:
         self.slot_mapping.fill_(-1)
         self.query_start_loc.zero_()
         self.seq_lens.zero_()
+        self.query_start_loc_cpu.zero_()
+        self.seq_lens_cpu.zero_()
         if self.token_slots is not None:
             self.token_slots.fill_(-1)
 
@@ -218,7 +233,8 @@ class StepGraphs:
                  lora_state: Any = None, *, new_graph: Callable[[], Any] | None = None,
                  graph_context: Callable[[Any, Any], Any] | None = None,
                  synchronize: Callable[[], None] | None = None, pool: Any = None,
-                 probe: Callable[[GraphShape], ProbeStep | None] | None = None) -> None:
+                 probe: Callable[[GraphShape], ProbeStep | None] | None = None,
+                 prepare_graph_step: Callable[[AttentionMetadata, bool], None] | None = None) -> None:
         self.shapes = shapes
         self.static = static
         self.max_seq_len = max_seq_len
@@ -229,6 +245,8 @@ class StepGraphs:
         self.synchronize = synchronize or torch.cuda.synchronize
         self.pool = pool
         self.probe = probe
+        self.prepare_graph_step = prepare_graph_step  # the backend's (AttentionBackend.prepare_graph_step)
+        self.metadata: dict[GraphShape, AttentionMetadata] = {}  # shape -> its static metadata
         # (family, lora) -> the checked replay's largest difference from eager, relative to eager's scale
         self.checked: dict[tuple[str, bool], float] = {}
         self.graphs: dict[GraphShape, tuple[Any, torch.Tensor]] = {}  # shape -> (graph, static output)
@@ -266,9 +284,11 @@ class StepGraphs:
 
     def _capture_one(self, shape: GraphShape) -> tuple[Any, torch.Tensor]:
         static = self.static
-        metadata = static.metadata(shape, self.max_seq_len)
+        metadata = self.metadata[shape] = static.metadata(shape, self.max_seq_len)
         ids, positions = static.input_ids[: shape.num_tokens], static.positions[: shape.num_tokens]
         static.clear()
+        if self.prepare_graph_step is not None:
+            self.prepare_graph_step(metadata, True)
         state = self.lora_state
         if shape.lora:
             state.active, state.token_slots = True, static.token_slots[: shape.num_tokens]
@@ -348,6 +368,8 @@ class StepGraphs:
                metadata: AttentionMetadata, token_slots: torch.Tensor | None = None) -> torch.Tensor:
         """Fill the static inputs for ``shape``, replay it; the real rows' hidden states."""
         self.static.fill(shape, input_ids, positions, metadata, token_slots)
+        if self.prepare_graph_step is not None:
+            self.prepare_graph_step(self.metadata[shape], False)
         graph, output = self.graphs[shape]
         graph.replay()
         self.replays[shape.family] += 1

@@ -175,19 +175,24 @@ class CudaModelRunner(ModelRunner):
             logger.info("CUDA graphs off: attention backend %r plans its steps on the host",
                         getattr(backend, "name", type(backend).__name__))
             return None
+        if getattr(backend, "graph_needs_host_layout", False) and getattr(backend, "block_size", 0) is None:
+            backend.block_size = self.block_size  # FlashInfer plans a graph's pages before its capture
         spec = self.config.speculative.speculative_config
         lora = self.lora_manager is not None
         shapes = graph_shapes(support, self.max_num_reqs, self.config.max_num_batched_tokens,
                               num_speculative_tokens=spec["num_speculative_tokens"] if spec else 0, lora=lora)
+        host_layout = bool(getattr(backend, "graph_needs_host_layout", False))
         static = StaticInputs(max(s.num_tokens for s in shapes), max(s.num_reqs for s in shapes),
-                              self.input_buffers().device_tables[0], self.device, lora=lora)
+                              self.input_buffers().device_tables[0], self.device, lora=lora, host_layout=host_layout)
         probe = functools.partial(
             probe_step, block_size=self.block_size, num_blocks=self.kv_caches[0].shape[1],
             max_blocks_per_req=self.max_num_blocks_per_req, max_model_len=self.max_model_len,
             vocab_size=self.vocab_size, device=self.device)
         return StepGraphs(shapes, static, self.max_model_len,
                           lambda ids, positions, metadata: self.model.forward(ids, positions, self.kv_caches, metadata),
-                          self.lora_manager.state if lora else None, probe=probe, **graph_kwargs)
+                          self.lora_manager.state if lora else None, probe=probe,
+                          prepare_graph_step=backend.prepare_graph_step if _overrides_prepare_graph_step(backend)
+                          else None, **graph_kwargs)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         graphs = self.step_graphs
@@ -202,3 +207,9 @@ class CudaModelRunner(ModelRunner):
             return ModelRunner.run_model(self, inputs)
         return graphs.replay(shape, inputs.input_ids, inputs.positions, metadata,
                              lora_state.token_slots if lora else None)
+
+
+def _overrides_prepare_graph_step(backend: Any) -> bool:
+    from sparrow.attention import AttentionBackend
+
+    return getattr(type(backend), "prepare_graph_step", None) is not AttentionBackend.prepare_graph_step

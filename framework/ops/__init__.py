@@ -61,6 +61,9 @@ KERNEL_OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec("draw", "function", "sparrow.sample.sampler:draw",
            "sampler: one token per row from probabilities (seeded rows reproducible)",
            "sparrow.ops.cases:draw_cases"),
+    OpSpec("sample_from_logits", "function", "sparrow.sample.sampler:sample_from_logits",
+           "sampler: one token per row from logits at a temperature and a given uniform (rows nothing else filters)",
+           "sparrow.ops.cases:sample_from_logits_cases"),
 )}
 
 # Attention is an op too, chosen through its own hook (sparrow_attention_backend), not this registry.

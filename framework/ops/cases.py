@@ -306,6 +306,66 @@ def _compare_draws(expected: torch.Tensor, got: torch.Tensor, args: tuple) -> tu
     return True, f"{got.shape[0]} rows, seeded rows equal"
 
 
+def sample_from_logits_cases(dtype: torch.dtype, device: torch.device) -> list[OpCase]:
+    from sparrow.sample.metadata import sum_dtype
+
+    cases = []
+    # 100 columns: the reference scans them whole, a kernel in one block; 2048: chunked; 5000:
+    # more than one block of a kernel that holds 4096 tokens at a time. Logits in the case's dtype.
+    for rows, vocab in ((1, 100), (5, 2048), (37, 100), (37, 5000)):
+        gen = _generator(1400, rows, vocab)
+        logits = torch.randn(rows, vocab, generator=gen) * 4
+        logits[:, 1::4] = float("-inf")  # a grammar mask or a logit bias: never drawn
+        if rows > 1:
+            logits[1] = float("-inf")
+            logits[1, vocab // 2] = 0.5  # one token allowed: the row's only choice
+        temperature = torch.rand(rows, generator=gen) * 0.7 + 0.3
+        uniforms = torch.rand(rows, generator=gen, dtype=torch.float64)
+        uniforms[0] = 0.0  # the first token with mass
+        if rows > 2:
+            uniforms[2] = 1 - 2**-24  # the end (within rounding): the last token with mass
+        cases.append(OpCase("sample_from_logits", f"{rows}x{vocab}", None,
+                            (logits.to(device, dtype), temperature.to(device), uniforms.to(device, sum_dtype(device))),
+                            compare=_compare_samples))
+    return cases
+
+
+# How close (relative) a uniform may come to a token boundary of the exact cumulative distribution
+# and still have one right answer: the reference's float32 softmax and chunk sums, and a kernel's
+# float32 weights and partial sums, each move a boundary C by up to a few 1e-5 * C (see inverse_cdf).
+_BOUNDARY_TOL = 1e-4
+
+
+def _compare_samples(expected: torch.Tensor, got: torch.Tensor, args: tuple) -> tuple[bool, str]:
+    """Every row must draw a token of non-zero probability (a finite logit), and the reference's
+    token wherever its uniform lies farther than ``_BOUNDARY_TOL`` (relative) from every boundary of
+    the float64 cumulative distribution of ``softmax(logits / T)``. Closer than that, either
+    neighbour is right: equality there would test rounding, not sampling. The cases keep most rows
+    away from boundaries (at least half, or the case itself is refused)."""
+    logits, temperature, uniforms = args
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape or got.dtype != expected.dtype:
+        return False, f"expected {tuple(expected.shape)} {expected.dtype} token ids, got {describe_value(got)}"
+    got_cpu, expected_cpu = got.cpu(), expected.cpu()
+    scaled = logits.cpu().double() / temperature.cpu().double().unsqueeze(1)
+    if bool(((got_cpu < 0) | (got_cpu >= scaled.shape[1])).any()):
+        return False, "a token id outside the vocabulary"
+    chosen = scaled.gather(1, got_cpu.unsqueeze(1)).squeeze(1)
+    if bool((chosen == float("-inf")).any()):
+        return False, f"drew a zero-probability token in row {int((chosen == float('-inf')).nonzero()[0])}"
+    cdf = scaled.softmax(dim=-1).cumsum(dim=-1)
+    u = uniforms.cpu().double().unsqueeze(1)
+    keep = ~((cdf - u).abs() < _BOUNDARY_TOL * cdf).any(dim=-1)
+    kept = int(keep.sum())
+    if 2 * kept < got.shape[0]:
+        return False, f"only {kept} of {got.shape[0]} rows lie away from a token boundary: the case compares too little"
+    mismatched = ((got_cpu != expected_cpu) & keep).nonzero()
+    if mismatched.numel():
+        row = int(mismatched[0])
+        return False, (f"row {row} (uniform {float(u[row]):.6g}, away from boundaries) drew {int(got_cpu[row])}, "
+                       f"the reference {int(expected_cpu[row])}")
+    return True, f"{got.shape[0]} rows: {kept} away from a token boundary equal, all of non-zero probability"
+
+
 def describe_value(value: Any) -> str:
     """Shape and dtype of a tensor, else the type's name (for failure details)."""
     if isinstance(value, torch.Tensor):

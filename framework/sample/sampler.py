@@ -14,6 +14,8 @@ The order follows vLLM V1:
    draw from the resulting probs by inverting each row's cumulative distribution at one uniform
    number per row: from the shared generator for unseeded rows, derived from (seed, position)
    alone for seeded rows, so that a seeded row's token depends on nothing else in the batch.
+   When only the temperature applies, a platform's ``sample_from_logits`` op (CUDA: one fused
+   Triton pass) samples those rows straight from the logits at the same uniforms.
 
 Everything but the processors is batched torch and device-agnostic, with no per-row loop or
 kernel launch; the built-in processors rebuild their index tensors only when the batch changes.
@@ -56,22 +58,36 @@ class Sampler:
 
     ``generator``: the shared source of noise for unseeded rows (torch's default generator of the
     logits' device when None). Seeded rows never touch it.
-    ``platform``: the platform whose implementations of the function ops ``top_k_top_p`` and
-    ``draw`` serve this sampler (resolved once, here); None: the torch references below.
-    ``top_k_top_p_op`` / ``draw_op``: functions to use instead (the references' signatures).
+    ``platform``: the platform whose implementations of the function ops ``top_k_top_p``,
+    ``draw`` and ``sample_from_logits`` serve this sampler (resolved once, here); None: the torch
+    references below.
+    ``top_k_top_p_op`` / ``draw_op`` / ``sample_from_logits_op``: functions to use instead (the
+    references' signatures).
+
+    ``sample_from_logits`` serves the random rows when nothing but the temperature acts after the
+    penalties (no min-p, top-k, top-p or argmax-invariant logits processor), at the uniforms
+    ``draw`` would use; only a platform's own implementation (or one given here) does: without
+    one, those rows take the steps one by one (temperature, softmax, ``draw``), which is what the
+    reference does anyway, so a platform that serves ``draw`` alone keeps its ``draw``.
     """
 
     def __init__(self, generator: torch.Generator | None = None, platform: str | None = None, *,
                  top_k_top_p_op: Callable[..., torch.Tensor] | None = None,
-                 draw_op: Callable[..., torch.Tensor] | None = None) -> None:
+                 draw_op: Callable[..., torch.Tensor] | None = None,
+                 sample_from_logits_op: Callable[..., torch.Tensor] | None = None) -> None:
         self.generator = generator
         if platform is not None:
             from sparrow.ops.binding import resolve_function_op
 
             top_k_top_p_op = top_k_top_p_op or resolve_function_op("top_k_top_p", platform)
             draw_op = draw_op or resolve_function_op("draw", platform)
+            if sample_from_logits_op is None:
+                resolved = resolve_function_op("sample_from_logits", platform)
+                sample_from_logits_op = None if resolved is sample_from_logits else resolved
         self.top_k_top_p = top_k_top_p_op or apply_top_k_top_p
         self.draw = draw_op or draw
+        # None: the random rows go through temperature, softmax and ``draw`` step by step.
+        self.sample_from_logits = sample_from_logits_op
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != metadata.temperature.shape[0]:
@@ -113,6 +129,18 @@ class Sampler:
         greedy_rows = metadata.temperature < _SAMPLING_EPS  # [B]
         # Greedy rows divide by 1 so their (discarded) random branch stays finite.
         temperature = torch.where(greedy_rows, 1.0, metadata.temperature)
+        if self.sample_from_logits is not None and _temperature_only(metadata):
+            uniforms = draw_uniforms(logits.shape[0], logits.device, self.generator, metadata.seeded_rows,
+                                     metadata.seeded_uniforms)
+            random_ids = self.sample_from_logits(logits, temperature, uniforms)
+        else:
+            random_ids = self._filter_and_draw(logits, temperature, metadata)
+        if greedy_ids is None:
+            return random_ids
+        return torch.where(greedy_rows, greedy_ids, random_ids)
+
+    def _filter_and_draw(self, logits: torch.Tensor, temperature: torch.Tensor,
+                         metadata: SamplingMetadata) -> torch.Tensor:
         logits = logits / temperature.unsqueeze(1)
         if metadata.logits_processors is not None and metadata.logits_processors.argmax_invariant:
             logits = metadata.logits_processors.apply_argmax_invariant(logits, owned=True)
@@ -124,10 +152,14 @@ class Sampler:
             else:
                 logits = self.top_k_top_p(logits, metadata.top_k, metadata.top_p)
         probs = logits.softmax(dim=-1)  # [B, V]
-        random_ids = self.draw(probs, self.generator, metadata.seeded_rows, metadata.seeded_uniforms)
-        if greedy_ids is None:
-            return random_ids
-        return torch.where(greedy_rows, greedy_ids, random_ids)
+        return self.draw(probs, self.generator, metadata.seeded_rows, metadata.seeded_uniforms)
+
+
+def _temperature_only(metadata: SamplingMetadata) -> bool:
+    """Whether nothing but the temperature changes the random rows' logits after the penalties."""
+    processors = metadata.logits_processors
+    return (metadata.min_p is None and metadata.top_k is None and metadata.top_p is None
+            and not (processors is not None and processors.argmax_invariant))
 
 
 def _raw_logprobs(raw_logits: torch.Tensor, sampled: torch.Tensor, k: int,
@@ -294,13 +326,34 @@ def draw(
     seeded_rows: torch.Tensor | None,
     seeded_uniforms: torch.Tensor | None,
 ) -> torch.Tensor:
-    """One token per row of ``probs`` [B, V], each by :func:`inverse_cdf` at its own uniform:
-    seeded rows at the uniform their (seed, position) gives, the others at one drawn from
-    ``generator``."""
-    uniforms = torch.rand(probs.shape[0], generator=generator, device=probs.device, dtype=sum_dtype(probs.device))
+    """One token per row of ``probs`` [B, V], each by :func:`inverse_cdf` at its own uniform
+    (:func:`draw_uniforms`)."""
+    return inverse_cdf(probs, draw_uniforms(probs.shape[0], probs.device, generator, seeded_rows, seeded_uniforms))
+
+
+def draw_uniforms(
+    num_rows: int,
+    device: torch.device,
+    generator: torch.Generator | None,
+    seeded_rows: torch.Tensor | None,
+    seeded_uniforms: torch.Tensor | None,
+) -> torch.Tensor:
+    """One uniform in [0, 1) per row, [B] in ``sum_dtype(device)``: seeded rows get the uniform
+    their (seed, position) gives, the others one drawn from ``generator`` (one ``torch.rand`` of
+    B numbers, whatever the number of seeded rows)."""
+    uniforms = torch.rand(num_rows, generator=generator, device=device, dtype=sum_dtype(device))
     if seeded_rows is not None and seeded_rows.shape[0] > 0:
         assert seeded_uniforms is not None, "seeded rows come with their uniforms"
         uniforms.index_copy_(0, seeded_rows, seeded_uniforms.to(uniforms.dtype))
+    return uniforms
+
+
+def sample_from_logits(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logits`` [B, V] (any float dtype) at temperature ``temperature``
+    [B] (> 0) and uniform ``uniforms`` [B] in [0, 1): :func:`inverse_cdf` of ``softmax(logits /
+    T)`` in float32, what the sampler does step by step for rows nothing else filters. A platform
+    may serve it with one fused pass (the ``sample_from_logits`` op)."""
+    probs = (logits.to(torch.float32) / temperature.unsqueeze(1)).softmax(dim=-1)
     return inverse_cdf(probs, uniforms)
 
 

@@ -19,6 +19,7 @@ TRITON_OPS = {
     "rotary_embedding": "sparrow_cuda.triton_elementwise:TritonRotaryEmbedding",
     "fused_moe": "sparrow_cuda.triton_moe:TritonFusedMoE",
     "add_lora": "sparrow_cuda.triton_lora:triton_add_lora",
+    "sample_from_logits": "sparrow_cuda.triton_sampling:sample_from_logits",
 }
 
 

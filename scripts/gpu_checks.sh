@@ -48,7 +48,7 @@ want async && { python3 -m sparrow.entrypoints.cli --log-level INFO bench throug
   > "$out/gpu_bench_async.log" 2>&1
 echo "async bench exit code $?"; grep -v "Loading weights" "$out/gpu_bench_async.log" | tail -12; }
 # 5. The same benchmark on the FlashInfer backend (#14 asks for both backends, same card, same day).
-#    FlashInfer plans each step on the host, so its steps run without CUDA graphs.
+#    Its decode steps replay graphs re-planned before each replay; its mixed steps run eagerly.
 want flashinfer && { if python3 -c "import flashinfer" 2>/dev/null; then
   python3 -m sparrow.entrypoints.cli --log-level INFO bench throughput --preset gpu \
   --engine-args '{"attention_backend": "flashinfer"}' --profile --result-file "$out/gpu_bench_flashinfer.json" \

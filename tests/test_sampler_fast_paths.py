@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import sparrow.sample.filters as filters_module
 import sparrow.sample.sampler as sampler_module
 from sparrow.sample.history import OutputHistory
 from sparrow.sample.metadata import SamplingTensors, build_sampling_metadata, pad_token_ids, step_uniform, step_uniforms
@@ -188,7 +189,7 @@ def test_top_k_window_cuts_where_the_full_sort_does(with_top_p):
         top_p[5] = 1.0
         top_p[6] = 1.0  # top-k alone in a top-p batch
     window = int(top_k.max())
-    expected = sampler_module._full_sort_cut(logits, top_k, top_p)
+    expected = filters_module._full_sort_cut(logits, top_k, top_p)
     got = apply_top_k_top_p(logits, top_k, top_p, max_top_k=window)
     assert torch.equal(torch.isinf(got), torch.isinf(expected))
     assert not torch.isinf(got[5]).any() and (~torch.isinf(got[3])).sum() == vocab
@@ -204,16 +205,16 @@ def test_top_p_window_on_cpu_cuts_where_the_full_sort_does_or_declines():
     top_p[0], top_k[0] = 1.0, 0  # does not filter
     top_p[1], top_k[1] = 1.0, 20  # top-k alone
     for k in (None, top_k):
-        expected = sampler_module._full_sort_cut(logits, k, top_p)
-        window = sampler_module._window_cut(logits, k, top_p, 1024, checked=True)
+        expected = filters_module._full_sort_cut(logits, k, top_p)
+        window = filters_module._window_cut(logits, k, top_p, 1024, checked=True)
         assert window is not None  # these rows' cuts lie within their top 1024
         assert torch.equal(torch.isinf(window), torch.isinf(expected))
         assert torch.equal(torch.isinf(apply_top_k_top_p(logits, k, top_p)), torch.isinf(expected))
     # A flat row whose top-p cut lies far past the window: the window declines, the sort decides.
     logits[2] = torch.randn(vocab, generator=gen) * 0.01
     top_k[2], top_p[2] = 0, 0.9
-    assert sampler_module._window_cut(logits, top_k, top_p, 1024, checked=True) is None
-    expected = sampler_module._full_sort_cut(logits, top_k, top_p)
+    assert filters_module._window_cut(logits, top_k, top_p, 1024, checked=True) is None
+    expected = filters_module._full_sort_cut(logits, top_k, top_p)
     assert torch.equal(torch.isinf(apply_top_k_top_p(logits, top_k, top_p)), torch.isinf(expected))
     assert (~torch.isinf(expected[2])).sum() > 1024
 

@@ -56,7 +56,7 @@ KERNEL_OPS: dict[str, OpSpec] = {spec.name: spec for spec in (
     OpSpec("add_lora", "function", "sparrow.lora.ops:add_lora",
            "multi-LoRA: add each token's adapter update (slot per token) to a linear layer's output",
            "sparrow.lora.ops:add_lora_cases"),
-    OpSpec("top_k_top_p", "function", "sparrow.sample.sampler:apply_top_k_top_p",
+    OpSpec("top_k_top_p", "function", "sparrow.sample.filters:apply_top_k_top_p",
            "sampler: mask logits outside each row's top-k and top-p", "sparrow.ops.cases:top_k_top_p_cases"),
     OpSpec("draw", "function", "sparrow.sample.sampler:draw",
            "sampler: one token per row from probabilities (seeded rows reproducible)",

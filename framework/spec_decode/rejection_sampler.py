@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import torch
 
+from sparrow.sample.filters import apply_min_p, apply_top_k_top_p
 from sparrow.sample.metadata import SamplingMetadata, step_uniform, sum_dtype
-from sparrow.sample.sampler import Sampler, apply_min_p, apply_top_k_top_p, inverse_cdf
+from sparrow.sample.sampler import Sampler, inverse_cdf
 
 _SAMPLING_EPS = 1e-5
 

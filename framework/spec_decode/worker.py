@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from sparrow.sample.sampler import apply_grammar_bitmask
+from sparrow.sample.filters import apply_grammar_bitmask
 from sparrow.spec_decode.proposer import may_speculate
 from sparrow.spec_decode.rejection_sampler import accept_point_drafts, sample_positions, seeded_draws
 

@@ -251,7 +251,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         assert size is not None
         wrapper = self._graph_wrappers.get((size, *variant))
         if wrapper is None:
-            indptr, indices, last_page_len = plan.plan_args[0][:3]
+            indices = plan.plan_args[0][1]  # the planned pages (the buffer holds at least as many)
             max_pages = size * self._max_pages_per_req
             device = self._workspace.device
             wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(

@@ -19,7 +19,8 @@ contexts over programs), never the result.
 
 Which families a backend gets is its ``graph_support`` (sparrow.attention): "always" (the Triton
 backend: one kernel reads the step's layout from device tensors alone) gets all three, "decode"
-the decode family, "never" (a backend that plans on the host, as FlashInfer does) none.
+the decode family (FlashInfer, which re-plans its graph-mode wrappers before each replay in
+``prepare_graph_step``), "never" none.
 
 Padding, one rule for every shape: requests past the step's real ones have no query tokens
 (``query_start_loc`` repeats the real token count, ``seq_len`` 0) and tokens past the real ones
@@ -127,21 +128,15 @@ class StaticInputs:
         self.input_ids[:t].copy_(input_ids[:t])
         self.positions[:t].copy_(positions[:t])
         self.slot_mapping[:t].copy_(metadata.slot_mapping[:t])
-        self.query_start_loc[: r + 1].copy_(metadata.query_start_loc[: r + 1])
-        self.seq_lens[:r].copy_(metadata.seq_lens[:r])
         if t < shape.num_tokens:
             self.slot_mapping[t: shape.num_tokens].fill_(-1)
-        if r < shape.num_reqs:
-            self.query_start_loc[r + 1: shape.num_reqs + 1].fill_(t)
-            self.seq_lens[r: shape.num_reqs].fill_(0)
-        if metadata.block_table.data_ptr() != self.block_table.data_ptr():  # not the persistent table
-            self.block_table[:r, : metadata.block_table.shape[1]].copy_(metadata.block_table[:r])
+        _pad_layout(self.query_start_loc, self.seq_lens, metadata.query_start_loc, metadata.seq_lens, t, r, shape)
         if self.host_layout:
             assert metadata.query_start_loc_cpu is not None and metadata.seq_lens_cpu is not None
-            self.query_start_loc_cpu[: r + 1].copy_(metadata.query_start_loc_cpu[: r + 1])
-            self.query_start_loc_cpu[r + 1: shape.num_reqs + 1].fill_(t)
-            self.seq_lens_cpu[:r].copy_(metadata.seq_lens_cpu[:r])
-            self.seq_lens_cpu[r: shape.num_reqs].fill_(0)
+            _pad_layout(self.query_start_loc_cpu, self.seq_lens_cpu, metadata.query_start_loc_cpu,
+                        metadata.seq_lens_cpu, t, r, shape)
+        if metadata.block_table.data_ptr() != self.block_table.data_ptr():  # not the persistent table
+            self.block_table[:r, : metadata.block_table.shape[1]].copy_(metadata.block_table[:r])
         if self.token_slots is not None and shape.lora:
             assert token_slots is not None, "a LoRA step comes with its token slots"
             self.token_slots[:t].copy_(token_slots[:t])
@@ -157,6 +152,16 @@ class StaticInputs:
         self.seq_lens_cpu.zero_()
         if self.token_slots is not None:
             self.token_slots.fill_(-1)
+
+
+def _pad_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, step_query_start_loc: torch.Tensor,
+                step_seq_lens: torch.Tensor, t: int, r: int, shape: GraphShape) -> None:
+    """A step's R requests over T tokens, then empty requests up to the shape's count."""
+    query_start_loc[: r + 1].copy_(step_query_start_loc[: r + 1])
+    seq_lens[:r].copy_(step_seq_lens[:r])
+    if r < shape.num_reqs:
+        query_start_loc[r + 1: shape.num_reqs + 1].fill_(t)
+        seq_lens[r: shape.num_reqs].fill_(0)
 
 
 @dataclass(slots=True)
@@ -183,7 +188,7 @@ def probe_step(shape: GraphShape, *, block_size: int, num_blocks: int, max_block
         q = shape.max_query_len
         query_lens = [q, 1, max(1, q - 1)][:num_reqs]
     else:
-        budget = max(num_reqs, shape.num_tokens - 1 if shape.num_tokens > num_reqs else shape.num_tokens)
+        budget = max(num_reqs, shape.num_tokens - 1)  # one padding token where the shape has room
         query_lens = [budget - (num_reqs - 1)] + [1] * (num_reqs - 1)
     contexts = [2 * block_size + 3, 5, block_size][:num_reqs]
     seq_lens = [min(c + q, max_model_len) for c, q in zip(contexts, query_lens)]
@@ -326,8 +331,7 @@ class StepGraphs:
             finally:
                 if shape.lora:
                     state.active, state.token_slots = saved
-            replayed = self.replay(shape, step.input_ids, step.positions, step.metadata, step.token_slots).float()
-            self.replays[shape.family] -= 1  # a check, not a step
+            replayed = self._run(shape, step.input_ids, step.positions, step.metadata, step.token_slots).float()
             scale = float(eager.abs().max().clamp(min=1e-6))
             error = float((replayed - eager).abs().max()) / scale
             self.checked[family] = error
@@ -367,10 +371,14 @@ class StepGraphs:
     def replay(self, shape: GraphShape, input_ids: torch.Tensor, positions: torch.Tensor,
                metadata: AttentionMetadata, token_slots: torch.Tensor | None = None) -> torch.Tensor:
         """Fill the static inputs for ``shape``, replay it; the real rows' hidden states."""
+        self.replays[shape.family] += 1
+        return self._run(shape, input_ids, positions, metadata, token_slots)
+
+    def _run(self, shape: GraphShape, input_ids: torch.Tensor, positions: torch.Tensor,
+             metadata: AttentionMetadata, token_slots: torch.Tensor | None) -> torch.Tensor:
         self.static.fill(shape, input_ids, positions, metadata, token_slots)
         if self.prepare_graph_step is not None:
             self.prepare_graph_step(self.metadata[shape], False)
         graph, output = self.graphs[shape]
         graph.replay()
-        self.replays[shape.family] += 1
         return output[: metadata.num_actual_tokens]

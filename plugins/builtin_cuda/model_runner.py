@@ -165,7 +165,7 @@ class CudaModelRunner(ModelRunner):
         """The step graphs this model and backend allow, not yet captured (None: eager only);
         ``graph_kwargs`` go to StepGraphs (tests pass a stand-in graph type to run on the CPU)."""
         backend = self.model.attn_backend
-        support = getattr(backend, "graph_support", "never")
+        support = backend.graph_support
         if len(self.kv_cache_groups) > 1:
             # The static buffers hold one block table and one slot mapping; a hybrid cache has
             # one per group. Such models run eagerly.
@@ -175,13 +175,13 @@ class CudaModelRunner(ModelRunner):
             logger.info("CUDA graphs off: attention backend %r plans its steps on the host",
                         getattr(backend, "name", type(backend).__name__))
             return None
-        if getattr(backend, "graph_needs_host_layout", False) and getattr(backend, "block_size", 0) is None:
+        host_layout = backend.graph_needs_host_layout
+        if host_layout and getattr(backend, "block_size", 0) is None:
             backend.block_size = self.block_size  # FlashInfer plans a graph's pages before its capture
         spec = self.config.speculative.speculative_config
         lora = self.lora_manager is not None
         shapes = graph_shapes(support, self.max_num_reqs, self.config.max_num_batched_tokens,
                               num_speculative_tokens=spec["num_speculative_tokens"] if spec else 0, lora=lora)
-        host_layout = bool(getattr(backend, "graph_needs_host_layout", False))
         static = StaticInputs(max(s.num_tokens for s in shapes), max(s.num_reqs for s in shapes),
                               self.input_buffers().device_tables[0], self.device, lora=lora, host_layout=host_layout)
         probe = functools.partial(
@@ -191,8 +191,7 @@ class CudaModelRunner(ModelRunner):
         return StepGraphs(shapes, static, self.max_model_len,
                           lambda ids, positions, metadata: self.model.forward(ids, positions, self.kv_caches, metadata),
                           self.lora_manager.state if lora else None, probe=probe,
-                          prepare_graph_step=backend.prepare_graph_step if _overrides_prepare_graph_step(backend)
-                          else None, **graph_kwargs)
+                          prepare_graph_step=backend.prepare_graph_step, **graph_kwargs)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         graphs = self.step_graphs
@@ -208,8 +207,3 @@ class CudaModelRunner(ModelRunner):
         return graphs.replay(shape, inputs.input_ids, inputs.positions, metadata,
                              lora_state.token_slots if lora else None)
 
-
-def _overrides_prepare_graph_step(backend: Any) -> bool:
-    from sparrow.attention import AttentionBackend
-
-    return getattr(type(backend), "prepare_graph_step", None) is not AttentionBackend.prepare_graph_step

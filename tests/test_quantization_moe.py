@@ -7,15 +7,19 @@ stays in float32. The reference is the one tests/test_quantization.py uses for d
 int8 weights dequantized into a float32 checkpoint, run unquantized; only the per-token activation
 quantization separates the two. The dense statistics apply: mean logprob difference under
 INT8_MEAN_ATOL and top-1 agreement >= MIN_TOP1 on teacher-forced positions. The worst case needs
-one more word: the router sees hidden states that carry the attention layers' int8 error, and
-where two experts' router probabilities nearly tie, the top-k choice can flip between the runs
-(seen: one token in one layer per model), which moves that position's logprob by more than
-activation rounding does. So INT8_ATOL must hold on all but MAX_OUTLIER_SHARE of positions, and
-the worst within MOE_WORST_ATOL. Measured here (AVX2, 7-bit weights, 166 positions per model):
-qwen3_moe worst 0.292 (the next 0.135), mean 0.042, top-1 98.8 %; mixtral worst 0.596 (the next
-0.133), mean 0.035, top-1 99.4 %; each run had exactly one routing flip (a row whose top-k expert
-set differed from the reference's), at the position of its worst difference. Tensor parallel 2
-against 1 (both int8, so both runs carry activation rounding): worst 0.170, mean 0.052, top-1 98.8 %.
+more words: the router sees hidden states that carry the attention layers' int8 error, and where
+two experts' router probabilities nearly tie (0.1977 against 0.1961, say) the top-k choice can flip
+between the runs; a flip in an early position reaches the later ones through attention and can
+move a position's logprob by far more than activation rounding does (seen: 1.61 on a VNNI CPU,
+0.60 on an AVX2 one). So the free-running comparison bounds only the share of positions beyond
+INT8_ATOL (MAX_OUTLIER_SHARE), and a second int8 run, with every router's expert choice forced to
+the reference's, must be within INT8_ATOL everywhere: what is left is activation rounding.
+Measured (166 positions per model): on the 2-vCPU Xeon with AVX512-VNNI (8-bit weights), mixtral
+free: worst 1.610 (the next 0.243), mean 0.043, top-1 97.0 %, three routing flips; forced: worst
+0.123, mean 0.030. On the AVX2 EPYC (7-bit weights): qwen3_moe worst 0.292, mean 0.042, top-1
+98.8 %; mixtral worst 0.596, mean 0.035, top-1 99.4 %. Tensor parallel 2 against 1 (both int8,
+so both runs carry activation rounding): worst 0.170, mean 0.052, top-1 98.8 % on the AVX2
+EPYC; worst 0.275 (one position beyond INT8_ATOL), mean 0.046, top-1 100 % on the VNNI Xeon.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from tests.test_quantization import INT8_ATOL, INT8_MEAN_ATOL, MIN_TOP1, compare
 pytestmark = pytest.mark.skipif(not onednn_int8_available(), reason="this torch build has no oneDNN int8 linear")
 
 NAMES = ("qwen3_moe", "mixtral")
-MAX_OUTLIER_SHARE, MOE_WORST_ATOL = 0.02, 1.0
+MAX_OUTLIER_SHARE = 0.02
 _int8_runs: dict[str, list] = {}  # teacher-forced int8 results, shared by the tests that need them
 
 
@@ -63,7 +67,7 @@ def check_int8_statistics(label: str, quantized, reference) -> None:
     outliers = sum(d >= INT8_ATOL for d in differences) / len(differences)
     print(f"{label}: worst {worst:.3f}, outliers {outliers:.3f}, mean {mean:.4f}, top-1 {top1:.3f}")
     assert mean < INT8_MEAN_ATOL and top1 >= MIN_TOP1, (mean, top1)
-    assert worst < MOE_WORST_ATOL and outliers <= MAX_OUTLIER_SHARE, (worst, outliers)
+    assert outliers <= MAX_OUTLIER_SHARE, (worst, outliers)
 
 
 def dequantized_reference(model_dir: str, out) -> str:
@@ -159,10 +163,44 @@ def test_int8_expert_scales_are_split_with_the_weights():
 
 
 # -- the engine --------------------------------------------------------------------------------
+class RoutingRecorder:
+    """Stands in for sparrow.layers.fused_moe.select_experts: records every call's expert ids, or,
+    given a recording, returns its ids in the same order with weights from this run's router."""
+
+    def __init__(self, forced: list[torch.Tensor] | None = None) -> None:
+        self.ids: list[torch.Tensor] = []
+        self.forced = iter(forced) if forced is not None else None
+
+    def __call__(self, router_logits: torch.Tensor, top_k: int, renormalize: bool):
+        weights, ids = select_experts(router_logits, top_k, renormalize)
+        if self.forced is not None:
+            ids = next(self.forced)
+            assert ids.shape == (router_logits.shape[0], top_k), "both runs should schedule the same steps"
+            weights = torch.softmax(router_logits, dim=-1, dtype=torch.float32).gather(1, ids)
+            if renormalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        self.ids.append(ids.clone())
+        return weights, ids
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_int8_moe_matches_dequantized_weights(name, moe_dirs, tmp_path):
+def test_int8_moe_matches_dequantized_weights(name, moe_dirs, tmp_path, monkeypatch):
+    import sparrow.layers.fused_moe as fused_moe
+
     reference_dir = dequantized_reference(moe_dirs[name], tmp_path / "int8-ref")
-    check_int8_statistics(name, int8_teacher_forced(moe_dirs[name]), teacher_forced(reference_dir))
+    recorded = RoutingRecorder()
+    monkeypatch.setattr(fused_moe, "select_experts", recorded)
+    reference = teacher_forced(reference_dir)
+    monkeypatch.undo()
+    check_int8_statistics(name, int8_teacher_forced(moe_dirs[name]), reference)
+
+    # The same int8 run with the reference's expert choices: only activation rounding is left.
+    forced = RoutingRecorder(forced=recorded.ids)
+    monkeypatch.setattr(fused_moe, "select_experts", forced)
+    worst, mean, top1 = compare(teacher_forced(moe_dirs[name], quantization="int8"), reference)
+    print(f"{name} with the reference's routing: worst {worst:.3f}, mean {mean:.4f}, top-1 {top1:.3f}")
+    assert len(forced.ids) == len(recorded.ids) > 0
+    assert worst < INT8_ATOL and mean < INT8_MEAN_ATOL and top1 >= MIN_TOP1, (worst, mean, top1)
 
 
 def test_int8_moe_generates_with_chunked_prefill_and_prefix_caching(moe_dirs):

@@ -43,7 +43,7 @@ def test_engine_process_waits_passively_on_its_share_of_the_cores(clean_thread_e
     log = capfd.readouterr().err
     assert log.count("CPU threads: ") == 1
     assert f"CPU threads: {threads.usable_cores()} per engine process" in log
-    assert "OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=2000" in log
+    assert "OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=5000" in log
 
 
 def test_the_users_settings_win(clean_thread_env):

@@ -7,11 +7,15 @@ runs hundreds of short parallel regions, so that thread almost never sleeps. On 
 cores are all wanted (the engine's threads plus the frontend, a test run or any neighbour process)
 the spinning thread holds a core that the thread it waits for needs, and every region's barrier
 waits for a time slice: on the 2-core VM the benchmark fell to a tenth beside one CPU-bound
-process (docs/benchmarks.md has the figures). The engine's processes therefore spin for 2,000
-iterations (about 20 us: the gap between the kernels of one layer) and then sleep, so that a
-waiting thread gives its core back; measured, that keeps the quiet speed (sleeping at once,
-``OMP_WAIT_POLICY=PASSIVE`` alone, cost 6-8 %: every region then wakes a sleeping thread) and
-gives 5x more beside a neighbour.
+process (docs/benchmarks.md has the figures). The engine's processes therefore spin for 5,000
+iterations and then sleep, so that a waiting thread gives its core back. A spin is one ``pause``:
+30 ns on the AMD EPYC VM, 16 ns on the Intel Xeon one, so 5,000 spins last 80-150 us, which covers
+the serial gap before most parallel regions of a step (oneDNN spends 25-40 us preparing each
+linear's primitive before its threads start). Measured on the Xeon VM: at 2,000 spins (32 us)
+the threads fall asleep inside a layer (the int8 workload 15 % and fp32 6 % slower than at 5,000);
+10,000 spins gain a little more for int8 only; beside a CPU-bound neighbour the engine keeps 0.53 of
+its quiet speed at 5,000 spins and 0.50 at 10,000 (on the EPYC VM 20,000 kept 0.37); sleeping
+at once (``OMP_WAIT_POLICY=PASSIVE`` alone) cost 6-8 %: every region then wakes a sleeping thread.
 
 libgomp reads its settings once, when it is loaded (with torch), so :func:`configure_openmp` must
 run before the process imports torch: the engine-core process first imports torch through
@@ -33,7 +37,7 @@ ENV_CPU_THREADS = "SPARROW_CPU_THREADS"
 # Set in the engine's processes unless the user chose how OpenMP waits (any of USER_WAIT_SETTINGS).
 # libgomp: PASSIVE, then GOMP_SPINCOUNT spins before sleeping (0 when it counts more threads than
 # cores); Intel's OpenMP reads PASSIVE as a block time of 0.
-OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "2000"}
+OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "5000"}
 USER_WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 _OPENMP_LIBRARIES = ("libgomp", "libiomp", "libomp")
 

@@ -172,8 +172,9 @@ class RoutingRecorder:
         self.forced = iter(forced) if forced is not None else None
 
     def __call__(self, router_logits: torch.Tensor, top_k: int, renormalize: bool):
-        weights, ids = select_experts(router_logits, top_k, renormalize)
-        if self.forced is not None:
+        if self.forced is None:
+            weights, ids = select_experts(router_logits, top_k, renormalize)
+        else:
             ids = next(self.forced)
             assert ids.shape == (router_logits.shape[0], top_k), "both runs should schedule the same steps"
             weights = torch.softmax(router_logits, dim=-1, dtype=torch.float32).gather(1, ids)

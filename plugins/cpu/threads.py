@@ -12,8 +12,8 @@ iterations and then sleep, so that a waiting thread gives its core back. A spin 
 30 ns on the AMD EPYC VM, 16 ns on the Intel Xeon one, so 5,000 spins last 80-150 us, which covers
 the serial gap before most parallel regions of a step (oneDNN spends 25-40 us preparing each
 linear's primitive before its threads start). Measured on the Xeon VM: at 2,000 spins (32 us)
-the threads fall asleep inside a layer (the int8 workload 15 % and fp32 6 % slower than at 5,000);
-10,000 spins gain a little more for int8 only; beside a CPU-bound neighbour the engine keeps 0.53 of
+the threads fall asleep inside a layer (the int8 workload 13 % and fp32 6 % slower than at 5,000);
+10,000 spins gain 7 % more for int8 and nothing for fp32; beside a CPU-bound neighbour the engine keeps 0.53 of
 its quiet speed at 5,000 spins and 0.50 at 10,000 (on the EPYC VM 20,000 kept 0.37); sleeping
 at once (``OMP_WAIT_POLICY=PASSIVE`` alone) cost 6-8 %: every region then wakes a sleeping thread.
 

@@ -249,14 +249,26 @@ def test_int8_w8a8_matches_dequantized_weights(qwen3_dir, tmp_path):
     assert worst < INT8_ATOL and mean < INT8_MEAN_ATOL and top1 >= MIN_TOP1, (worst, mean, top1)
 
 
-def test_int8_linear_computes_the_quantized_product_exactly():
-    """The oneDNN int8 layer equals (per-token int8 x) @ (per-channel int8 W)^T in float32 (the
-    integer sums are exact; only the final scaling rounds)."""
-    from sparrow.ops import bind_ops
-    from sparrow_cpu.int8 import Int8Linear, onednn_int8_available, quantize_weight
+@pytest.fixture(params=["auto", "onednn"])
+def int8_gemm(request, monkeypatch):
+    """Each int8 GEMM this machine has: ours on AVX512-VNNI (sparrow_cpu.int8_gemm; "auto" is
+    oneDNN's elsewhere) and oneDNN's (``SPARROW_CPU_INT8_GEMM=onednn``)."""
+    from sparrow_cpu.int8 import vnni_kernels
 
-    if not onednn_int8_available():
-        pytest.skip("this torch build has no oneDNN int8 linear")
+    monkeypatch.setenv("SPARROW_CPU_INT8_GEMM", request.param)
+    vnni_kernels.cache_clear()
+    yield request.param
+    vnni_kernels.cache_clear()
+
+
+def test_int8_linear_computes_the_quantized_product_exactly(int8_gemm):
+    """The int8 layer equals (per-token int8 x) @ (per-channel int8 W)^T in float32 (the integer
+    sums are exact; only the final scaling rounds), with either GEMM."""
+    from sparrow.ops import bind_ops
+    from sparrow_cpu.int8 import Int8Linear, onednn_int8_available, quantize_weight, vnni_kernels
+
+    if vnni_kernels() is None and not onednn_int8_available():
+        pytest.skip("neither int8 GEMM is available here (no AVX512-VNNI kernel, no oneDNN int8 linear)")
     gen = torch.Generator().manual_seed(3)
     layer = ColumnParallelLinear(96, 40, bias=True)
     weight, bias = torch.randn(40, 96, generator=gen), torch.randn(40, generator=gen)
@@ -265,13 +277,50 @@ def test_int8_linear_computes_the_quantized_product_exactly():
     q_w, s_w = quantize_weight(weight)
     assert bind_ops(layer, "cpu", overrides={"linear": Int8Linear}) == {"linear": {"int8_w8a8": 1}}
     assert layer.weight.dtype == torch.int8 and layer.weight_scale.shape == (40,)
+    assert (layer.op_impl.vnni is not None) == (int8_gemm == "auto" and vnni_kernels() is not None)
     x = torch.randn(7, 96, generator=gen) * torch.linspace(0.01, 10, 7).unsqueeze(1)
     q_x, s_x = quantize_rows(x)
     expected = (q_x.double() @ q_w.double().t()) * s_x.double().unsqueeze(1) * s_w.double() + bias.double()
     torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
     assert layer(x[:0]).shape == (0, 40)
-    layer.op_impl.native = None  # the torch ops used when the C++ activation kernels cannot be built
-    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
+    if layer.op_impl.vnni is None:
+        layer.op_impl.native = None  # the torch ops used when the C++ activation kernels cannot be built
+        torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 67, 131])
+@pytest.mark.parametrize("in_features, out_features", [(96, 40), (13, 17), (130, 200), (64, 64)])
+def test_the_vnni_kernel_covers_every_tile_edge(rows, in_features, out_features):
+    """Our AVX512-VNNI kernel at tile edges: rows not a multiple of the 4-row tile or of the 64-row
+    block, channels not a multiple of 16 or 64, inputs not a multiple of 4, rows of zeros, with and
+    without a bias; the integer sums exact, checked against float64."""
+    from sparrow_cpu.int8 import quantize_weight, vnni_kernels
+
+    kernels = vnni_kernels()
+    if kernels is None:
+        pytest.skip("no AVX512-VNNI kernel on this CPU/compiler (oneDNN's GEMM is used)")
+    gen = torch.Generator().manual_seed(rows * 1000 + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    q_w, s_w = quantize_weight(weight)
+    x = torch.randn(rows, in_features, generator=gen) * 3
+    x[rows // 2] = 0  # a zero row: scale 1, every product zero
+    q_x, s_x = quantize_rows(x)
+    packed = kernels.vnni_pack(q_w)
+    colsum = q_w.sum(dim=1, dtype=torch.int32)
+    exact = q_x.double() @ q_w.double().t()
+    for bias in (torch.empty(0), torch.randn(out_features, generator=gen)):
+        got = kernels.int8_linear(x, packed, in_features, colsum, s_w, bias).double()
+        expected = exact * s_x.double().unsqueeze(1) * s_w.double() + (bias.double() if bias.numel() else 0)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # A strided input (a view of wider rows) is read in place.
+    wide = torch.randn(rows, in_features + 8, generator=gen)
+    view = wide[:, 4:4 + in_features]
+    q_v, s_v = quantize_rows(view.contiguous())
+    torch.testing.assert_close(kernels.int8_linear(view, packed, in_features, colsum, s_w, torch.empty(0)).double(),
+                               (q_v.double() @ q_w.double().t()) * s_v.double().unsqueeze(1) * s_w.double(),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="do not match the packed weight"):
+        kernels.int8_linear(x[:, :-1], packed, in_features, colsum, s_w, torch.empty(0))
 
 
 # -- fp8 --------------------------------------------------------------------------------------------

@@ -1,12 +1,17 @@
 """int8 W8A8 ``linear`` on the CPU (``quantization="int8"``, sparrow.quantization.int8).
 
-Weights: int8 per output channel, quantized once when the model is bound and packed into
-oneDNN's int8 layout (``torch.ops.onednn.qlinear_prepack``); the dense weight is released, so the
-linear layers take a quarter of their fp32 memory. Activations: int8 per token, computed on every
-call, handed to oneDNN as uint8 with zero point 128; the GEMM accumulates in int32 and scales by
-the weight's per-channel scales (``torch.ops.onednn.qlinear_pointwise``), and one pass multiplies
-each row by its token's scale and adds the bias. The two activation passes are small C++ kernels
-(built like sparrow_cpu.native's, torch ops when no compiler is present).
+Weights: int8 per output channel, quantized once when the model is bound and packed for the GEMM;
+the dense weight is released, so the linear layers take a quarter of their fp32 memory.
+Activations: int8 per token, computed on every call, as uint8 with zero point 128; the GEMM
+accumulates in int32 and scales by the weight's per-channel scales and the token's scale, and adds
+the bias. Two GEMMs:
+
+* on CPUs with AVX512-VNNI, our own kernel (sparrow_cpu.int8_gemm): quantization, GEMM and
+  rescale in one C++ call, weights in its own packed layout;
+* elsewhere, oneDNN's (``torch.ops.onednn.qlinear_prepack`` / ``qlinear_pointwise``), with the
+  quantization and the rescale as two small C++ passes around it (built like
+  sparrow_cpu.native's, torch ops when no compiler is present).
+  ``SPARROW_CPU_INT8_GEMM=onednn`` picks this one on a VNNI CPU too.
 
 Measured on the 2-vCPU AMD EPYC VM (AVX2, no VNNI), oneDNN's int8 GEMM runs the benchmark model's
 shapes 1.3-1.9x faster than its fp32 GEMM with packed weights; ``torch._int_mm`` and
@@ -103,12 +108,31 @@ def native_kernels() -> Any:
     from sparrow_cpu.kernel_build import KernelBuild, load_kernels
 
     try:
-        return load_kernels(KernelBuild(name="sparrow_cpu_int8", sources=(SOURCE,),
-                                        functions=("quantize_rows_u8", "scale_rows"),
+        from sparrow_cpu.int8_gemm import SOURCE as GEMM_SOURCE
+
+        return load_kernels(KernelBuild(name="sparrow_cpu_int8", sources=(SOURCE, GEMM_SOURCE),
+                                        functions=("quantize_rows_u8", "scale_rows", "vnni_gemm_available",
+                                                   "vnni_pack", "int8_linear"),
                                         cflags=("-O3", "-march=native", "-fopenmp"), ldflags=("-fopenmp",)))
     except Exception as exc:  # noqa: BLE001 - any build failure falls back to plain torch
         logger.warning("int8 activation kernels unavailable, using torch: %s", exc)
         return None
+
+
+@functools.lru_cache(maxsize=1)
+def vnni_kernels() -> Any:
+    """The kernels when they include our own AVX512-VNNI linear (sparrow_cpu.int8_gemm), else None.
+
+    ``SPARROW_CPU_INT8_GEMM=onednn`` keeps oneDNN's int8 GEMM (to compare the two)."""
+    import os
+
+    choice = os.environ.get("SPARROW_CPU_INT8_GEMM", "auto")
+    if choice not in ("auto", "onednn"):
+        raise ValueError(f"SPARROW_CPU_INT8_GEMM must be 'auto' or 'onednn', got {choice!r}")
+    native = native_kernels()
+    if choice == "onednn" or native is None or not native.vnni_gemm_available():
+        return None
+    return native
 
 
 @functools.lru_cache(maxsize=1)
@@ -171,23 +195,38 @@ class Int8Linear(OpImpl):
     def supports(cls, layer: Any) -> bool:
         weight = getattr(layer, "weight", None)
         return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.is_floating_point()
-                and weight.device.type == "cpu" and not weight.is_mkldnn and onednn_int8_available())
+                and weight.device.type == "cpu" and not weight.is_mkldnn
+                and (vnni_kernels() is not None or onednn_int8_available()))
 
     def process_weights(self) -> None:
         layer = self.layer
         q, scale = quantize_weight(layer.weight.data)
-        self.out_features = q.shape[0]
+        self.out_features, self.in_features = q.shape
+        self.native = native_kernels()
+        self.no_bias = torch.empty(0)
+        self.vnni = vnni_kernels()
+        if self.vnni is not None:
+            # Our own kernel's layout (sparrow_cpu.int8_gemm); the zero point's correction needs
+            # each channel's sum of weights.
+            self.colsum = q.sum(dim=1, dtype=torch.int32)
+            layer.replace_parameter("weight", self.vnni.vnni_pack(q))
+            layer.replace_parameter("weight_scale", scale)
+            return
         # The int8 weight itself, in oneDNN's packed layout, replaces the dense one.
         layer.replace_parameter("weight", _prepack(q))
         layer.replace_parameter("weight_scale", scale)
         self.zero_points = torch.zeros(q.shape[0], dtype=torch.long)
         self._qlinear = torch.ops.onednn.qlinear_pointwise  # looked up once, not per call
-        self.native = native_kernels()
-        self.no_bias = torch.empty(0)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         layer = self.layer
         x2 = x.reshape(-1, x.shape[-1])
+        if self.vnni is not None:
+            if x2.dtype != torch.float32 or x2.stride(-1) != 1:
+                x2 = x2.float().contiguous()
+            out = self.vnni.int8_linear(x2, layer.weight, self.in_features, self.colsum, layer.weight_scale,
+                                        self.no_bias if bias is None else bias.float().contiguous())
+            return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         if x2.shape[0] == 0:  # oneDNN rejects empty inputs
             return x.new_empty(*x.shape[:-1], self.out_features)
         xf = x2.float().contiguous()
@@ -235,12 +274,13 @@ def quantize_activations(xf: torch.Tensor, native: Any) -> tuple[torch.Tensor, t
 
 class Int8FusedMoE(OpImpl):
     """The ``fused_moe`` op with int8 experts: per expert, per output channel int8 ``gate_up_proj``
-    and ``down_proj`` (oneDNN's packed layout, one per expert), int8 activations per token.
+    and ``down_proj`` (one packed weight per expert, in our VNNI kernel's layout or oneDNN's), int8
+    activations per token.
 
     Like the torch reference, the (token, expert) pairs are grouped by expert and each expert with
     routed tokens runs one int8 GEMM over just those rows (the loop is over experts, not tokens);
-    the routing-weighted sum is the reference's. Each token's hidden state is quantized once,
-    however many experts it goes to; the gated activation is quantized per row before ``down_proj``.
+    the routing-weighted sum is the reference's. The gated activation is quantized per row before
+    ``down_proj``.
     """
 
     name = "int8_w8a8_moe"
@@ -250,7 +290,7 @@ class Int8FusedMoE(OpImpl):
         stacks = (getattr(layer, "gate_up_proj", None), getattr(layer, "down_proj", None))
         return (all(isinstance(w, torch.Tensor) and w.dim() == 3 and w.is_floating_point()
                     and w.device.type == "cpu" and not w.is_mkldnn for w in stacks)
-                and onednn_int8_available())
+                and (vnni_kernels() is not None or onednn_int8_available()))
 
     def process_weights(self) -> None:
         layer = self.layer
@@ -261,14 +301,18 @@ class Int8FusedMoE(OpImpl):
         down_amax = down.float().abs().amax(dim=2)  # [E, H]
         if layer.tp.world_size > 1:
             down_amax = layer.tp.all_gather(down_amax.unsqueeze(-1), dim=-1).amax(dim=-1)
+        self.vnni = vnni_kernels()
+        pack = _prepack if self.vnni is None else self.vnni.vnni_pack
         packed: dict[str, list[torch.Tensor]] = {"gate_up_proj": [], "down_proj": []}
         scales: dict[str, list[torch.Tensor]] = {"gate_up_proj": [], "down_proj": []}
+        self.colsums: dict[str, list[torch.Tensor]] = {"gate_up_proj": [], "down_proj": []}
         for expert in range(gate_up.shape[0]):
             for name, weight, amax in (("gate_up_proj", gate_up[expert], gate_up[expert].float().abs().amax(dim=1)),
                                        ("down_proj", down[expert], down_amax[expert])):
                 q, scale = quantize_weight_rows(weight, amax)
-                packed[name].append(_prepack(q))
+                packed[name].append(pack(q))
                 scales[name].append(scale)
+                self.colsums[name].append(q.sum(dim=1, dtype=torch.int32))
         del gate_up, down
         for name in packed:
             # The dense stack is released; the same name now holds one packed int8 weight per expert.
@@ -294,19 +338,12 @@ class Int8FusedMoE(OpImpl):
             out.mul_(x_scale.unsqueeze(1))
         return out
 
-    def __call__(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def _experts_onednn(self, hidden: torch.Tensor, token_of_pair: torch.Tensor, counts: list[int],
+                        expert_out: torch.Tensor) -> None:
+        """oneDNN's GEMM per expert: each token's hidden state quantized once, rows gathered as int8."""
         layer = self.layer
-        num_tokens, top_k = topk_ids.shape
-        hidden_size = hidden.shape[1]
-        if num_tokens == 0:
-            return torch.zeros(0, hidden_size, dtype=hidden.dtype, device=hidden.device)
-        flat_ids = topk_ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)  # [T*k] pair indices grouped by expert
-        token_of_pair = order // top_k
-        counts = torch.bincount(flat_ids, minlength=layer.num_experts).tolist()
         x_u8, x_scale = quantize_activations(hidden.float().contiguous(), self.native)
         x_u8, x_scale = x_u8.index_select(0, token_of_pair), x_scale.index_select(0, token_of_pair)
-        expert_out = torch.empty(flat_ids.shape[0], hidden_size, dtype=torch.float32)
         inter, start = self.inter, 0
         for expert, count in enumerate(counts):
             if count == 0:
@@ -319,6 +356,37 @@ class Int8FusedMoE(OpImpl):
             expert_out[rows] = self._gemm(a_u8, a_scale, self.down[expert], layer.down_scale[expert],
                                           self.down_zero_points)  # [n, H]
             start += count
+
+    def __call__(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        layer = self.layer
+        num_tokens, top_k = topk_ids.shape
+        hidden_size = hidden.shape[1]
+        if num_tokens == 0:
+            return torch.zeros(0, hidden_size, dtype=hidden.dtype, device=hidden.device)
+        flat_ids = topk_ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)  # [T*k] pair indices grouped by expert
+        token_of_pair = order // top_k
+        counts = torch.bincount(flat_ids, minlength=layer.num_experts).tolist()
+        expert_out = torch.empty(flat_ids.shape[0], hidden_size, dtype=torch.float32)
+        if self.vnni is not None:
+            # Our VNNI kernel quantizes its rows itself: the same per-row int8 as below, once per
+            # (token, expert) pair instead of once per token (a pass that costs little next to the GEMM).
+            rows_f = hidden.float().index_select(0, token_of_pair)
+            start = 0
+            for expert, count in enumerate(counts):
+                if count == 0:
+                    continue
+                rows = slice(start, start + count)
+                gate_up = self.vnni.int8_linear(rows_f[rows], self.gate_up[expert], hidden_size,
+                                                self.colsums["gate_up_proj"][expert], layer.gate_up_scale[expert],
+                                                self.no_bias)
+                act = torch.nn.functional.silu(gate_up[:, :self.inter]).mul_(gate_up[:, self.inter:])
+                expert_out[rows] = self.vnni.int8_linear(act, self.down[expert], self.inter,
+                                                         self.colsums["down_proj"][expert],
+                                                         layer.down_scale[expert], self.no_bias)
+                start += count
+        else:
+            self._experts_onednn(hidden, token_of_pair, counts, expert_out)
         # The reference's mixing: expert outputs in the model's dtype times the routing weights.
         weighted = (expert_out.to(hidden.dtype) * topk_weights.reshape(-1)[order].unsqueeze(1)).to(hidden.dtype)
         out = torch.zeros(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)

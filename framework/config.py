@@ -13,8 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# kv_cache_dtype values; "fp8" and "fp8_e4m3" both mean float8_e4m3fn (vLLM's names).
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# kv_cache_dtype values (vLLM's names); "fp8" and "fp8_e4m3" both mean float8_e4m3fn.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
 
 
 class ConfigError(ValueError):
@@ -98,8 +98,9 @@ class CacheConfig(_Section):
     num_kv_blocks: int | None = Field(None, gt=0, description="Number of KV cache blocks, instead of sizing the "
                                       "cache from memory (default: measured).")
     kv_cache_dtype: str = Field(
-        "auto", description="Storage dtype of the KV cache: auto (the model's dtype), or fp8 / fp8_e4m3 "
-        "(float8_e4m3fn with a per-tensor scale per layer, half the memory of bf16; CUDA only).")
+        "auto", description="Storage dtype of the KV cache: auto (the model's dtype); bfloat16 (a float32 "
+        "model's cache in half the memory; CPU only); or fp8 / fp8_e4m3 (float8_e4m3fn with a per-tensor scale "
+        "per layer, half the memory of bf16; CUDA only).")
 
     @field_validator("kv_cache_dtype")
     @classmethod

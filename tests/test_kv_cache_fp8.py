@@ -45,7 +45,7 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, 
 def test_unknown_kv_cache_dtype_is_refused_naming_the_field(value):
     with pytest.raises(ConfigError, match="kv_cache_dtype") as info:
         EngineConfig.from_kwargs(kv_cache_dtype=value)
-    assert "auto, fp8, fp8_e4m3" in str(info.value)
+    assert "auto, bfloat16, fp8, fp8_e4m3" in str(info.value)
 
 
 def test_fp8_e5m2_is_refused_as_not_implemented():

@@ -21,6 +21,11 @@ the window are masked. Blocks wholly before the window, which the KV cache manag
 plan is made by the first layer of the step that uses it and reused by the others. Logit
 soft-capping (``c * tanh(s / c)`` of the scaled scores) has no ``scaled_dot_product_attention``
 form: those layers attend with explicit matmuls and a float32 softmax.
+
+A cache in another dtype than the model's (``kv_cache_dtype="bfloat16"`` for a float32 model)
+stores the new keys and values converted to it; attention reads them back in the model's dtype.
+A prefill without cached context uses its new keys and values rounded the same way, so that every
+path (chunked or not, served from the prefix cache or not) attends to the same values.
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ class TorchPagedAttention(AttentionBackend):
     name = "torch"
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    supported_kv_cache_dtypes = ("auto", "bfloat16")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -271,8 +277,8 @@ class TorchPagedAttention(AttentionBackend):
         if plan.write_rows is not None:
             new_keys = new_keys.index_select(0, plan.write_rows)
             new_values = new_values.index_select(0, plan.write_rows)
-        key_cache.view(flat_shape).index_copy_(0, plan.write_slots, new_keys)
-        value_cache.view(flat_shape).index_copy_(0, plan.write_slots, new_values)
+        key_cache.view(flat_shape).index_copy_(0, plan.write_slots, new_keys.to(key_cache.dtype))
+        value_cache.view(flat_shape).index_copy_(0, plan.write_slots, new_values.to(value_cache.dtype))
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 group: DecodeGroup, output: torch.Tensor, soft_cap: float | None) -> None:
@@ -280,6 +286,7 @@ class TorchPagedAttention(AttentionBackend):
         num_blocks = -(-group.max_seq_len // block_size)
         keys = self._gather_blocks(key_cache, group.block_table[:, :num_blocks], group.max_seq_len)
         values = self._gather_blocks(value_cache, group.block_table[:, :num_blocks], group.max_seq_len)
+        keys, values = keys.to(query.dtype), values.to(query.dtype)
         q = query if group.rows is None else query.index_select(0, group.rows)
         q = q[: group.num_reqs]  # [B, Hq, D]
         # keys/values [B, S, Hkv, D] -> [B, Hkv, S, D] views
@@ -307,6 +314,8 @@ class TorchPagedAttention(AttentionBackend):
         if chunk.context_len == 0:
             k = key[chunk.start: chunk.end]  # [L, Hkv, D]
             v = value[chunk.start: chunk.end]
+            if key_cache.dtype != query.dtype:  # the values the cache holds (module docstring)
+                k, v = k.to(key_cache.dtype).to(query.dtype), v.to(value_cache.dtype).to(query.dtype)
         else:
             block_size = key_cache.shape[1]
             first_block = chunk.first_key // block_size
@@ -314,8 +323,8 @@ class TorchPagedAttention(AttentionBackend):
             block_table = metadata.block_table[chunk.request_index: chunk.request_index + 1,
                                                first_block: first_block + num_blocks]
             num_keys = chunk.seq_len - chunk.first_key
-            k = self._gather_blocks(key_cache, block_table, num_keys)[0]  # [S, Hkv, D]
-            v = self._gather_blocks(value_cache, block_table, num_keys)[0]
+            k = self._gather_blocks(key_cache, block_table, num_keys)[0].to(query.dtype)  # [S, Hkv, D]
+            v = self._gather_blocks(value_cache, block_table, num_keys)[0].to(query.dtype)
         out = self._attend(q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), chunk.mask,
                            causal=chunk.mask is None, soft_cap=soft_cap)
         output[chunk.start: chunk.end] = out[0].transpose(0, 1)

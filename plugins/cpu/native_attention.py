@@ -9,6 +9,9 @@ A sliding window ``W > 0`` starts the walk at the block holding key ``position -
 that block's earlier rows: blocks before the window (possibly freed and reused by the KV cache
 manager) are never read. ``soft_cap > 0`` replaces each scaled score ``s`` with
 ``soft_cap * tanh(s / soft_cap)``. Zero turns either off.
+
+The cache holds the query's dtype, or bfloat16 under float32 queries (``kv_cache_dtype="bfloat16"``:
+half the bytes to read, each row widened to float32 as it is loaded).
 """
 
 SOURCE = r"""
@@ -22,6 +25,14 @@ SOURCE = r"""
 
 template <typename scalar_t>
 static inline float to_float(scalar_t v) { return static_cast<float>(v); }
+// bfloat16 is float32's upper half: widen the bits (a shift the compiler vectorizes).
+template <>
+inline float to_float<at::BFloat16>(at::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 
 // exp(x) for the softmax's x <= 0, in a form the compiler vectorizes: 2^(x log2 e) with a
 // degree-6 polynomial for the fraction (relative error about 2e-7).
@@ -46,7 +57,7 @@ static inline float softmax_exp(float x) {
 // query_start_loc [R+1] int32, seq_lens [R] int32, block_table [R, MB] int32
 // window > 0: attend to keys (position - window, position] only; soft_cap > 0: cap * tanh(s / cap).
 // HEAD_DIM > 0 fixes the head size at compile time (unrolled loops); 0 reads it from the query.
-template <typename scalar_t, int64_t HEAD_DIM>
+template <typename scalar_t, typename cache_t, int64_t HEAD_DIM>
 static void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at::Tensor& out,
                                  const at::Tensor& rows, const at::Tensor& row_req,
                                  const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
@@ -59,9 +70,9 @@ static void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_c
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_table.size(1);
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = kv_cache.data_ptr<scalar_t>();
+  const cache_t* k_ptr = kv_cache.data_ptr<cache_t>();
   const int64_t kv_stride = kv_cache.stride(0);  // keys -> values
-  const scalar_t* v_ptr = k_ptr + kv_stride;
+  const cache_t* v_ptr = k_ptr + kv_stride;
   const int64_t block_stride = kv_cache.stride(1), row_stride = kv_cache.stride(2), head_stride = kv_cache.stride(3);
   scalar_t* o_ptr = out.data_ptr<scalar_t>();
   const int64_t* rows_ptr = rows.data_ptr<int64_t>();
@@ -106,18 +117,18 @@ static void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_c
           const int64_t next = table[r * max_blocks + j + 1];
           const char* nk = reinterpret_cast<const char*>(k_ptr + next * block_stride);
           const char* nv = reinterpret_cast<const char*>(v_ptr + next * block_stride);
-          for (int64_t offset = 0; offset < block_stride * (int64_t)sizeof(scalar_t); offset += 64) {
+          for (int64_t offset = 0; offset < block_stride * (int64_t)sizeof(cache_t); offset += 64) {
             __builtin_prefetch(nk + offset);
             __builtin_prefetch(nv + offset);
           }
         }
         const int64_t valid = std::min(block_size, context - j * block_size);
         const int64_t skip = std::max<int64_t>(0, first_key - j * block_size);  // rows before the window
-        const scalar_t* kb = k_ptr + block * block_stride + h0 * head_stride;
-        const scalar_t* vb = v_ptr + block * block_stride + h0 * head_stride;
+        const cache_t* kb = k_ptr + block * block_stride + h0 * head_stride;
+        const cache_t* vb = v_ptr + block * block_stride + h0 * head_stride;
         for (int64_t s = skip; s < valid; ++s) {
           for (int64_t hh = 0; hh < heads_per_item; ++hh) {
-            const scalar_t* krow = kb + s * row_stride + hh * head_stride;
+            const cache_t* krow = kb + s * row_stride + hh * head_stride;
             for (int64_t g = 0; g < group; ++g) {
               const int64_t lane = hh * group + g;
               const float* ql = q.data() + lane * head_dim;
@@ -150,7 +161,7 @@ static void paged_attention_impl(const at::Tensor& query, const at::Tensor& kv_c
         }
         for (int64_t s = skip; s < valid; ++s) {
           for (int64_t hh = 0; hh < heads_per_item; ++hh) {
-            const scalar_t* vrow = vb + s * row_stride + hh * head_stride;
+            const cache_t* vrow = vb + s * row_stride + hh * head_stride;
             for (int64_t g = 0; g < group; ++g) {
               const int64_t lane = hh * group + g;
               const float p = scores[lane * block_size + s];
@@ -174,27 +185,30 @@ void paged_attention(at::Tensor query, at::Tensor kv_cache, at::Tensor out, at::
                      at::Tensor query_start_loc, at::Tensor seq_lens, at::Tensor block_table, double scale,
                      int64_t window, double soft_cap) {
   TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && out.is_contiguous(), "contiguous tensors expected");
-  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "query and kv_cache dtypes differ");
-#define SPARROW_PAGED_ATTENTION(T)                                                               \
-  switch (query.size(2)) {                                                                       \
-    case 64:                                                                                     \
-      paged_attention_impl<T, 64>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens, \
-                                  block_table, scale, window, soft_cap);                         \
-      break;                                                                                     \
-    case 128:                                                                                    \
-      paged_attention_impl<T, 128>(query, kv_cache, out, rows, row_req, query_start_loc,         \
-                                   seq_lens, block_table, scale, window, soft_cap);              \
-      break;                                                                                     \
-    default:                                                                                     \
-      paged_attention_impl<T, 0>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens,  \
-                                 block_table, scale, window, soft_cap);                          \
+#define SPARROW_PAGED_ATTENTION(T, C)                                                                \
+  switch (query.size(2)) {                                                                          \
+    case 64:                                                                                        \
+      paged_attention_impl<T, C, 64>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens, \
+                                     block_table, scale, window, soft_cap);                         \
+      break;                                                                                        \
+    case 128:                                                                                       \
+      paged_attention_impl<T, C, 128>(query, kv_cache, out, rows, row_req, query_start_loc,         \
+                                      seq_lens, block_table, scale, window, soft_cap);              \
+      break;                                                                                        \
+    default:                                                                                        \
+      paged_attention_impl<T, C, 0>(query, kv_cache, out, rows, row_req, query_start_loc, seq_lens,  \
+                                    block_table, scale, window, soft_cap);                          \
   }
-  if (query.scalar_type() == at::kFloat) {
-    SPARROW_PAGED_ATTENTION(float)
-  } else if (query.scalar_type() == at::kBFloat16) {
-    SPARROW_PAGED_ATTENTION(at::BFloat16)
+  const auto q_type = query.scalar_type(), c_type = kv_cache.scalar_type();
+  if (q_type == at::kFloat && c_type == at::kFloat) {
+    SPARROW_PAGED_ATTENTION(float, float)
+  } else if (q_type == at::kFloat && c_type == at::kBFloat16) {
+    SPARROW_PAGED_ATTENTION(float, at::BFloat16)
+  } else if (q_type == at::kBFloat16 && c_type == at::kBFloat16) {
+    SPARROW_PAGED_ATTENTION(at::BFloat16, at::BFloat16)
   } else {
-    TORCH_CHECK(false, "paged_attention supports float32 and bfloat16");
+    TORCH_CHECK(false, "paged_attention supports float32 or bfloat16 queries over a cache of their dtype, and "
+                "float32 queries over a bfloat16 cache; got ", q_type, " over ", c_type);
   }
 }
 """

@@ -35,6 +35,9 @@ class CpuPlatform(Platform):
     default_max_num_batched_tokens = 2048
     default_dtype = "float32"
     supported_dtypes = ("float32", "bfloat16")
+    # bfloat16: the KV cache of a float32 model stored in bfloat16 (half the bytes each decode
+    # step reads; attention still computes in float32).
+    supported_kv_cache_dtypes = ("auto", "bfloat16")
     worker_cls = "sparrow_cpu.worker:CpuWorker"
 
     def check_and_update_config(self, config: EngineConfig) -> None:

@@ -40,6 +40,12 @@ def available_ram_bytes() -> int:
 
 
 class CpuModelRunner(ModelRunner):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.config.cache.kv_cache_dtype == "bfloat16":
+            # The cache in bfloat16 whatever the model's dtype (sparrow_cpu.attention converts).
+            self.kv_cache_dtype = torch.bfloat16
+
     def padded_num_tokens(self, num_tokens: int) -> int:
         """Round the step's token count up to a bucket (multiples of 8 up to 128, then of 64).
 

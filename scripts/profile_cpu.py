@@ -4,7 +4,7 @@ Runs the engine core in this process, wraps the step loop's parts and the model'
 wall-clock counters, and prints seconds per part for each run. Nested parts are included in their
 parents (``run_model`` contains the linear layers, ``attention`` ...).
 
-    python scripts/profile_cpu.py [--runs 2] [--num-prompts 64] [--quantization int8]
+    python scripts/profile_cpu.py [--runs 2] [--num-prompts 64] [--quantization int8] [--kv-cache-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2, help="profiled runs of the whole workload")
     parser.add_argument("--num-prompts", type=int, default=64, help="requests in the workload")
     parser.add_argument("--quantization", default=None, help="e.g. int8 (docs/user-guide.md)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto or bfloat16 (docs/user-guide.md)")
     args = parser.parse_args()
     instrument()
     from sparrow import LLM, SamplingParams
@@ -93,7 +94,7 @@ def main() -> None:
     workload = make_workload(workload_args, 4096)
     prompts = [{"prompt_token_ids": prompt} for prompt, _ in workload]
     params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0) for _, m in workload]
-    llm = LLM(seed=0, quantization=args.quantization)
+    llm = LLM(seed=0, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up (kernels, shapes)
     for run in range(args.runs):
         TOTALS.clear()

@@ -131,7 +131,10 @@ def vnni_kernels() -> Any:
         raise ValueError(f"SPARROW_CPU_INT8_GEMM must be 'auto' or 'onednn', got {choice!r}")
     native = native_kernels()
     if choice == "onednn" or native is None or not native.vnni_gemm_available():
+        logger.info("int8 GEMM: oneDNN's (%s)", "SPARROW_CPU_INT8_GEMM=onednn" if choice == "onednn"
+                    else "no AVX512-VNNI kernel for this CPU and compiler")
         return None
+    logger.info("int8 GEMM: Sparrow's AVX512-VNNI kernel (SPARROW_CPU_INT8_GEMM=onednn picks oneDNN's)")
     return native
 
 

@@ -125,9 +125,10 @@ def cpu_backend(native: bool, heads=6, kv_heads=2, head_dim=16, dtype=torch.floa
 @pytest.mark.parametrize("native", [False, True], ids=["torch", "cpp-decode"])
 @pytest.mark.parametrize("window,soft_cap", [(WINDOW, None), (None, 5.0), (WINDOW, 5.0)])
 @pytest.mark.parametrize("lens", [MIXED, DECODES], ids=["mixed", "decodes"])
-def test_cpu_backend_against_dense_reference(native, window, soft_cap, lens):
-    step = Step(lens, heads=6, kv_heads=2, head_dim=16, block_size=4, window=window)
-    out = step.run(cpu_backend(native), soft_cap)
+@pytest.mark.parametrize("head_dim", [16, 64, 128])  # 64 and 128: the C++ kernel's compiled head sizes
+def test_cpu_backend_against_dense_reference(native, window, soft_cap, lens, head_dim):
+    step = Step(lens, heads=6, kv_heads=2, head_dim=head_dim, block_size=4, window=window)
+    out = step.run(cpu_backend(native, head_dim=head_dim), soft_cap)
     torch.testing.assert_close(out.double(), step.expected(soft_cap), atol=2e-5, rtol=2e-5)
 
 

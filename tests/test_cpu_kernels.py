@@ -173,7 +173,7 @@ def test_packed_linears_can_be_turned_off(monkeypatch):
     assert layer.op_impl is None and not layer.weight.is_mkldnn
 
 
-@pytest.mark.parametrize("head_dim", [64, 48])
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
 @pytest.mark.parametrize("num_rows", [3, 12])  # under 8 rows: split by KV head; 8 and more: one item per row
 def test_paged_decode_attention_many_rows_against_torch(head_dim, num_rows):
     from sparrow_cpu.native import get_paged_attention

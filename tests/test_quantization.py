@@ -288,12 +288,22 @@ def test_int8_linear_computes_the_quantized_product_exactly(int8_gemm):
         torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(params=[2, 16], ids=["2-threads", "16-threads"])
+def torch_threads(request):
+    """16 threads make the kernel split channels into 32- and 16-wide blocks (fewer than two
+    64-channel items per thread); oversubscribed on a small machine, which only costs time."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 67, 131])
 @pytest.mark.parametrize("in_features, out_features", [(96, 40), (13, 17), (130, 200), (64, 64)])
-def test_the_vnni_kernel_covers_every_tile_edge(rows, in_features, out_features):
+def test_the_vnni_kernel_covers_every_tile_edge(rows, in_features, out_features, torch_threads):
     """Our AVX512-VNNI kernel at tile edges: rows not a multiple of the 4-row tile or of the 64-row
-    block, channels not a multiple of 16 or 64, inputs not a multiple of 4, rows of zeros, with and
-    without a bias; the integer sums exact, checked against float64."""
+    block, channels not a multiple of 16 or of the channel block, inputs not a multiple of 4, rows
+    of zeros, with and without a bias; the integer sums exact, checked against float64."""
     from sparrow_cpu.int8 import quantize_weight, vnni_kernels
 
     kernels = vnni_kernels()

@@ -11,7 +11,8 @@ small products), and needs two more passes (quantize, rescale) and several torch
 Weights are packed once, ``q int8 [N, K] -> [ceil(N/16), ceil(K/4), 16, 4]`` with zeros as
 padding: one 64-byte load gives 16 output channels times 4 consecutive inputs, the operand layout
 of ``vpdpbusd``. A tile computes 4 rows times 64 channels (16 int32 accumulators in registers);
-the work is split over (row block, 64-channel block) items across torch's threads.
+the work is split over (row block, 64-channel block) items across torch's threads (32- or
+16-channel blocks when there would be fewer than two items per thread).
 
 Compiled only where the compiler targets AVX512-VNNI (``-march=native``); elsewhere
 ``vnni_gemm_available()`` is false and the caller keeps oneDNN.
@@ -172,11 +173,17 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t in
   const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   // Items: 64-row blocks x 64-channel blocks, channel blocks inner (consecutive items share rows).
-  const int64_t row_block = 64, col_blocks = (n + 63) / 64, row_blocks = (m + row_block - 1) / row_block;
+  // Narrower channel blocks (32, 16) when that leaves fewer than two items per thread (a decode
+  // step's few rows on many cores).
+  const int64_t row_block = 64, row_blocks = (m + row_block - 1) / row_block;
+  const int64_t threads = at::get_num_threads();
+  int64_t block_cols = 64;
+  while (block_cols > 16 && row_blocks * ((n + block_cols - 1) / block_cols) < 2 * threads) block_cols /= 2;
+  const int64_t col_blocks = (n + block_cols - 1) / block_cols;
   at::parallel_for(0, row_blocks * col_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t rb = item / col_blocks, cb = item % col_blocks;
-      const int64_t c0 = cb * 64, cols = std::min<int64_t>(64, n - c0);
+      const int64_t c0 = cb * block_cols, cols = std::min<int64_t>(block_cols, n - c0);
       const int panels = static_cast<int>((cols + 15) / 16);
       const int8_t* w = wp + (c0 / 16) * panel_stride;
       const int64_t r_end = std::min(m, (rb + 1) * row_block);

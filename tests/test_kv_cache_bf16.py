@@ -17,12 +17,13 @@ import random
 import pytest
 import torch
 
-from sparrow import LLM, SamplingParams
+from sparrow import LLM
 from sparrow.config import ConfigError, EngineConfig
+from tests.test_parity import MAX_TOKENS, check_against_hf, engine_run, hf_greedy
 
 PROMPT_LENGTHS = [1, 7, 17, 64, 150]
-MAX_TOKENS = 8
 BF16_ATOL = 1e-3
+BF16_KV = {"kv_cache_dtype": "bfloat16"}
 
 
 def prompts_for(vocab_size: int) -> list[list[int]]:
@@ -39,25 +40,19 @@ def bf16_kv_attention(module, query, key, value, attention_mask, **kwargs):
 
 @pytest.fixture(scope="module")
 def reference(qwen3_dir):
-    """HF with keys and values rounded to bfloat16: per prompt, greedy tokens and per-step logprobs."""
-    from transformers import AttentionInterface, AutoModelForCausalLM
+    """HF with keys and values rounded to bfloat16: the prompts, and per prompt greedy tokens and
+    per-step logprobs."""
+    from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    from sparrow.model_loader import get_hf_config
 
     # A registered attention function also needs its mask function (without one HF passes none,
     # and the prompt is attended without a causal mask).
     AttentionInterface.register("sparrow_test_bf16_kv", bf16_kv_attention)
     AttentionMaskInterface.register("sparrow_test_bf16_kv", eager_mask)
-    model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32,
-                                                 attn_implementation="sparrow_test_bf16_kv", local_files_only=True)
-    prompts = prompts_for(model.config.vocab_size)
-    results = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                                 do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-            results.append((out.sequences[0, len(prompt):].tolist(),
-                            [step[0].float().log_softmax(-1) for step in out.logits]))
-    return prompts, results
+    prompts = prompts_for(get_hf_config(qwen3_dir).vocab_size)
+    return prompts, hf_greedy(qwen3_dir, prompts, MAX_TOKENS, attn_implementation="sparrow_test_bf16_kv")
 
 
 def test_the_reference_is_not_float32s(qwen3_dir, reference):
@@ -76,45 +71,25 @@ def test_the_reference_is_not_float32s(qwen3_dir, reference):
     assert worst > 5 * BF16_ATOL, worst
 
 
-def run(model_dir: str, prompts, **engine_args):
-    engine_args = {"dtype": "float32", "max_model_len": 512, "kv_cache_dtype": "bfloat16", **engine_args}
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
-    with LLM(model_dir, multiprocess=False, **engine_args) as llm:
-        runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
-        assert all(cache.dtype == torch.bfloat16 for cache in runner.kv_caches)
-        first = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        second = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return first, second
-
-
-def check(outputs, expected) -> None:
-    for index, (output, (tokens, logprobs)) in enumerate(zip(outputs, expected)):
-        completion = output.outputs[0]
-        assert completion.token_ids == tokens, f"prompt {index} (len {PROMPT_LENGTHS[index]}) differs from HF"
-        for step, (token, position) in enumerate(zip(completion.token_ids, completion.logprobs)):
-            ours, theirs = position[token].logprob, logprobs[step][token].item()
-            assert abs(ours - theirs) < BF16_ATOL, f"prompt {index} step {step}: {ours} vs {theirs}"
-
-
 @pytest.mark.parametrize("attention", ["cpp", "torch"])
 def test_greedy_batch_matches_hf_with_bf16_keys_and_values(qwen3_dir, reference, attention, monkeypatch):
     if attention == "torch":
         monkeypatch.setenv("SPARROW_CPU_NATIVE_ATTENTION", "0")
     prompts, expected = reference
-    first, second = run(qwen3_dir, prompts)
-    check(first, expected)
+    first, second = engine_run(qwen3_dir, prompts, **BF16_KV)
+    check_against_hf(first, expected, atol=BF16_ATOL)
     assert sum(o.num_cached_tokens for o in second) > 0  # the second pass reads the prefix cache
-    check(second, expected)
+    check_against_hf(second, expected, atol=BF16_ATOL)
 
 
 def test_chunked_prefill_and_preemption_match_hf(qwen3_dir, reference):
     prompts, expected = reference
-    chunked, _ = run(qwen3_dir, prompts, max_num_batched_tokens=16, enable_prefix_caching=False)
-    check(chunked, expected)
+    chunked, _ = engine_run(qwen3_dir, prompts, max_num_batched_tokens=16, enable_prefix_caching=False, **BF16_KV)
+    check_against_hf(chunked, expected, atol=BF16_ATOL)
     # 16 blocks of 16 tokens: the 150-token prompt and its output fit alone, not with the others.
-    first, second = run(qwen3_dir, prompts, num_kv_blocks=16, block_size=16)
-    check(first, expected)
-    check(second, expected)
+    first, second = engine_run(qwen3_dir, prompts, num_kv_blocks=16, block_size=16, **BF16_KV)
+    check_against_hf(first, expected, atol=BF16_ATOL)
+    check_against_hf(second, expected, atol=BF16_ATOL)
 
 
 def test_the_same_memory_holds_twice_the_tokens(monkeypatch):
@@ -123,9 +98,13 @@ def test_the_same_memory_holds_twice_the_tokens(monkeypatch):
     budget = 1 << 25
     blocks = {}
     for kv_cache_dtype in ("auto", "bfloat16"):
-        with LLM(max_model_len=256, kv_cache_memory_bytes=budget, kv_cache_dtype=kv_cache_dtype) as llm:
+        with LLM(max_model_len=256, kv_cache_memory_bytes=budget, kv_cache_dtype=kv_cache_dtype,
+                 multiprocess=False) as llm:
             info = llm.llm_engine.engine_core.call_utility("get_kv_cache_info")
             blocks[kv_cache_dtype] = info["num_blocks"] * info["block_size"]
+            runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+            expected = torch.bfloat16 if kv_cache_dtype == "bfloat16" else torch.float32
+            assert all(cache.dtype == expected for cache in runner.kv_caches)
     assert blocks["auto"] * 16 * 1024 == budget, blocks
     assert blocks["bfloat16"] == 2 * blocks["auto"], blocks
 

@@ -24,12 +24,12 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(0, vocab_size - 8) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int):
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int, attn_implementation: str = "eager"):
     """Per prompt: greedy token ids and, per step, the log-softmax of HF's raw logits."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
-                                                 local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation=attn_implementation, local_files_only=True)
     model.eval()
     results = []
     with torch.inference_mode():
@@ -62,14 +62,15 @@ def arch_case(request, model_dirs):
     return model_dir, prompts, hf_greedy(model_dir, prompts, MAX_TOKENS)
 
 
-def check_against_hf(outputs, reference):
+def check_against_hf(outputs, reference, atol: float = ATOL):
     for index, (output, (hf_tokens, hf_logprobs)) in enumerate(zip(outputs, reference)):
         completion = output.outputs[0]
-        assert completion.token_ids == hf_tokens, f"prompt {index} (len {PROMPT_LENGTHS[index]}) differs from HF"
+        assert completion.token_ids == hf_tokens, \
+            f"prompt {index} (len {len(output.prompt_token_ids)}) differs from HF"
         for step, (token_id, position_logprobs) in enumerate(zip(completion.token_ids, completion.logprobs)):
             ours = position_logprobs[token_id].logprob
             theirs = hf_logprobs[step][token_id].item()
-            assert abs(ours - theirs) < ATOL, f"prompt {index} step {step}: {ours} vs {theirs}"
+            assert abs(ours - theirs) < atol, f"prompt {index} step {step}: {ours} vs {theirs}"
 
 
 def engine_run(model_dir, prompts, **engine_args):

@@ -38,7 +38,14 @@ from sparrow.quantization.int4 import AwqMethod, GptqMethod
 from sparrow.quantization.int8 import Int8Method, quantize_rows
 from sparrow_cpu.int8 import Int8FusedMoE, onednn_int8_available, quantize_weight
 from tests.test_models_moe import MAX_TOKENS, MODELS, make_prompts, run_engine
-from tests.test_quantization import INT8_ATOL, INT8_MEAN_ATOL, MIN_TOP1, compare, teacher_forced
+from tests.test_quantization import (  # int8_gemm: the fixture, each int8 GEMM in turn
+    INT8_ATOL,
+    INT8_MEAN_ATOL,
+    MIN_TOP1,
+    compare,
+    int8_gemm,  # noqa: F401
+    teacher_forced,
+)
 
 pytestmark = pytest.mark.skipif(not onednn_int8_available(), reason="this torch build has no oneDNN int8 linear")
 
@@ -89,9 +96,10 @@ def dequantized_reference(model_dir: str, out) -> str:
 
 
 # -- the op ------------------------------------------------------------------------------------
-def test_int8_experts_compute_the_quantized_product_exactly():
+def test_int8_experts_compute_the_quantized_product_exactly(int8_gemm):  # noqa: F811 - the fixture
     """Int8FusedMoE equals, per token and chosen expert, (per-token int8 x) @ (per-channel int8
-    W)^T for gate/up, then the same for down on the per-row int8 gated activation, mixed by weight."""
+    W)^T for gate/up, then the same for down on the per-row int8 gated activation, mixed by weight;
+    with our VNNI GEMM and with oneDNN's."""
     from sparrow.ops import bind_ops
     from sparrow.ops.moe_cases import fill_experts
 

@@ -50,6 +50,20 @@ SOURCE = r"""
 
 static inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
 
+// One row to uint8 with zero point 128, returning its scale; the padding up to k_padded (our VNNI
+// kernel's multiple of 4) is 128, a zero.
+static inline float quantize_row(const float* row, int64_t k, int64_t k_padded, uint8_t* out) {
+  float amax = 0.f;
+#pragma omp simd reduction(max:amax)
+  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
+  const float s = amax > 0.f ? amax / 127.f : 1.f;
+  // x / s (not x * (1 / s)): the same rounding as torch's reference, ties to even.
+#pragma omp simd
+  for (int64_t i = 0; i < k; ++i) out[i] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(row[i] / s)) + 128);
+  for (int64_t i = k; i < k_padded; ++i) out[i] = 128;
+  return s;
+}
+
 void quantize_rows_u8(at::Tensor out, at::Tensor scale, const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2, "x: contiguous float32 [M, K]");
   TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous(), "out: contiguous uint8 [M, K]");
@@ -59,18 +73,7 @@ void quantize_rows_u8(at::Tensor out, at::Tensor scale, const at::Tensor& x) {
   uint8_t* op = out.data_ptr<uint8_t>();
   float* sp = scale.data_ptr<float>();
   at::parallel_for(0, m, grain(k), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = xp + r * k;
-      float amax = 0.f;
-#pragma omp simd reduction(max:amax)
-      for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
-      const float s = amax > 0.f ? amax / 127.f : 1.f;
-      uint8_t* o = op + r * k;
-      // x / s (not x * (1 / s)): the same rounding as torch's reference, ties to even.
-#pragma omp simd
-      for (int64_t i = 0; i < k; ++i) o[i] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(row[i] / s)) + 128);
-      sp[r] = s;
-    }
+    for (int64_t r = begin; r < end; ++r) sp[r] = quantize_row(xp + r * k, k, k, op + r * k);
   });
 }
 
@@ -308,14 +311,17 @@ class Int8FusedMoE(OpImpl):
         pack = _prepack if self.vnni is None else self.vnni.vnni_pack
         packed: dict[str, list[torch.Tensor]] = {"gate_up_proj": [], "down_proj": []}
         scales: dict[str, list[torch.Tensor]] = {"gate_up_proj": [], "down_proj": []}
+        # Our kernel's zero-point correction needs each channel's sum of weights.
         self.colsums: dict[str, list[torch.Tensor]] = {"gate_up_proj": [], "down_proj": []}
+        self.in_features = {"gate_up_proj": gate_up.shape[2], "down_proj": self.inter}
         for expert in range(gate_up.shape[0]):
             for name, weight, amax in (("gate_up_proj", gate_up[expert], gate_up[expert].float().abs().amax(dim=1)),
                                        ("down_proj", down[expert], down_amax[expert])):
                 q, scale = quantize_weight_rows(weight, amax)
                 packed[name].append(pack(q))
                 scales[name].append(scale)
-                self.colsums[name].append(q.sum(dim=1, dtype=torch.int32))
+                if self.vnni is not None:
+                    self.colsums[name].append(q.sum(dim=1, dtype=torch.int32))
         del gate_up, down
         for name in packed:
             # The dense stack is released; the same name now holds one packed int8 weight per expert.
@@ -324,41 +330,29 @@ class Int8FusedMoE(OpImpl):
                                                         for w in packed[name]))
         layer.replace_parameter("gate_up_scale", torch.stack(scales["gate_up_proj"]))  # [E, 2I]
         layer.replace_parameter("down_scale", torch.stack(scales["down_proj"]))  # [E, H]
-        self.gate_up, self.down = list(layer.gate_up_proj), list(layer.down_proj)  # no ParameterList lookups per call
-        self.gate_up_zero_points = torch.zeros(2 * self.inter, dtype=torch.long)
-        self.down_zero_points = torch.zeros(layer.down_scale.shape[1], dtype=torch.long)
+        # No ParameterList lookups per call.
+        self.packed = {"gate_up_proj": list(layer.gate_up_proj), "down_proj": list(layer.down_proj)}
+        self.scales = {"gate_up_proj": layer.gate_up_scale, "down_proj": layer.down_scale}
+        self.zero_points = {name: torch.zeros(scale.shape[1], dtype=torch.long) for name, scale in self.scales.items()}
         self._qlinear = torch.ops.onednn.qlinear_pointwise
         self.native = native_kernels()
         self.no_bias = torch.empty(0)
 
-    def _gemm(self, x_u8: torch.Tensor, x_scale: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor,
-              zero_points: torch.Tensor) -> torch.Tensor:
-        out = self._qlinear(x_u8, 1.0, ACTIVATION_ZERO_POINT, packed, weight_scale, zero_points,
+    def _project(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], name: str, expert: int) -> torch.Tensor:
+        """One expert's ``gate_up_proj`` or ``down_proj`` of its rows, float32 out: ``x`` float32
+        rows, or (oneDNN only) rows already quantized as ``(uint8, scale)``."""
+        packed, weight_scale = self.packed[name][expert], self.scales[name][expert]
+        if self.vnni is not None:
+            return self.vnni.int8_linear(x, packed, self.in_features[name], self.colsums[name][expert], weight_scale,
+                                         self.no_bias)
+        x_u8, x_scale = x if isinstance(x, tuple) else quantize_activations(x, self.native)
+        out = self._qlinear(x_u8, 1.0, ACTIVATION_ZERO_POINT, packed, weight_scale, self.zero_points[name],
                             None, 1.0, 0, torch.float32, "none", [], "")
         if self.native is not None:
             self.native.scale_rows(out, x_scale, self.no_bias)
         else:
             out.mul_(x_scale.unsqueeze(1))
         return out
-
-    def _experts_onednn(self, hidden: torch.Tensor, token_of_pair: torch.Tensor, counts: list[int],
-                        expert_out: torch.Tensor) -> None:
-        """oneDNN's GEMM per expert: each token's hidden state quantized once, rows gathered as int8."""
-        layer = self.layer
-        x_u8, x_scale = quantize_activations(hidden.float().contiguous(), self.native)
-        x_u8, x_scale = x_u8.index_select(0, token_of_pair), x_scale.index_select(0, token_of_pair)
-        inter, start = self.inter, 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = slice(start, start + count)
-            gate_up = self._gemm(x_u8[rows], x_scale[rows], self.gate_up[expert], layer.gate_up_scale[expert],
-                                 self.gate_up_zero_points)  # [n, 2I]
-            act = torch.nn.functional.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-            a_u8, a_scale = quantize_activations(act, self.native)
-            expert_out[rows] = self._gemm(a_u8, a_scale, self.down[expert], layer.down_scale[expert],
-                                          self.down_zero_points)  # [n, H]
-            start += count
 
     def __call__(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         layer = self.layer
@@ -370,26 +364,26 @@ class Int8FusedMoE(OpImpl):
         order = torch.argsort(flat_ids, stable=True)  # [T*k] pair indices grouped by expert
         token_of_pair = order // top_k
         counts = torch.bincount(flat_ids, minlength=layer.num_experts).tolist()
-        expert_out = torch.empty(flat_ids.shape[0], hidden_size, dtype=torch.float32)
         if self.vnni is not None:
-            # Our VNNI kernel quantizes its rows itself: the same per-row int8 as below, once per
-            # (token, expert) pair instead of once per token (a pass that costs little next to the GEMM).
-            rows_f = hidden.float().index_select(0, token_of_pair)
-            start = 0
-            for expert, count in enumerate(counts):
-                if count == 0:
-                    continue
-                rows = slice(start, start + count)
-                gate_up = self.vnni.int8_linear(rows_f[rows], self.gate_up[expert], hidden_size,
-                                                self.colsums["gate_up_proj"][expert], layer.gate_up_scale[expert],
-                                                self.no_bias)
-                act = torch.nn.functional.silu(gate_up[:, :self.inter]).mul_(gate_up[:, self.inter:])
-                expert_out[rows] = self.vnni.int8_linear(act, self.down[expert], self.inter,
-                                                         self.colsums["down_proj"][expert],
-                                                         layer.down_scale[expert], self.no_bias)
-                start += count
+            # Our kernel quantizes the rows it is given (the same per-row int8), once per (token,
+            # expert) pair: a pass that costs little next to the GEMM.
+            x_f = hidden.float().index_select(0, token_of_pair)
+            take = lambda rows: x_f[rows]  # noqa: E731
         else:
-            self._experts_onednn(hidden, token_of_pair, counts, expert_out)
+            # Each token quantized once, however many experts it goes to; its int8 rows gathered.
+            x_u8, x_scale = quantize_activations(hidden.float().contiguous(), self.native)
+            x_u8, x_scale = x_u8.index_select(0, token_of_pair), x_scale.index_select(0, token_of_pair)
+            take = lambda rows: (x_u8[rows], x_scale[rows])  # noqa: E731
+        expert_out = torch.empty(flat_ids.shape[0], hidden_size, dtype=torch.float32)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = slice(start, start + count)
+            gate_up = self._project(take(rows), "gate_up_proj", expert)  # [n, 2I]
+            act = torch.nn.functional.silu(gate_up[:, :self.inter]).mul_(gate_up[:, self.inter:])
+            expert_out[rows] = self._project(act, "down_proj", expert)  # [n, H]
+            start += count
         # The reference's mixing: expert outputs in the model's dtype times the routing weights.
         weighted = (expert_out.to(hidden.dtype) * topk_weights.reshape(-1)[order].unsqueeze(1)).to(hidden.dtype)
         out = torch.zeros(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)

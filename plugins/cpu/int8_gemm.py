@@ -1,7 +1,8 @@
 """C++ source of the CPU's own int8 linear for AVX512-VNNI (built with sparrow_cpu.int8's kernels).
 
 One call does the whole W8A8 linear: quantize each row of the float32 input to uint8 (zero point
-128, ``s = max|x| / 127``, the same rounding as ``quantize_rows_u8``), multiply with ``vpdpbusd``
+128, ``s = max|x| / 127``: ``quantize_row`` of sparrow_cpu.int8's source, built into the same
+extension), multiply with ``vpdpbusd``
 (four u8 x s8 products summed into int32, no saturation), and in the epilogue remove the zero
 point (``acc - 128 * colsum(w)``), scale by the weight's channel scale and the row's scale and add
 the bias. oneDNN's int8 linear computes the same int32 sums but builds its primitive descriptor on
@@ -23,6 +24,7 @@ SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define SPARROW_VNNI 1
@@ -50,18 +52,6 @@ at::Tensor vnni_pack(const at::Tensor& q) {
 }
 
 #ifdef SPARROW_VNNI
-// One row to uint8 with zero point 128; the padding up to a multiple of 4 meets zero weights.
-static inline float quantize_row(const float* row, int64_t k, int64_t k_padded, uint8_t* out) {
-  float amax = 0.f;
-#pragma omp simd reduction(max:amax)
-  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
-  const float s = amax > 0.f ? amax / 127.f : 1.f;
-#pragma omp simd
-  for (int64_t i = 0; i < k; ++i) out[i] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(row[i] / s)) + 128);
-  for (int64_t i = k; i < k_padded; ++i) out[i] = 128;
-  return s;
-}
-
 // One 16-channel group of a row: remove the zero point, scale, add the bias, store (masked).
 static inline void emit_group(int r, int p, __m512i acc, const int32_t* colsum, const float* w_scale,
                               const float* bias, const float* x_scale, float* out, int64_t ldo, int64_t valid_cols) {
@@ -164,7 +154,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t in
   const int64_t ldx = x.stride(0);
   uint8_t* ap = a.data_ptr<uint8_t>();
   float* sp = x_scale.data_ptr<float>();
-  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, k)), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, m, grain(k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) sp[r] = quantize_row(xp + r * ldx, k, lda, ap + r * lda);
   });
   const int8_t* wp = packed.data_ptr<int8_t>();
@@ -187,20 +177,17 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t in
       const int panels = static_cast<int>((cols + 15) / 16);
       const int8_t* w = wp + (c0 / 16) * panel_stride;
       const int64_t r_end = std::min(m, (rb + 1) * row_block);
+      auto rows = [&](auto count, int64_t r) {  // count: the tile's rows, a compile-time constant
+        tile_cols<decltype(count)::value>(panels, ap + r * lda, lda, w, panel_stride, k4, cp + c0, wsp + c0,
+                                          bp ? bp + c0 : nullptr, sp + r, op + r * n + c0, n, cols);
+      };
       int64_t r = rb * row_block;
-      for (; r + 4 <= r_end; r += 4)
-        tile_cols<4>(panels, ap + r * lda, lda, w, panel_stride, k4, cp + c0, wsp + c0, bp ? bp + c0 : nullptr,
-                     sp + r, op + r * n + c0, n, cols);
-      const int64_t rest = r_end - r;
-      if (rest == 3)
-        tile_cols<3>(panels, ap + r * lda, lda, w, panel_stride, k4, cp + c0, wsp + c0, bp ? bp + c0 : nullptr,
-                     sp + r, op + r * n + c0, n, cols);
-      else if (rest == 2)
-        tile_cols<2>(panels, ap + r * lda, lda, w, panel_stride, k4, cp + c0, wsp + c0, bp ? bp + c0 : nullptr,
-                     sp + r, op + r * n + c0, n, cols);
-      else if (rest == 1)
-        tile_cols<1>(panels, ap + r * lda, lda, w, panel_stride, k4, cp + c0, wsp + c0, bp ? bp + c0 : nullptr,
-                     sp + r, op + r * n + c0, n, cols);
+      for (; r + 4 <= r_end; r += 4) rows(std::integral_constant<int, 4>{}, r);
+      switch (r_end - r) {
+        case 3: rows(std::integral_constant<int, 3>{}, r); break;
+        case 2: rows(std::integral_constant<int, 2>{}, r); break;
+        case 1: rows(std::integral_constant<int, 1>{}, r); break;
+      }
     }
   });
   return out;

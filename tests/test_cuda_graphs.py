@@ -66,8 +66,8 @@ class PagedReference(AttentionBackend):
         return out
 
 
-def use_reference_backend(llm) -> None:
-    model = runner_of(llm).model
+def use_reference_backend(model) -> None:
+    """Give ``model`` (a runner's model, a draft model, an EAGLE head) a PagedReference backend."""
     old = model.attn_backend
     backend = PagedReference(old.num_heads, old.num_kv_heads, old.head_dim, old.scale, old.dtype, old.device)
     model.attn_backend = backend
@@ -94,7 +94,8 @@ class ReplayingGraph:
             state.active, state.token_slots = True, static.token_slots[: shape.num_tokens]
         try:
             fresh = graphs.forward(static.input_ids[: shape.num_tokens], static.positions[: shape.num_tokens],
-                                   graphs.metadata[shape])  # the capture's metadata, as a graph holds it
+                                   graphs.metadata[shape],  # the capture's metadata, as a graph holds it
+                                   *(extra[: shape.num_tokens] for extra in static.extras))
         finally:
             if shape.lora:
                 state.active, state.token_slots = saved
@@ -117,20 +118,35 @@ class StaleGraph(ReplayingGraph):
                 tensor.copy_(value)
 
 
-def attach_graphs(llm, graph_cls=ReplayingGraph) -> StepGraphs:
-    """Give a CPU engine's runner the CUDA runner's graphs (stand-in graph type) and run_model."""
-    runner = runner_of(llm)
-    runner.step_graphs = None
+def stand_in(build, graph_cls=ReplayingGraph) -> StepGraphs:
+    """``build(**graph_kwargs)`` (a CUDA runner's graph builder) with the stand-in graph, captured."""
     owner: list = []
-    graphs = CudaModelRunner.build_step_graphs(
-        runner, new_graph=lambda: graph_cls(owner), graph_context=lambda graph, pool: contextlib.nullcontext(),
-        synchronize=lambda: None)
+    graphs = build(new_graph=lambda: graph_cls(owner), graph_context=lambda graph, pool: contextlib.nullcontext(),
+                   synchronize=lambda: None)
     assert graphs is not None
     owner.append(graphs)
     graphs.capture()
-    runner.step_graphs = graphs
-    runner.run_model = types.MethodType(CudaModelRunner.run_model, runner)
     return graphs
+
+
+def attach_graphs(llm, graph_cls=ReplayingGraph) -> StepGraphs:
+    """Give a CPU engine's runner the CUDA runner's graphs (stand-in graph type) and run_model,
+    and its speculative proposer's forwards theirs."""
+    runner = runner_of(llm)
+    runner.step_graphs = None
+    graphs = runner.step_graphs = stand_in(functools.partial(CudaModelRunner.build_step_graphs, runner), graph_cls)
+    runner.run_model = types.MethodType(CudaModelRunner.run_model, runner)
+    for forward in runner.proposer.graph_forwards() if runner.proposer is not None else ():
+        forward.graphs = stand_in(functools.partial(CudaModelRunner.build_proposer_graphs, runner, forward), graph_cls)
+    return graphs
+
+
+def use_reference_backends(llm) -> None:
+    """The reference backend for the runner's model and every model its proposer runs."""
+    runner = runner_of(llm)
+    use_reference_backend(runner.model)
+    for forward in runner.proposer.graph_forwards() if runner.proposer is not None else ():
+        use_reference_backend(forward.model)
 
 
 def summary(outputs) -> list[tuple[list[int], list[float]]]:
@@ -162,7 +178,7 @@ def run_both(qwen3_dir, requests, params, generate_kwargs=None, graph_cls=Replay
     results = []
     for graphs_on in (False, True):
         with LLM(qwen3_dir, **engine_args) as llm:
-            use_reference_backend(llm)
+            use_reference_backends(llm)
             graphs = attach_graphs(llm, graph_cls) if graphs_on else None
             results.append(summary(llm.generate(requests, params, use_tqdm=False, **(generate_kwargs or {}))))
             replays = dict(graphs.replays) if graphs else None
@@ -288,6 +304,56 @@ def test_verification_steps_replay_graphs(qwen3_dir, uneven_proposer):
     assert replays["verify"] > 0, replays
 
 
+def check_proposer_graphs(qwen3_dir, tmp_path, method: str, device: str) -> None:
+    """The proposer's forwards with and without graphs (stand-ins on the CPU, real ones on a GPU):
+    the same drafts call by call, the same output, and both families replayed."""
+    from sparrow.tiny.draft import build_draft_dir
+    from sparrow.tiny.eagle import build_eagle_dir
+
+    model = (build_draft_dir(qwen3_dir, tmp_path / "draft", num_layers=1) if method == "draft_model"
+             else build_eagle_dir(qwen3_dir, tmp_path / "head"))
+    text = [5, 6, 7, 8, 9, 10, 11, 12]
+    requests = [{"prompt_token_ids": text * 4}, *prompts(qwen3_dir, (17, 4, 30), seed=2)]
+    engine_args = dict(multiprocess=False, device=device, dtype="float32", max_model_len=256, block_size=16,
+                       max_num_batched_tokens=64, num_kv_blocks=40,
+                       speculative_config={"method": method, "model": str(model), "num_speculative_tokens": 3})
+    results = []
+    for graphs_on in (False, True):
+        with LLM(qwen3_dir, enforce_eager=not graphs_on, **engine_args) as llm:
+            if device == "cpu":
+                use_reference_backends(llm)
+            proposer = runner_of(llm).proposer
+            drafts: list[list[list[int]]] = []
+            propose = proposer.propose
+
+            def recording(*args, propose=propose, drafts=drafts, **kwargs):
+                out = propose(*args, **kwargs)
+                drafts.append([list(row) for row in out])
+                return out
+
+            proposer.propose = recording
+            if graphs_on and device == "cpu":
+                attach_graphs(llm)
+            results.append((summary(llm.generate(requests, GREEDY_SPEC, use_tqdm=False)), drafts))
+            (forward,) = proposer.graph_forwards()
+            graphs = forward.graphs
+    (eager, eager_drafts), (graphed, graphed_drafts) = results
+    assert_same(graphed, eager)
+    assert graphed_drafts == eager_drafts and sum(len(row) for call in eager_drafts for row in call) > 20
+    assert graphs.replays["decode"] > 0 and graphs.replays["mixed"] > 0, graphs.replays
+    assert set(graphs.checked) == {("decode", False), ("mixed", False)}
+    assert max(graphs.checked.values()) < 1e-3, graphs.checked
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_draft_model_and_eagle_head_forwards_replay_graphs(qwen3_dir, tmp_path, method):
+    """The proposer's own forwards (sparrow.spec_decode.proposer.ProposerForward) replay graphs of
+    their own: the drafting steps of one token per request (decode) and the catch-up or window
+    steps (mixed). The target's output cannot show a wrong draft (verification keeps the target's
+    tokens), so the drafts themselves are compared, call by call."""
+    check_proposer_graphs(qwen3_dir, tmp_path, method, "cpu")
+
+
 def test_lora_steps_replay_graphs_captured_with_the_adapter_hooks(qwen3_dir, tmp_path):
     from sparrow.lora.request import LoRARequest
     from sparrow.tiny.lora import build_lora_adapter
@@ -343,6 +409,12 @@ def test_cuda_graphs_equal_eager_on_a_gpu(qwen3_dir, tmp_path, uneven_proposer, 
     assert_same(results[1], results[0], atol=1e-4 if case != "flashinfer" else 5e-2)
     family = {"mixed": "mixed", "spec": "verify", "lora": "decode", "flashinfer": "decode"}[case]
     assert replays[family] > 0, replays
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_proposer_cuda_graphs_draft_what_eager_drafts_on_a_gpu(qwen3_dir, tmp_path, method):
+    check_proposer_graphs(qwen3_dir, tmp_path, method, "cuda")
 
 
 # -- FlashInfer's decode graphs, against a stand-in FlashInfer that attends from its buffers ------

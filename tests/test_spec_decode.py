@@ -181,7 +181,7 @@ def test_sampled_distribution_is_unchanged(engines):
     prompt = sampling_prompt(base)
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=3)
     num = 600
-    before = spec.llm_engine.last_stats
+    before = spec.llm_engine.last_stats or SchedulerStats()
     counts_base = Counter(tuple(t) for t in token_ids(base.generate([prompt] * num, params)))
     counts_spec = Counter(tuple(t) for t in token_ids(spec.generate([prompt] * num, params)))
     assert spec.llm_engine.last_stats.spec_decode_num_accepted_tokens > before.spec_decode_num_accepted_tokens

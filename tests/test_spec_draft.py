@@ -158,7 +158,7 @@ def test_shared_prefixes_evict_draft_kv_and_stay_exact(engines):
     expected = token_ids(base.generate([PROMPTS[0]], GREEDY)) * 10
     proposer = runner_of(same).proposer
     without_room = proposer.num_rows_without_room
-    before = same.llm_engine.last_stats
+    before = same.llm_engine.last_stats or SchedulerStats()
     assert token_ids(same.generate([PROMPTS[0]] * 10, GREEDY)) == expected
     assert proposer.num_rows_without_room > without_room
     drafted, accepted = spec_counts(same, before)
@@ -201,7 +201,7 @@ def test_incremental_drafts_equal_drafts_from_scratch(engines, monkeypatch):
         return drafts
 
     monkeypatch.setattr(proposer, "propose", checking)
-    before = small.llm_engine.last_stats
+    before = small.llm_engine.last_stats or SchedulerStats()
     small.generate([f"note {i}: {prompt}" for i, prompt in enumerate(PROMPTS)], GREEDY)  # not prefix-cached
     drafted, accepted = spec_counts(small, before)
     assert 0 < accepted < drafted / 2  # mostly rejected: the rollback ran

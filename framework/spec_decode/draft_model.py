@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from sparrow.spec_decode.config import SpeculativeConfig
-from sparrow.spec_decode.proposer import SpecProposer
+from sparrow.spec_decode.proposer import ProposerForward, SpecProposer
 
 
 class PagedDraftCache:
@@ -158,6 +158,10 @@ class DraftModelProposer(SpecProposer):
         self.requests: dict[str, _DraftRequest] = {}
         self.max_num_tokens = model_runner.config.max_num_batched_tokens
         self.num_rows_without_room = 0  # rows that got no drafts for want of draft blocks
+        self._forward = ProposerForward(
+            "draft model", model, lambda ids, positions, metadata: model.forward(ids, positions, self.cache.kv_caches,
+                                                                                  metadata),
+            self.cache, self.max_len, -(-self.max_len // self.block_size))
 
     # -- the cache --------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -165,6 +169,9 @@ class DraftModelProposer(SpecProposer):
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.cache.allocate(num_blocks)
+
+    def graph_forwards(self) -> list[ProposerForward]:
+        return [self._forward]
 
     def _release(self, req_id: str) -> None:
         req = self.requests.pop(req_id)
@@ -226,10 +233,6 @@ class DraftModelProposer(SpecProposer):
                 continue
             plans.append(_Plan(out, row, req, length, num_decode))
         return plans
-
-    def _forward(self, step: DraftStep) -> torch.Tensor:
-        self.model.attn_backend.prepare(step.metadata)
-        return self.model.forward(step.input_ids, step.positions, self.cache.kv_caches, step.metadata)
 
     def _catch_up(self, plans: list[_Plan], token_ids: np.ndarray) -> list[int]:
         """Compute every planned row's tokens since ``num_computed`` (rows in slices of at most

@@ -39,7 +39,7 @@ from torch import nn
 
 from sparrow.spec_decode.config import SpeculativeConfig
 from sparrow.spec_decode.draft_model import DraftStep, PagedDraftCache
-from sparrow.spec_decode.proposer import SpecProposer
+from sparrow.spec_decode.proposer import ProposerForward, SpecProposer
 
 # Target hidden states kept per request: the head's attention context.
 EAGLE_WINDOW = 64
@@ -176,6 +176,15 @@ class EagleProposer(SpecProposer):
                                      model_runner.device)
         self.cache.allocate(model_runner.max_num_reqs * self.blocks_per_row)
         self.windows: dict[str, _Window] = {}
+        head = self.head
+        self._forward = ProposerForward(
+            "EAGLE head", head,
+            lambda ids, positions, metadata, features: head(ids, positions, features, self.cache.kv_caches, metadata),
+            self.cache, self.blocks_per_row * self.block_size, self.blocks_per_row,
+            extras=[((head.config.hidden_size,), model_runner.dtype)])
+
+    def graph_forwards(self) -> list[ProposerForward]:
+        return [self._forward]
 
     def propose(self, rows: Sequence[int], token_ids: np.ndarray, num_tokens: np.ndarray,
                 hidden_states: Any = None) -> list[list[int]]:
@@ -233,7 +242,3 @@ class EagleProposer(SpecProposer):
             tables = [tables[i] for i in active]
             sizes = [sizes[i] for i in active]
         return out
-
-    def _forward(self, step: DraftStep, features: torch.Tensor) -> torch.Tensor:
-        self.head.attn_backend.prepare(step.metadata)
-        return self.head(step.input_ids, step.positions, features, self.cache.kv_caches, step.metadata)

@@ -9,13 +9,18 @@ target's hidden states and the device (a draft model or an EAGLE head, later).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from sparrow.sampling_params import SamplingParams
 from sparrow.spec_decode.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from sparrow.spec_decode.draft_model import DraftStep
 
 
 class SpecProposer:
@@ -48,6 +53,46 @@ class SpecProposer:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:  # noqa: B027 - optional hook
         """Called once the target's cache has ``num_blocks`` blocks (allocate one's own here)."""
+
+    def graph_forwards(self) -> list[ProposerForward]:
+        """The model forwards this proposer runs through :class:`ProposerForward`, which a
+        platform may capture as graphs once the caches exist (CUDA: sparrow_cuda.cuda_graphs)."""
+        return []
+
+
+class ProposerForward:
+    """One of a proposer's model forwards, which a platform may replay from captured graphs.
+
+    ``forward(input_ids, positions, metadata, *extras)`` runs ``model`` (it has ``attn_backend``)
+    over the KV caches of ``cache`` (``cache.kv_caches``) and returns the [T, hidden] states;
+    ``extras`` are its per-token inputs beyond ids and positions, one ``(row shape, dtype)`` each
+    (an EAGLE head's features). A step holds at most ``max_blocks_per_req`` blocks per request and
+    ``max_len`` tokens per sequence. A platform that captures graphs sets ``graphs`` (an object
+    with ``select``, ``replay`` and a ``replays`` counter, as sparrow_cuda's StepGraphs); a call
+    then replays the smallest graph that holds the step, and runs eagerly otherwise.
+    """
+
+    def __init__(self, name: str, model: Any, forward: Callable[..., torch.Tensor], cache: Any, max_len: int,
+                 max_blocks_per_req: int, extras: Sequence[tuple[tuple[int, ...], torch.dtype]] = ()) -> None:
+        self.name = name
+        self.model = model
+        self.forward = forward
+        self.cache = cache
+        self.max_len = max_len
+        self.max_blocks_per_req = max_blocks_per_req
+        self.extras = tuple(extras)
+        self.graphs: Any = None
+
+    def __call__(self, step: DraftStep, *extras: torch.Tensor) -> torch.Tensor:
+        metadata = step.metadata
+        graphs = self.graphs
+        if graphs is not None:
+            shape = graphs.select(metadata.num_actual_tokens, metadata.num_reqs, metadata.max_query_len, False)
+            if shape is not None:
+                return graphs.replay(shape, step.input_ids, step.positions, metadata, extras=extras)
+            graphs.replays["eager"] += 1
+        self.model.attn_backend.prepare(metadata)
+        return self.forward(step.input_ids, step.positions, metadata, *extras)
 
 
 def may_speculate(params: SamplingParams, plugin_logits_processors: bool) -> bool:

@@ -28,6 +28,11 @@ belong to no request (slot -1: nothing is written to the KV cache). Every layer 
 works row by row, so a padding row's output (never read) touches no real row. The real rows come
 out of the graph in the step's own layout, so sampling is unchanged.
 
+A speculative proposer's own forwards (a draft model's, an EAGLE head's: its ``graph_forwards``)
+get a ``StepGraphs`` each, over their own caches, with the decode and mixed families: each drafted
+token is a decode step, a catch-up or window step a mixed one. An EAGLE head also reads the
+target's hidden states per token: such inputs are the static buffers' ``extras``.
+
 ``StepGraphs`` takes the graph type, its capture context and a synchronize function, so tests run
 the whole capture/select/replay path on the CPU with a stand-in graph (tests/test_cuda_graphs.py).
 """
@@ -38,7 +43,7 @@ import bisect
 import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -94,7 +99,8 @@ class StaticInputs:
     """The buffers every captured forward reads, sized for the largest shape."""
 
     def __init__(self, max_tokens: int, max_reqs: int, block_table: torch.Tensor, device: torch.device,
-                 lora: bool, host_layout: bool = False) -> None:
+                 lora: bool, host_layout: bool = False,
+                 extras: Sequence[tuple[tuple[int, ...], torch.dtype]] = ()) -> None:
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
@@ -109,6 +115,10 @@ class StaticInputs:
         self.host_layout = host_layout
         self.query_start_loc_cpu = torch.zeros(max_reqs + 1, dtype=torch.int32)
         self.seq_lens_cpu = torch.zeros(max_reqs, dtype=torch.int32)
+        # Per-token inputs beyond ids and positions (an EAGLE head's features), one row shape and
+        # dtype each. Padding rows keep whatever they held: every layer outside attention works
+        # row by row, so they touch no real row.
+        self.extras = [torch.zeros(max_tokens, *shape, dtype=dtype, device=device) for shape, dtype in extras]
 
     def metadata(self, shape: GraphShape, max_seq_len: int) -> AttentionMetadata:
         t, r = shape.num_tokens, shape.num_reqs
@@ -122,11 +132,16 @@ class StaticInputs:
         )
 
     def fill(self, shape: GraphShape, input_ids: torch.Tensor, positions: torch.Tensor,
-             metadata: AttentionMetadata, token_slots: torch.Tensor | None) -> None:
+             metadata: AttentionMetadata, token_slots: torch.Tensor | None,
+             extras: Sequence[torch.Tensor] = ()) -> None:
         """Write a step's inputs (T tokens, R requests) for ``shape``, padded as the module says."""
         t, r = metadata.num_actual_tokens, metadata.num_reqs
         self.input_ids[:t].copy_(input_ids[:t])
         self.positions[:t].copy_(positions[:t])
+        if len(extras) != len(self.extras):
+            raise ValueError(f"a step of these graphs takes {len(self.extras)} extra inputs, got {len(extras)}")
+        for static, value in zip(self.extras, extras):
+            static[:t].copy_(value[:t])
         self.slot_mapping[:t].copy_(metadata.slot_mapping[:t])
         if t < shape.num_tokens:
             self.slot_mapping[t: shape.num_tokens].fill_(-1)
@@ -222,7 +237,8 @@ def probe_step(shape: GraphShape, *, block_size: int, num_blocks: int, max_block
 class StepGraphs:
     """The captured forwards of one model runner and the choice of one for a step.
 
-    ``forward(input_ids, positions, metadata)`` is the model's forward over the runner's KV caches;
+    ``forward(input_ids, positions, metadata, *extras)`` is the model's forward over its KV caches
+    (``extras``: the static inputs' extra per-token tensors, sliced to the step's rows);
     ``lora_state`` (sparrow.lora.layers.StepLoRAState, or None) is switched on while LoRA shapes
     are captured. ``new_graph``, ``graph_context(graph, pool)`` and ``synchronize`` default to
     torch.cuda's; ``pool`` is shared by every graph (largest first, so smaller ones reuse it).
@@ -234,13 +250,15 @@ class StepGraphs:
     """
 
     def __init__(self, shapes: list[GraphShape], static: StaticInputs, max_seq_len: int,
-                 forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+                 forward: Callable[..., torch.Tensor],
                  lora_state: Any = None, *, new_graph: Callable[[], Any] | None = None,
                  graph_context: Callable[[Any, Any], Any] | None = None,
                  synchronize: Callable[[], None] | None = None, pool: Any = None,
                  probe: Callable[[GraphShape], ProbeStep | None] | None = None,
-                 prepare_graph_step: Callable[[AttentionMetadata, bool], None] | None = None) -> None:
+                 prepare_graph_step: Callable[[AttentionMetadata, bool], None] | None = None,
+                 what: str = "the model") -> None:
         self.shapes = shapes
+        self.what = what  # whose forward, for the log: "the model", "the draft model", ...
         self.static = static
         self.max_seq_len = max_seq_len
         self.forward = forward
@@ -272,8 +290,8 @@ class StepGraphs:
             try:
                 self.graphs[shape] = self._capture_one(shape)
             except Exception as exc:  # noqa: BLE001 - graphs are an optimisation; eager always works
-                logger.warning("CUDA graph capture of %s steps%s failed, they run eagerly: %r",
-                               shape.family, " with LoRA" if shape.lora else "", exc)
+                logger.warning("CUDA graph capture of %s's %s steps%s failed, they run eagerly: %r",
+                               self.what, shape.family, " with LoRA" if shape.lora else "", exc)
                 failed.add((shape.family, shape.lora))
         if self.probe is not None:
             failed |= self._check_families()
@@ -283,7 +301,7 @@ class StepGraphs:
         self._index()
         if self.graphs:
             counts = collections.Counter(shape.family for shape in self.graphs)
-            logger.info("captured %d CUDA graphs (%s) in %.1fs", len(self.graphs),
+            logger.info("captured %d CUDA graphs for %s (%s) in %.1fs", len(self.graphs), self.what,
                         ", ".join(f"{n} {name}" for name, n in counts.items()), time.perf_counter() - started)
         return len(self.graphs)
 
@@ -297,13 +315,14 @@ class StepGraphs:
         state = self.lora_state
         if shape.lora:
             state.active, state.token_slots = True, static.token_slots[: shape.num_tokens]
+        extras = [extra[: shape.num_tokens] for extra in static.extras]
         try:
             for _ in range(2):  # warm-up (Triton compilation, lazy inits) outside the capture
-                self.forward(ids, positions, metadata)
+                self.forward(ids, positions, metadata, *extras)
             self.synchronize()
             graph = self.new_graph()
             with self.graph_context(graph, self.pool):
-                output = self.forward(ids, positions, metadata)
+                output = self.forward(ids, positions, metadata, *extras)
         finally:
             if shape.lora:
                 state.active, state.token_slots = False, None
@@ -325,22 +344,31 @@ class StepGraphs:
             if shape.lora:
                 saved = state.active, state.token_slots
                 state.active, state.token_slots = True, step.token_slots
+            extras = self._probe_extras(step.metadata.num_actual_tokens)
             try:
-                raw = self.forward(step.input_ids, step.positions, step.metadata)[: step.metadata.num_actual_tokens]
-                eager = raw.float().clone()
+                raw = self.forward(step.input_ids, step.positions, step.metadata, *extras)
+                eager = raw[: step.metadata.num_actual_tokens].float().clone()
             finally:
                 if shape.lora:
                     state.active, state.token_slots = saved
-            replayed = self._run(shape, step.input_ids, step.positions, step.metadata, step.token_slots).float()
+            replayed = self._run(shape, step.input_ids, step.positions, step.metadata, step.token_slots,
+                                 extras).float()
             scale = float(eager.abs().max().clamp(min=1e-6))
             error = float((replayed - eager).abs().max()) / scale
             self.checked[family] = error
             tolerance = 1e-3 if raw.dtype == torch.float32 else 5e-2
             if not error <= tolerance:  # NaN included
-                logger.warning("CUDA graphs of %s steps%s replay a probe step %.3g away from eager (relative); "
-                               "they run eagerly", shape.family, " with LoRA" if shape.lora else "", error)
+                logger.warning("CUDA graphs of %s's %s steps%s replay a probe step %.3g away from eager "
+                               "(relative); they run eagerly", self.what, shape.family,
+                               " with LoRA" if shape.lora else "", error)
                 wrong.add(family)
         return wrong
+
+    def _probe_extras(self, num_tokens: int) -> list[torch.Tensor]:
+        """Extra inputs for a probe step: standard normal values from a fixed seed."""
+        generator = torch.Generator().manual_seed(1)
+        return [torch.randn(num_tokens, *extra.shape[1:], generator=generator).to(extra)
+                for extra in self.static.extras]
 
     def _index(self) -> None:
         """Per LoRA flag, the families in the order a step tries them (decode, verify, mixed),
@@ -369,14 +397,16 @@ class StepGraphs:
         return None
 
     def replay(self, shape: GraphShape, input_ids: torch.Tensor, positions: torch.Tensor,
-               metadata: AttentionMetadata, token_slots: torch.Tensor | None = None) -> torch.Tensor:
+               metadata: AttentionMetadata, token_slots: torch.Tensor | None = None,
+               extras: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """Fill the static inputs for ``shape``, replay it; the real rows' hidden states."""
         self.replays[shape.family] += 1
-        return self._run(shape, input_ids, positions, metadata, token_slots)
+        return self._run(shape, input_ids, positions, metadata, token_slots, extras)
 
     def _run(self, shape: GraphShape, input_ids: torch.Tensor, positions: torch.Tensor,
-             metadata: AttentionMetadata, token_slots: torch.Tensor | None) -> torch.Tensor:
-        self.static.fill(shape, input_ids, positions, metadata, token_slots)
+             metadata: AttentionMetadata, token_slots: torch.Tensor | None,
+             extras: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        self.static.fill(shape, input_ids, positions, metadata, token_slots, extras)
         if self.prepare_graph_step is not None:
             self.prepare_graph_step(self.metadata[shape], False)
         graph, output = self.graphs[shape]

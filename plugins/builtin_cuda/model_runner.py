@@ -24,6 +24,7 @@ import torch
 
 from sparrow.attention import AttentionMetadata
 from sparrow.layers.attention import Attention
+from sparrow.spec_decode.proposer import ProposerForward
 from sparrow.worker.model_runner import ModelRunner, StepInputs
 from sparrow_cuda.cuda_graphs import StaticInputs, StepGraphs, graph_shapes, probe_step
 
@@ -157,41 +158,43 @@ class CudaModelRunner(ModelRunner):
     # -- CUDA graphs (sparrow_cuda.cuda_graphs) ---------------------------------------------
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:
-        self.step_graphs = self.build_step_graphs(pool=torch.cuda.graph_pool_handle())
+        pool = torch.cuda.graph_pool_handle()
+        self.step_graphs = self.build_step_graphs(pool=pool)
         if self.step_graphs is not None:
             self.step_graphs.capture()
+        for forward in self.proposer.graph_forwards() if self.proposer is not None else ():
+            graphs = self.build_proposer_graphs(forward, pool=pool)
+            if graphs is not None and graphs.capture():
+                forward.graphs = graphs
 
     def build_step_graphs(self, **graph_kwargs: Any) -> StepGraphs | None:
         """The step graphs this model and backend allow, not yet captured (None: eager only);
         ``graph_kwargs`` go to StepGraphs (tests pass a stand-in graph type to run on the CPU)."""
-        backend = self.model.attn_backend
-        support = backend.graph_support
         if len(self.kv_cache_groups) > 1:
             # The static buffers hold one block table and one slot mapping; a hybrid cache has
             # one per group. Such models run eagerly.
             logger.info("CUDA graphs off: the hybrid KV cache has %d groups", len(self.kv_cache_groups))
             return None
-        if support == "never":
-            logger.info("CUDA graphs off: attention backend %r plans its steps on the host",
-                        getattr(backend, "name", type(backend).__name__))
-            return None
-        host_layout = backend.graph_needs_host_layout
-        if host_layout and getattr(backend, "block_size", 0) is None:
-            backend.block_size = self.block_size  # FlashInfer plans a graph's pages before its capture
         spec = self.config.speculative.speculative_config
         lora = self.lora_manager is not None
-        shapes = graph_shapes(support, self.max_num_reqs, self.config.max_num_batched_tokens,
-                              num_speculative_tokens=spec["num_speculative_tokens"] if spec else 0, lora=lora)
-        static = StaticInputs(max(s.num_tokens for s in shapes), max(s.num_reqs for s in shapes),
-                              self.input_buffers().device_tables[0], self.device, lora=lora, host_layout=host_layout)
-        probe = functools.partial(
-            probe_step, block_size=self.block_size, num_blocks=self.kv_caches[0].shape[1],
-            max_blocks_per_req=self.max_num_blocks_per_req, max_model_len=self.max_model_len,
-            vocab_size=self.vocab_size, device=self.device)
-        return StepGraphs(shapes, static, self.max_model_len,
-                          lambda ids, positions, metadata: self.model.forward(ids, positions, self.kv_caches, metadata),
-                          self.lora_manager.state if lora else None, probe=probe,
-                          prepare_graph_step=backend.prepare_graph_step, **graph_kwargs)
+        return _step_graphs(
+            self, "the model", self.model.attn_backend,
+            lambda ids, positions, metadata: self.model.forward(ids, positions, self.kv_caches, metadata),
+            self.input_buffers().device_tables[0], self.kv_caches[0].shape[1], self.max_model_len,
+            num_speculative_tokens=spec["num_speculative_tokens"] if spec else 0,
+            lora_state=self.lora_manager.state if lora else None, graph_kwargs=graph_kwargs)
+
+    def build_proposer_graphs(self, forward: ProposerForward, **graph_kwargs: Any) -> StepGraphs | None:
+        """Graphs for one of the speculative proposer's forwards (a draft model's or an EAGLE
+        head's, over its own cache): decode steps (each drafted token) and, where the backend
+        allows, mixed ones (the catch-up over new tokens); None when its backend has none."""
+        if not forward.cache.kv_caches:
+            return None
+        table = torch.zeros(self.max_num_reqs, forward.max_blocks_per_req, dtype=torch.int32, device=self.device)
+        return _step_graphs(self, forward.name, forward.model.attn_backend, forward.forward, table,
+                            forward.cache.kv_caches[0].shape[1], forward.max_len,
+                            max_blocks_per_req=forward.max_blocks_per_req, extras=forward.extras,
+                            graph_kwargs=graph_kwargs)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         graphs = self.step_graphs
@@ -207,3 +210,28 @@ class CudaModelRunner(ModelRunner):
         return graphs.replay(shape, inputs.input_ids, inputs.positions, metadata,
                              lora_state.token_slots if lora else None)
 
+
+def _step_graphs(runner: ModelRunner, what: str, backend: Any, forward: Any, block_table: torch.Tensor,
+                 num_blocks: int, max_len: int, *, num_speculative_tokens: int = 0, lora_state: Any = None,
+                 max_blocks_per_req: int | None = None, extras: Any = (),
+                 graph_kwargs: dict[str, Any]) -> StepGraphs | None:
+    """StepGraphs (not yet captured) for ``forward`` over a cache of ``num_blocks`` blocks with the
+    families ``backend`` allows; None when it allows none."""
+    support = backend.graph_support
+    if support == "never":
+        logger.info("CUDA graphs off for %s: attention backend %r plans its steps on the host", what,
+                    getattr(backend, "name", type(backend).__name__))
+        return None
+    host_layout = backend.graph_needs_host_layout
+    if host_layout and getattr(backend, "block_size", 0) is None:
+        backend.block_size = runner.block_size  # FlashInfer plans a graph's pages before its capture
+    shapes = graph_shapes(support, runner.max_num_reqs, runner.config.max_num_batched_tokens,
+                          num_speculative_tokens=num_speculative_tokens, lora=lora_state is not None)
+    static = StaticInputs(max(s.num_tokens for s in shapes), max(s.num_reqs for s in shapes), block_table,
+                          runner.device, lora=lora_state is not None, host_layout=host_layout, extras=extras)
+    probe = functools.partial(
+        probe_step, block_size=runner.block_size, num_blocks=num_blocks,
+        max_blocks_per_req=max_blocks_per_req or runner.max_num_blocks_per_req, max_model_len=max_len,
+        vocab_size=runner.vocab_size, device=runner.device)
+    return StepGraphs(shapes, static, max_len, forward, lora_state, probe=probe,
+                      prepare_graph_step=backend.prepare_graph_step, what=what, **graph_kwargs)

@@ -8,13 +8,30 @@ naming the field and what is allowed.
 from __future__ import annotations
 
 import json
+import logging
+import numbers
+import os
+import random
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # kv_cache_dtype values (vLLM's names); "fp8" and "fp8_e4m3" both mean float8_e4m3fn.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
+
+
+def _plain(value: Any) -> Any:
+    """A path as its string, a numpy number as a Python one, a tuple as a list."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, numbers.Number) and not isinstance(value, (bool, int, float)) and hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, tuple):
+        return list(value)
+    return value
 
 
 class ConfigError(ValueError):
@@ -22,7 +39,17 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    # strict: a string is not a number and a bool is not an integer (enforce_eager="yes" and
+    # max_model_len=True are mistakes, not 1); the few conversions a Python caller expects are
+    # made before the check (_plain_values).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_values(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            return {key: _plain(value) for key, value in values.items()}
+        return values
 
 
 class ModelConfig(_Section):
@@ -35,7 +62,8 @@ class ModelConfig(_Section):
                        "auto is the platform's choice (CPU float32, CUDA bfloat16).")
     max_model_len: int | None = Field(None, gt=0, description="Longest context, prompt plus output, in tokens "
                                       "(default: the model's max_position_embeddings).")
-    seed: int = Field(0, ge=0, description="Seed for requests without their own seed and for built-in weights.")
+    seed: int = Field(0, ge=0, description="Seed for requests without their own seed and for load_format=dummy "
+                      "weights (None: a random one, chosen once at start-up and logged).")
     served_model_name: str | None = Field(None, description="Model name the server reports and accepts "
                                           "(default: the model path).")
     structured_outputs_any_whitespace: bool = Field(
@@ -73,6 +101,16 @@ class ModelConfig(_Section):
                 raise ValueError(f"every entry must be a non-empty name or class, got {item!r}")
             names.append(item.strip())
         return names
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _random_seed(cls, value: Any) -> Any:
+        # vLLM's seed=None: not reproducible run to run; one seed drawn here serves every process.
+        if value is None:
+            seed = random.SystemRandom().randrange(2**31)
+            logger.info("seed=None: using seed %d", seed)
+            return seed
+        return value
 
     @field_validator("dtype")
     @classmethod
@@ -177,6 +215,14 @@ class KVTransferConfig(_Section):
         None, description="This engine's side of the KV transfer (default: none).")
     kv_connector_extra_config: dict[str, Any] = Field(
         default_factory=dict, description='The connector\'s settings, e.g. {"storage_path": "/dir"}.')
+
+    @model_validator(mode="after")
+    def _needs_a_connector(self) -> KVTransferConfig:
+        if self.kv_connector is None:
+            for name in ("kv_role", "kv_connector_extra_config"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} is set but kv_connector is not: it applies to a KV connector only")
+        return self
 
 
 class SpeculativeSection(_Section):
@@ -298,6 +344,10 @@ class EngineConfig(BaseModel):
 def _describe(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "value"
-        parts.append(f"invalid engine argument {field!r}: {err['msg']} (got {err.get('input')!r})")
+        message = err["msg"].removeprefix("Value error, ")
+        if not err["loc"]:  # a check across fields: its message names them
+            parts.append(f"invalid engine arguments: {message}")
+            continue
+        field = ".".join(str(p) for p in err["loc"])
+        parts.append(f"invalid engine argument {field!r}: {message} (got {err.get('input')!r})")
     return "; ".join(parts)

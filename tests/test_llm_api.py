@@ -113,6 +113,70 @@ def test_bad_prompts_are_rejected_before_any_work_starts(llm):
     assert len(llm.generate(good, params, use_tqdm=False)) == 2
 
 
+def test_chat_takes_vllms_template_arguments(llm):
+    tokenizer = llm.get_tokenizer()
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi the"}]
+    out = llm.chat(messages, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt == tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    assert out.prompt.endswith("Hi the")
+    template = "{% for m in messages %}[{{ m.role }}|{{ m.content }}|{{ flavour }}]{% endfor %}"
+    out = llm.chat(messages[:1], params, use_tqdm=False, chat_template=template,
+                   chat_template_kwargs={"flavour": "salty"})[0]
+    assert out.prompt == "[user|Hello|salty]"
+    with pytest.raises(ValueError, match="continue_final_message cannot be combined"):
+        llm.chat(messages, params, use_tqdm=False, continue_final_message=True)
+    with pytest.raises(TypeError, match="add_generation_prompt must be a bool"):
+        llm.chat(messages, params, use_tqdm=False, add_generation_prompt="no")
+
+
+def test_wrong_prompt_and_message_types_name_what_is_wrong(llm):
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    for prompts in (5, None, b"bytes"):
+        with pytest.raises(TypeError, match="prompts must be a string, a prompt dict or a list of them"):
+            llm.generate(prompts, params, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"messages\[0\].content must be a string, a list of content parts"):
+        llm.chat([{"role": "user", "content": 5}], params, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"messages\[1\] has no 'content'"):
+        llm.chat([{"role": "user", "content": "a"}, {"role": "assistant"}], params, use_tqdm=False)
+    # Token ids as a numpy array or a tensor are the same prompt as a list.
+    import numpy as np
+    import torch
+
+    ids = [5, 17, 300, 42]
+    want = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids
+    for array in (np.array(ids), torch.tensor(ids)):
+        assert llm.generate({"prompt_token_ids": array}, params, use_tqdm=False)[0].outputs[0].token_ids == want
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_engine_arguments_are_strict_about_types(qwen3_dir):
+    import pathlib
+
+    import numpy as np
+
+    from sparrow.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="'enforce_eager': Input should be a valid boolean .*got 'yes'"):
+        EngineConfig.from_kwargs(enforce_eager="yes")
+    with pytest.raises(ConfigError, match="'max_model_len': Input should be a valid integer .*got True"):
+        EngineConfig.from_kwargs(max_model_len=True)
+    with pytest.raises(ConfigError, match="'gpu_memory_utilization'"):
+        EngineConfig.from_kwargs(gpu_memory_utilization="0.5")
+    # What a Python caller reasonably passes is taken: a path, numpy numbers, an int for a float.
+    config = EngineConfig.from_kwargs(model=pathlib.Path(qwen3_dir), max_model_len=np.int64(64),
+                                      gpu_memory_utilization=1)
+    assert (config.model.model, config.model.max_model_len) == (qwen3_dir, 64)
+    assert config.cache.gpu_memory_utilization == 1.0
+    # seed=None (vLLM's): one random seed, drawn once.
+    seeds = {EngineConfig.from_kwargs(seed=None).model.seed for _ in range(3)}
+    assert len(seeds) > 1 and all(isinstance(seed, int) and seed >= 0 for seed in seeds)
+    for settings in ({"kv_role": "kv_producer"}, {"kv_connector_extra_config": {"storage_path": "/kv"}}):
+        name = next(iter(settings))
+        with pytest.raises(ConfigError, match=f"{name} is set but kv_connector is not"):
+            EngineConfig.from_kwargs(**settings)
+
+
 def test_sampling_params_errors_name_the_field():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)

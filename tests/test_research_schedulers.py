@@ -124,7 +124,12 @@ def llm_results(qwen3_dir):
         llm = LLM(qwen3_dir, multiprocess=False, dtype="float32", max_model_len=256, num_kv_blocks=64,
                   scheduler=scheduler, max_num_seqs=1)
         try:
-            outputs = llm.generate(prompts, params, use_tqdm=False, priority=PRIORITIES)
+            # Only the priority policy reads priorities; the others refuse a non-zero one.
+            outputs = llm.generate(prompts, params, use_tqdm=False,
+                                   priority=PRIORITIES if scheduler == "priority" else None)
+            if scheduler != "priority":
+                with pytest.raises(ValueError, match=f"priority 1 of request .*the '{scheduler}' scheduler does not"):
+                    llm.generate(prompts, params, use_tqdm=False, priority=PRIORITIES)
         finally:
             llm.shutdown()
         by_finish = sorted(range(len(outputs)), key=lambda i: outputs[i].metrics.finished_time)

@@ -94,6 +94,7 @@ class InputProcessor:
         eos_token_ids: int | Sequence[int] | None = None,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         logits_processor_classes: Sequence[type] = (),
+        scheduler: str | None = None,
     ) -> None:
         if max_model_len < 2:
             raise InvalidArgumentError(f"max_model_len must be >= 2 (one prompt and one output token), "
@@ -101,11 +102,15 @@ class InputProcessor:
         if vocab_size < 1:
             raise InvalidArgumentError(f"vocab_size must be >= 1, got {vocab_size}", "vocab_size")
         self.tokenizer = tokenizer
+        _silence_too_long_warning(tokenizer)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
         # The enabled logits processors: each checks every request's params (validate_params).
         self.logits_processor_classes = list(logits_processor_classes)
+        # The scheduler's name when its policy ignores Request.priority (Scheduler.uses_priority):
+        # a non-zero priority is then refused, as vLLM does, rather than silently dropped.
+        self.scheduler_without_priority = scheduler
         if isinstance(eos_token_ids, int):
             eos_token_ids = [eos_token_ids]
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
@@ -148,9 +153,16 @@ class InputProcessor:
                                        "the first continues the last message, the second opens a new one",
                                        "continue_final_message")
         for position, message in enumerate(messages):
+            where = f"messages[{position}]"
             if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-                where = f"messages[{position}]"
                 raise InvalidArgumentError(f"{where} must be a mapping with a string 'role', got {message!r}", where)
+            if "content" not in message and not message.get("tool_calls"):
+                raise InvalidArgumentError(f"{where} has no 'content'", f"{where}.content")
+            content = message.get("content")
+            if not (content is None or isinstance(content, str)
+                    or (isinstance(content, Sequence) and all(isinstance(part, Mapping) for part in content))):
+                raise InvalidArgumentError(f"{where}.content must be a string, a list of content parts (dicts) or "
+                                           f"None, got {type(content).__name__}", f"{where}.content")
         check_text("messages", list(messages))
         check_text("chat_template", chat_template)
         check_text("tools", tools)
@@ -234,6 +246,8 @@ class InputProcessor:
 
     @staticmethod
     def _check_token_id_types(request_id: str, token_ids: Any) -> list[int]:
+        if getattr(token_ids, "ndim", None) == 1 and hasattr(token_ids, "tolist"):  # a numpy array, a tensor
+            token_ids = token_ids.tolist()
         if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
             raise InvalidArgumentError(f"prompt_token_ids of request {request_id!r} must be a list of ints, got "
                                        f"{type(token_ids).__name__}", "prompt_token_ids")
@@ -261,6 +275,11 @@ class InputProcessor:
             raise InvalidArgumentError(
                 f"sampling_params of request {request_id!r} must be SamplingParams, got {type(params).__name__}",
                 "sampling_params")
+        if priority and self.scheduler_without_priority is not None:
+            raise InvalidArgumentError(f"priority {priority} of request {request_id!r}: the "
+                                       f"{self.scheduler_without_priority!r} scheduler does not order requests by "
+                                       "priority; start the engine with scheduler='priority' (or a policy that "
+                                       "uses priorities) or leave priority at 0", "priority")
         text, token_ids = self.tokenize_prompt(request_id, prompt)
         name = describe_prompt(request_id, text, token_ids)
         self._validate_prompt(name, token_ids)
@@ -359,3 +378,17 @@ class InputProcessor:
             if ids not in sequences:
                 sequences.append(list(ids))
         return sequences or None
+
+
+# The key under which a transformers tokenizer records that it has shown its warning
+# "Token indices sequence length is longer than the specified maximum sequence length".
+_TOO_LONG_WARNING = "sequence-length-is-longer-than-the-specified-maximum"
+
+
+def _silence_too_long_warning(tokenizer: Any) -> None:
+    """Mark that one transformers warning as already shown: every prompt's length is checked
+    against max_model_len here, and a prompt too long is refused with its own message, which the
+    warning (against the tokenizer's model_max_length) would only precede."""
+    shown = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(shown, dict):
+        shown[_TOO_LONG_WARNING] = True

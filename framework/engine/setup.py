@@ -147,7 +147,12 @@ def build_frontend(config: EngineConfig) -> Frontend:
         from sparrow.sample.logits_processor.load import enabled_classes
 
         processor_classes = enabled_classes(config.model.logits_processors)
+    from sparrow.plugins import get_registry, resolve_parser
+
+    scheduler = config.scheduler.scheduler
+    scheduler_cls = resolve_parser("scheduler", scheduler, get_registry().schedulers)
     input_processor = InputProcessor(tokenizer, max_model_len=config.model.max_model_len,
                                      vocab_size=hf_config.vocab_size, eos_token_ids=model_eos_token_ids(model_dir),
-                                     logits_processor_classes=processor_classes)
+                                     logits_processor_classes=processor_classes,
+                                     scheduler=None if getattr(scheduler_cls, "uses_priority", False) else scheduler)
     return Frontend(tokenizer, hf_config, input_processor, OutputProcessor(tokenizer))

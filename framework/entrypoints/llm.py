@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import numbers
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from sparrow.config import EngineConfig
@@ -65,6 +65,8 @@ class LLM:
         """
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
+        elif isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
+            raise TypeError(f"prompts must be a string, a prompt dict or a list of them, got {type(prompts).__name__}")
         return self._run(list(prompts), sampling_params, use_tqdm, priority, lora_request)
 
     def chat(
@@ -73,16 +75,38 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: Any = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the tokenizer's
-        chat template (with the generation prompt); ``lora_request`` as in :meth:`generate`."""
+        chat template; ``lora_request`` as in :meth:`generate`. As in vLLM: ``chat_template``
+        replaces the tokenizer's, ``add_generation_prompt`` opens the assistant's turn,
+        ``continue_final_message`` (with ``add_generation_prompt=False``) lets the model continue
+        the last message, ``tools`` (JSON schemas) and ``chat_template_kwargs`` (e.g.
+        ``{"enable_thinking": False}`` for Qwen3) reach the template."""
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
         for index, conversation in enumerate(conversations):
             if not isinstance(conversation, Sequence) or not all(isinstance(m, Mapping) for m in conversation):
                 raise ValueError(f"messages[{index}] must be a list of {{'role', 'content'}} dicts")
-        return self._run(conversations, sampling_params, use_tqdm, None, lora_request)
+        for name, value in (("add_generation_prompt", add_generation_prompt),
+                            ("continue_final_message", continue_final_message)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        processor = self.llm_engine.input_processor
+        prompts = []
+        for conversation in conversations:
+            text = processor.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template, tools=tools,
+                chat_template_kwargs=chat_template_kwargs)
+            # The template wrote every special token the model expects: none are added.
+            prompts.append({"prompt": text, "prompt_token_ids": processor.tokenize(text, add_special_tokens=False)})
+        return self._run(prompts, sampling_params, use_tqdm, None, lora_request)
 
     def _run(self, prompts: list[Any], sampling_params: Any, use_tqdm: bool,
              priority: Sequence[int] | None, lora_request: Any = None) -> list[RequestOutput]:

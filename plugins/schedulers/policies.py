@@ -18,6 +18,7 @@ class PriorityScheduler(Scheduler):
     largest (priority, arrival) is preempted first."""
 
     sort_waiting = True
+    uses_priority = True
 
     def waiting_key(self, request: Request) -> Any:
         return (request.priority, request.arrival_time)

@@ -34,6 +34,9 @@ class Scheduler(StepOutputs, SchedulerInterface):
     """
 
     sort_waiting = False
+    # Whether the policy reads Request.priority. Under one that does not, the frontend refuses a
+    # request with a non-zero priority (vLLM's rule) rather than let it be silently ignored.
+    uses_priority = False
     # LoRA (set by the engine core when enable_lora): at most this many distinct adapters among
     # the running requests; a waiting request whose adapter would be one too many waits (vLLM's rule).
     max_loras: int | None = None

@@ -60,6 +60,61 @@ def test_bad_grid_value_names_the_flag(capsys):
     assert "--prefix-caching" in capsys.readouterr().err
 
 
+# A mistake anywhere in the grid, and the words its one line must contain. (The last value of a
+# list fails as well as the first: every value is checked before any point runs.)
+GRID_MISTAKES = {
+    "scheduler": (["--schedulers", "fcfs,sjf,nope"], ["--schedulers nope", "unknown scheduler"]),
+    "eviction-policy": (["--kv-eviction-policies", "lru,nope"], ["--kv-eviction-policies nope", "registered"]),
+    "device": (["--device", "nosuch"], ["--device nosuch", "unknown device"]),
+    "device-in-engine-args": (["--engine-args", '{"device": "nosuch"}'], ["--engine-args device nosuch"]),
+    "sim-gpu": (["--device", "sim", "--sim-gpu", "nope", "--schedulers", "fcfs,sjf"], ["--sim-gpu nope"]),
+    "sim-scheduler": (["--device", "sim", "--schedulers", "fcfs,nope"], ["--schedulers nope"]),
+    "engine-args": (["--engine-args", '{"max_model_len": 100000}'], ["--engine-args", "max_model_len"]),
+    "engine-args-json": (["--engine-args", "{bad"], ["--engine-args", "JSON"]),
+    "engine-args-seed": (["--engine-args", '{"seed": 3}'], ["--engine-args", "--seed"]),
+    "budget": (["--max-num-batched-tokens", "2048,64", "--engine-args",
+                '{"max_model_len": 256, "enable_chunked_prefill": false}'], ["--max-num-batched-tokens 64"]),
+    "trace": (["--trace", "no-such-trace.jsonl"], ["--trace", "no such file"]),
+    "length-scale": (["--length-scale", "0"], ["--length-scale"]),
+    "all-and-names": (["--schedulers", "all,fcfs"], ["--schedulers", "all"]),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(GRID_MISTAKES))
+def test_every_grid_value_is_checked_before_the_first_point(mistake, qwen3_dir, tmp_path, monkeypatch, capsys):
+    from sparrow.bench import ablate
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("a grid point ran before every value was checked")
+
+    monkeypatch.setattr(ablate, "run_point", no_run)
+    monkeypatch.setattr(ablate, "run_sim_point", no_run)
+    monkeypatch.chdir(tmp_path)
+    flags, words = GRID_MISTAKES[mistake]
+    assert main(["bench", "ablate", qwen3_dir, "--num-prompts", "2", "--output-dir", "out", *flags]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sparrow: error: "), lines
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_combination_is_checked_after_each_value_alone():
+    from sparrow.bench.ablate_checks import check_grid
+    from sparrow.config import ConfigError
+
+    def check(point):  # the engine's pre-flight, standing in: sjf with 32-token blocks is refused
+        if point.get("scheduler") == "sjf" and point.get("block_size") == 32:
+            raise ConfigError("sjf cannot use 32-token blocks")
+
+    axes = {"scheduler": ["fcfs", "sjf"], "block_size": [16, 32]}
+    flags = {"scheduler": "--schedulers", "block_size": "--block-size"}
+    label = lambda point: point_label(point, set(point))  # noqa: E731
+    with pytest.raises(ValueError, match=r"^grid point 'sjf bs=32': sjf cannot"):
+        check_grid(axes, flags, grid_points(axes), check, label)
+    check_grid(axes, flags, grid_points({"scheduler": ["fcfs", "sjf"], "block_size": [16]}), check, label)
+
+
 def test_tiny_grid_writes_table_json_and_chart(qwen3_dir, tmp_path):
     out_dir = tmp_path / "ablate"
     engine_args = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 64}

@@ -35,10 +35,11 @@ def sparrow_command() -> list[str]:
     return [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "sparrow.entrypoints.cli"]
 
 
-def run_sparrow(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_sparrow(*args: str, timeout: float = 300, env: dict[str, str] | None = None,
+                cwd: Path | None = None) -> subprocess.CompletedProcess:
     base = {name: value for name, value in os.environ.items() if name != "SPARROW_LOGGING_LEVEL"}
     return subprocess.run([*sparrow_command(), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**base, "SPARROW_CPU_THREADS": "1", **(env or {})})
+                          env={**base, "SPARROW_CPU_THREADS": "1", **(env or {})}, cwd=cwd)
 
 
 def assert_one_error_line(result: subprocess.CompletedProcess, *names: str) -> str:
@@ -120,6 +121,157 @@ def test_a_busy_port_is_one_line_without_a_traceback(qwen3_dir):
     assert len(errors) == 1 and str(port) in errors[0], result.stderr
 
 
+# Mistakes argparse finds (a wrong type, a value out of range, an unknown flag), in every command:
+# one line naming the flag, no usage block. (arguments, words the error line must contain)
+PARSER_MISTAKES = {
+    "generate-int": (["generate", "--max-tokens", "abc"], ["--max-tokens", "abc", "sparrow generate --help"]),
+    "generate-sampling-seed": (["generate", "--sampling-seed", "x"], ["--sampling-seed"]),
+    "generate-json": (["generate", "--kv-connector-extra-config", "{bad json"], ["--kv-connector-extra-config"]),
+    "generate-unknown-flag": (["generate", "--max-tokenz", "3"], ["--max-tokenz"]),
+    "port-too-large": (["serve", "--port", "99999"], ["--port", "99999", "65535"]),
+    "port-65536": (["serve", "--port", "65536"], ["--port", "65536"]),
+    "port-negative": (["serve", "--port", "-1"], ["--port", "-1"]),
+    "body-bytes-negative": (["serve", "--max-request-body-bytes", "-1"], ["--max-request-body-bytes"]),
+    "body-bytes-zero": (["serve", "--max-request-body-bytes", "0"], ["--max-request-body-bytes"]),
+    "empty-served-name": (["serve", "--served-model-name", ""], ["--served-model-name", "empty"]),
+    "blank-scheduler": (["generate", "--scheduler", " "], ["--scheduler", "empty"]),
+    "throughput-int": (["bench", "throughput", "--num-prompts", "many"], ["--num-prompts"]),
+    "bench-serve-float": (["bench", "serve", "--request-rate", "fast"], ["--request-rate"]),
+    "ablate-empty-value": (["bench", "ablate", "--schedulers", "fcfs,,sjf"], ["--schedulers", "fcfs,,sjf"]),
+    "ablate-trailing-comma": (["bench", "ablate", "--block-size", "16,"], ["--block-size"]),
+    "trace-int": (["bench", "trace", "--kind", "multi-turn", "--num-requests", "x", "-o", "t.jsonl"],
+                  ["--num-requests"]),
+    "sim-int": (["bench", "sim", "--num-prompts", "x"], ["--num-prompts"]),
+    "plugins-unknown-flag": (["plugins", "--nope"], ["--nope"]),
+    "unknown-command": (["genrate"], ["genrate"]),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(PARSER_MISTAKES))
+def test_a_parser_mistake_is_one_line_without_the_usage(mistake, tmp_path):
+    argv, names = PARSER_MISTAKES[mistake]
+    result = run_sparrow(*argv, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert "usage:" not in result.stderr
+    assert_one_error_line(result, *names)
+
+
+def test_help_still_prints_the_usage():
+    result = run_sparrow("generate", "--help", timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("usage: sparrow generate")
+
+
+def test_port_zero_is_any_free_port_and_the_range_is_the_tcp_one():
+    from sparrow.entrypoints.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--port", "0"]).port == 0
+    assert build_parser().parse_args(["serve", "--port", "65535"]).port == 65535
+
+
+def test_a_bad_logging_level_in_the_environment_is_refused_before_anything_runs(tmp_path):
+    for flags in ([], ["--log-level", "INFO"]):  # a bad value is refused even where the flag wins
+        result = run_sparrow(*flags, "generate", "--prompt", "Hi", env={"SPARROW_LOGGING_LEVEL": "bogus"},
+                             timeout=120, cwd=tmp_path)
+        assert result.returncode == 2 and result.stdout == ""
+        assert_one_error_line(result, "SPARROW_LOGGING_LEVEL", "bogus")
+
+
+def test_the_logging_level_from_the_environment_is_case_insensitive(monkeypatch):
+    import argparse
+
+    from sparrow.entrypoints.cli import configure_logging
+
+    monkeypatch.setenv("SPARROW_LOGGING_LEVEL", "debug")
+    assert configure_logging(argparse.Namespace(log_level=None, default_log_level="WARNING")) == "DEBUG"
+
+
+def test_a_long_prompt_is_our_one_line_without_the_tokenizers_warning(qwen3_dir):
+    from transformers import AutoTokenizer
+
+    prompt = " ".join(["word"] * 3000)
+    # The tokenizer would warn about this prompt (it is longer than its model_max_length).
+    assert len(AutoTokenizer.from_pretrained(qwen3_dir).encode(prompt, verbose=False)) > \
+        AutoTokenizer.from_pretrained(qwen3_dir).model_max_length
+    result = run_sparrow("generate", qwen3_dir, *SMALL, "--prompt", prompt)
+    assert result.returncode == 2
+    assert "Token indices sequence length" not in result.stderr
+    assert_one_error_line(result, "prompt", "max_model_len")
+
+
+@pytest.mark.parametrize("adapter", ["missing", "not-an-adapter"])
+def test_a_lora_start_up_failure_is_quiet_but_for_its_one_line(qwen3_dir, tmp_path, adapter):
+    """The engine core is stopped just after it reported ready: its I/O threads must stop before
+    its sockets close, not log a ZMQError traceback (once 3 in 3 runs)."""
+    path = tmp_path / "no-such-adapter" if adapter == "missing" else tmp_path  # a directory, but no adapter
+    result = run_sparrow("serve", qwen3_dir, *SMALL, "--port", "0", "--enable-lora", "--lora-modules",
+                         f"foo={path}", env={"SPARROW_LOGGING_LEVEL": "WARNING"})
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr and "ERROR" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--lora-modules" in lines[0] and str(path) in lines[0], result.stderr
+
+
+# -- benchmark outputs ------------------------------------------------------------------------
+# Every benchmark that writes a report, with the flag naming it.
+BENCH_OUTPUTS = [
+    (["bench", "throughput"], "--result-file"),
+    (["bench", "serve", "--base-url", "http://127.0.0.1:9"], "--result-file"),
+    (["bench", "sim"], "--result-file"),
+    (["bench", "ablate"], "--output-dir"),
+    (["bench", "trace", "--kind", "multi-turn"], "--output"),
+]
+
+
+@pytest.mark.parametrize(("command", "flag"), BENCH_OUTPUTS, ids=lambda value: " ".join(value)
+                         if isinstance(value, list) else value)
+def test_an_unwritable_report_fails_before_the_benchmark_runs(command, flag, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    elsewhere = tmp_path / "elsewhere" / "dir" / "report"  # outside the working directory
+    for path in ("/proc/sparrow-report", str(elsewhere)):
+        result = run_sparrow(*command, flag, path, timeout=120, cwd=work)
+        assert result.returncode == 2 and result.stdout == "", result.stdout  # nothing ran
+        assert_one_error_line(result, flag, path)
+    assert not (tmp_path / "elsewhere").exists()  # never created
+
+
+def test_report_paths_follow_one_rule(tmp_path, monkeypatch):
+    from sparrow.bench.outputs import check_output_path
+
+    monkeypatch.chdir(tmp_path)
+    check_output_path("--result-file", "bench-results/new/x.json", is_dir=False)  # created later, inside
+    check_output_path("--output-dir", str(tmp_path.parent / "new-dir"), is_dir=True)  # its parent exists
+    assert not (tmp_path / "bench-results").exists() and not (tmp_path.parent / "new-dir").exists()
+    (tmp_path / "a-file").write_text("")
+    for path, is_dir, words in [
+        (str(tmp_path.parent / "missing" / "x.json"), False, "does not exist"),
+        (str(tmp_path.parent / "missing" / "out"), True, "does not exist"),
+        ("a-file", True, "not a directory"),
+        ("a-file/x.json", False, "not a directory"),
+        (".", False, "is a directory"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            check_output_path("--flag", path, is_dir=is_dir)
+
+
+def test_every_bench_output_flag_is_checked_and_documented():
+    import argparse
+
+    from sparrow.bench.outputs import OUTPUTS, RULE
+    from sparrow.entrypoints.cli import build_parser
+
+    bench = _subparser(build_parser(), "bench")
+    action = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
+    seen = set()
+    for name, parser in action.choices.items():
+        for option in parser._actions:
+            if any(flag in ("--result-file", "--output-dir", "--output") for flag in option.option_strings):
+                assert option.dest in OUTPUTS, (name, option.dest)
+                assert RULE in option.help, (name, option.option_strings)
+                seen.add(name)
+    assert seen == {"throughput", "serve", "sim", "ablate", "trace"}
+
+
 def test_debug_shows_the_traceback(qwen3_dir):
     result = run_sparrow("generate", qwen3_dir, "--temperature", "-1", "--debug")
     assert result.returncode == 2
@@ -178,6 +330,15 @@ def test_internal_flags_are_still_accepted():
     assert engine_kwargs(args) == {"data_parallel_rank": 1, "max_num_seqs": 8}
     args = build_parser().parse_args(["serve", "--data-parallel-rank", "1"])
     assert args.data_parallel_rank == 1
+
+
+def test_help_texts_name_real_files_and_say_what_seed_does():
+    from sparrow.entrypoints.cli import _sub_parsers, build_parser
+
+    for parser in _sub_parsers(build_parser()):
+        assert "BENCHMARKS.md" not in parser.format_help(), parser.prog  # the file is docs/benchmarks.md
+    seed = next(a for a in _subparser(build_parser(), "generate")._actions if "--seed" in a.option_strings)
+    assert "built-in weights" not in seed.help  # the built-in model is always built with seed 0
 
 
 def test_version():

@@ -288,8 +288,7 @@ def test_stop_string_ends_the_text_before_it(server):
 
 def test_seed_reproduces_a_sample_and_sampling_fields_are_accepted(server):
     client = server.client()
-    extra = {"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1, "min_tokens": 4, "priority": 3,
-             "ignore_eos": True}
+    extra = {"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1, "min_tokens": 4, "ignore_eos": True}
 
     def sample(seed):
         return client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=1.0,
@@ -299,6 +298,11 @@ def test_seed_reproduces_a_sample_and_sampling_fields_are_accepted(server):
     first, again, other = sample(11), sample(11), sample(12)
     assert first == again
     assert first != other
+    # The server runs fcfs, which does not order by priority: a priority is refused, not ignored.
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, extra_body={"priority": 3})
+    assert refused.value.body["param"] == "priority"
+    assert "the 'fcfs' scheduler does not order requests by priority" in refused.value.body["message"]
 
 
 def test_bench_serve_reports_vllm_metrics(server, tmp_path):

@@ -137,7 +137,7 @@ CHAT_REFUSED = [
     ({"functions": [{"name": "f"}]}, "functions", "not supported yet"),
     ({"documents": [{"title": "a", "text": "b"}]}, "documents", "not supported yet"),
     ({"messages": [{"role": "user", "content": "hi", "colour": "red"}]}, "messages[0].colour", "unknown field"),
-    ({"stream": True, "stream_options": {"include_usage": True, "typo": 1}}, "stream_options", "unknown field"),
+    ({"stream": True, "stream_options": {"include_usage": True, "typo": 1}}, "stream_options.typo", "unknown field"),
     ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options", "include_usage"),
     ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt"),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "tokenize"),

@@ -121,7 +121,7 @@ def test_completions_honour_every_way_to_ask(client, extra, check):
     ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
     ({"guided_choice": []}, "guided_choice", "non-empty"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
-    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs", "not supported"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern", "not supported"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "only one"),
 ])
 def test_bad_structured_outputs_are_400_naming_the_field(client, extra, param, phrase):

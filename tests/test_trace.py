@@ -206,6 +206,27 @@ def test_bench_trace_cli_writes_a_loadable_deterministic_trace(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--kind", "multi-turn", "--num-requests", "0"], "--num-requests must be an integer >= 1, got 0"),
+    (["--kind", "multi-turn", "--turns-min", "4", "--turns-max", "2"],
+     "--turns-min (4) is larger than --turns-max (2)"),
+    (["--kind", "shared-system-prompt", "--request-rate", "0"], "--request-rate must be > 0, got 0.0"),
+    (["--kind", "multi-turn", "--max-prompt-len", "10", "--user-len-max", "20"],
+     "--max-prompt-len (10) is shorter than --user-len-max (20)"),
+    (["--kind", "shared-system-prompt", "--turns-min", "3"],
+     "--turns-min does not apply to --kind shared-system-prompt"),
+    (["--kind", "shared-system-prompt", "--turns-min", "3", "--think-time-s", "1"],
+     "--think-time-s, --turns-min do not apply to --kind shared-system-prompt"),
+])
+def test_bench_trace_errors_name_the_flags(flags, message, tmp_path):
+    result = _sparrow("bench", "trace", *flags, "-o", str(tmp_path / "t.jsonl"), timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("sparrow: error: ") and message in lines[0], lines[0]
+    assert "_" not in lines[0].split(":", 2)[2].split("(its options")[0]  # flags, never Python names
+    assert not (tmp_path / "t.jsonl").exists()
+
+
 # -- replay against a real server ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -213,7 +234,8 @@ def server(tmp_path_factory):
     from tests.test_server import serve_for_module
 
     model_dir = str(build_test_model(tmp_path_factory.mktemp("trace-model"), "qwen3"))
-    yield from serve_for_module(model_dir, tmp_path_factory, "trace-logs")
+    # The priority scheduler: a trace's priorities are sent, and a policy that ignores them refuses them.
+    yield from serve_for_module(model_dir, tmp_path_factory, "trace-logs", "--scheduler", "priority")
 
 
 def _replay(server, trace: Path, result: Path, *extra: str) -> dict:

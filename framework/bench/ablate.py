@@ -6,7 +6,7 @@ batch). Per point: request and token throughput, mean / median / p99 end-to-end 
 request's ``metrics.finished_time``), and the prefix-cache hit rate from the engine's scheduler
 stats (tokens found / tokens looked up during the run).
 
-Workloads (BENCHMARKS.md):
+Workloads (docs/ablations.md):
 
 - ``offline``: the zero-hit offline workload, random prompts of [16, 400) tokens, [16, 200) outputs;
 - ``shared-prefix``: a 256-token system prefix shared by every request plus a [32, 128]-token
@@ -14,7 +14,8 @@ Workloads (BENCHMARKS.md):
 - ``mixed``: for comparing schedulers, 80% short requests ([16, 64) prompt, [8, 32) output) and
   20% long ones ([256, 512) prompt, [128, 256) output), interleaved at random.
 
-Every request also gets a random priority in {0, 1, 2}, read only by the ``priority`` scheduler.
+Every request also gets a random priority in {0, 1, 2}, read only by the ``priority`` scheduler (a
+real engine refuses a non-zero priority under a policy that ignores it: the others get 0).
 ``--trace FILE`` replays a request trace instead (``sparrow.bench.trace``): each request is submitted
 at its arrival time, latencies count from that time.
 
@@ -22,6 +23,10 @@ at its arrival time, latencies count from that time.
 real scheduler and KV cache on simulated time, so a GPU-sized grid runs on a CPU in seconds per
 point and the same seed gives the same table. Per point, both kinds of run report TTFT and TPOT
 too. Writes ``results.md`` (table), ``results.json`` and ``results.png`` (chart) to ``--output-dir``.
+
+Every flag, every grid value and every combination of them is checked before the first point runs
+(``sparrow.bench.ablate_checks``: each point's engine configuration is built and pre-flighted,
+nothing is loaded), so a mistake in the last value of a grid costs no run.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from sparrow.bench.ablate_report import COLUMNS, markdown_table, write_chart  # noqa: F401 - re-exported
+from sparrow.bench.outputs import RULE as OUTPUT_RULE
 
 WORKLOADS = ("offline", "shared-prefix", "mixed")
 # (flag dest, engine argument, short label for chart and table)
@@ -64,10 +70,10 @@ class WorkItem:
 # -- command line -----------------------------------------------------------------------------
 def _csv(convert):
     def parse(text: str) -> list:
-        values = [convert(part.strip()) for part in text.split(",") if part.strip()]
-        if not values:
-            raise argparse.ArgumentTypeError("expected a comma-separated list with at least one value")
-        return values
+        parts = [part.strip() for part in text.split(",")]
+        if not all(parts):  # "fcfs,,sjf" or "fcfs,": a value lost, not one to skip
+            raise argparse.ArgumentTypeError(f"expected comma-separated values, none of them empty, got {text!r}")
+        return [convert(part) for part in parts]
     return parse
 
 
@@ -103,7 +109,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--sim-gpu", default=None,
                    help="the card simulated with --device sim: h100 (default), h200, a100, l40s")
     grid = p.add_argument_group("grid (comma-separated values; every combination is one point)")
-    grid.add_argument("--schedulers", type=str, default="fcfs",
+    grid.add_argument("--schedulers", type=_csv(str), default="fcfs",
                       help="scheduler names, or 'all' for every registered scheduler")
     grid.add_argument("--prefix-caching", type=_csv(_on_off), default=None, help="on,off (default: engine's, on)")
     grid.add_argument("--max-num-batched-tokens", type=_csv(_positive_int), default=None,
@@ -122,7 +128,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--multiprocess", action=argparse.BooleanOptionalAction, default=None,
                    help="engine core in its own process (default: the engine's default, yes; "
                         "--device sim always runs in this process)")
-    p.add_argument("--output-dir", default="bench-results/ablate", help="where results.md, .json and .png go")
+    p.add_argument("--output-dir", default="bench-results/ablate",
+                   help=f"where results.md, .json and .png go ({OUTPUT_RULE})")
     p.set_defaults(func=run)
     return p
 
@@ -210,14 +217,22 @@ def run_point(model_path: str, workload: list[WorkItem], point: dict[str, Any], 
         warm_up = [{"prompt_token_ids": item.prompt_token_ids[:8]} for item in workload[:2]]
         llm.generate(warm_up, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
         llm.reset_prefix_cache()  # the measured run starts from an empty cache
-        return measure(llm.llm_engine, workload)
+        return measure(llm.llm_engine, workload, send_priority=_uses_priority(llm.llm_engine.config))
     finally:
         llm.shutdown()
 
 
-def measure(engine: Any, workload: list[WorkItem]) -> dict[str, Any]:
+def _uses_priority(config: Any) -> bool:
+    from sparrow.plugins import get_registry, resolve_parser
+
+    scheduler = config.scheduler.scheduler
+    return bool(getattr(resolve_parser("scheduler", scheduler, get_registry().schedulers), "uses_priority", False))
+
+
+def measure(engine: Any, workload: list[WorkItem], send_priority: bool = True) -> dict[str, Any]:
     """Submit each request at its arrival time (all at t0 for the built-in workloads) and step the
-    engine until every request finishes; latencies count from each request's arrival time."""
+    engine until every request finishes; latencies count from each request's arrival time. Without
+    ``send_priority`` every request goes at priority 0."""
     import numpy as np
     from tqdm.auto import tqdm
 
@@ -238,7 +253,7 @@ def measure(engine: Any, workload: list[WorkItem]) -> dict[str, Any]:
             item = workload[index]
             params = SamplingParams(max_tokens=item.max_tokens, ignore_eos=True, temperature=0.0)
             engine.add_request(f"ablate-{index}", {"prompt_token_ids": item.prompt_token_ids}, params,
-                               priority=item.priority)
+                               priority=item.priority if send_priority else 0)
             arrivals[f"ablate-{index}"] = item.arrival_s
             next_arrival += 1
         if not engine.has_unfinished_requests():
@@ -293,13 +308,11 @@ def measure(engine: Any, workload: list[WorkItem]) -> dict[str, Any]:
 
 
 def resolve_axes(args: argparse.Namespace) -> dict[str, list[Any] | None]:
-    schedulers = [name.strip() for name in args.schedulers.split(",") if name.strip()]
+    schedulers = args.schedulers
     if schedulers == ["all"]:
         from sparrow.plugins import get_registry
 
         schedulers = sorted(get_registry().schedulers)
-    if not schedulers:
-        raise ValueError("--schedulers needs at least one scheduler name (or 'all')")
     return {
         "scheduler": schedulers,
         "enable_prefix_caching": args.prefix_caching,
@@ -310,25 +323,13 @@ def resolve_axes(args: argparse.Namespace) -> dict[str, list[Any] | None]:
     }
 
 
-def resolve_device(args: argparse.Namespace, engine_args: dict[str, Any]) -> str | None:
-    """The device of every point (None: the engine's default); ValueError naming the flag."""
-    device = args.device
-    if device is not None and engine_args.get("device", device) != device:
-        raise ValueError(f"--device {device} and --engine-args device {engine_args['device']!r} disagree")
-    device = device or engine_args.get("device")
-    if device == "sim":
-        engine_args.pop("device", None)
-        from sparrow.sim.platform import sim_settings
-
-        sim_settings({"sim_gpu": args.sim_gpu or "h100"})  # a wrong name fails before anything runs
-    elif args.sim_gpu is not None:
-        raise ValueError("--sim-gpu needs --device sim")
-    elif device is not None:
-        engine_args["device"] = device
-    return device
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from sparrow.bench import ablate_checks as checks
+
+    # The flags first: a mistake is reported before torch's seconds of importing.
+    checks.check_flags(args)
+    engine_args = checks.parse_engine_args(args.engine_args)
+
     import platform
 
     import torch
@@ -336,26 +337,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from sparrow.engine.setup import resolve_model_path
     from sparrow.model_loader import get_hf_config
 
-    engine_args = json.loads(args.engine_args)
-    if not isinstance(engine_args, dict):
-        raise ValueError(f"--engine-args must be a JSON object, got {args.engine_args!r}")
-    device = resolve_device(args, engine_args)
+    device = checks.resolve_device(args, engine_args)
     sim_gpu = (args.sim_gpu or "h100").lower() if device == "sim" else None
     axes = resolve_axes(args)
     overlap = sorted(set(engine_args) & {arg for arg, values in axes.items() if values})
     if overlap:
         raise ValueError(f"--engine-args sets {', '.join(overlap)}, which the grid varies; use the grid flag")
     model_path = resolve_model_path(args.model)
+    points = grid_points(axes)
+    varying = {arg for arg, values in axes.items() if values and len(values) > 1}
+    checks.check_grid(axes, {arg: "--" + dest.replace("_", "-") for dest, arg, _ in AXES}, points,
+                      checks.engine_point_check(model_path, engine_args, args.seed, sim_gpu),
+                      lambda point: point_label(point, set(point)))
     vocab_size = get_hf_config(model_path).vocab_size
     if args.trace is not None:
-        if args.length_scale != 1.0:
-            raise ValueError("--length-scale scales the built-in workloads; a --trace is replayed as written")
         workload = trace_workload(args.trace, vocab_size, seed=args.seed)
     else:
         workload = make_workload(args.workload, args.num_prompts, vocab_size, seed=args.seed,
                                  length_scale=args.length_scale)
-    points = grid_points(axes)
-    varying = {arg for arg, values in axes.items() if values and len(values) > 1}
     from tqdm.auto import tqdm
 
     results = []

@@ -1,6 +1,6 @@
 """GPU parts of the throughput benchmark: the Qwen3-0.6B-shaped model and the memory roofline.
 
-The GPU workload of BENCHMARKS.md: Qwen3-0.6B's architecture with random bf16 weights, 256
+The GPU workload of docs/benchmarks.md: Qwen3-0.6B's architecture with random bf16 weights, 256
 requests, prompt and output lengths uniform in [100, 1024], ignore_eos, temperature 0.6. Decoding
 is memory-bound, so the bar is a memory roofline: the bytes every decode step must read (the
 weights once per step, plus every running request's KV cache), summed over the workload, divided

@@ -29,6 +29,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from sparrow.bench.outputs import RULE as OUTPUT_RULE
+
 
 @dataclass(slots=True)
 class BenchRequest:
@@ -374,6 +376,7 @@ def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrival times")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
-    parser.add_argument("--result-file", default="bench-results/serve.json", help="JSON report path ('' for none)")
+    parser.add_argument("--result-file", default="bench-results/serve.json",
+                        help=f"JSON report path, '' for none ({OUTPUT_RULE})")
     parser.set_defaults(func=run)
     return parser

@@ -23,6 +23,7 @@ import math
 import random
 from typing import Any, Callable
 
+from sparrow.bench.outputs import RULE as OUTPUT_RULE
 from sparrow.bench.trace import KINDS, TraceRequest, save_trace
 
 COMMON = {"request_rate": 4.0, "output_len_min": 16, "output_len_max": 128, "num_priorities": 1}
@@ -36,30 +37,40 @@ OPTIONS: dict[str, dict[str, Any]] = {
 _MAY_BE_ZERO = {"think_time_s"}
 
 
-def _options(kind: str, given: dict[str, Any]) -> dict[str, Any]:
+def _quoted(name: str) -> str:
+    return f"'{name}'"
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _options(kind: str, given: dict[str, Any], show: Callable[[str], str] = _quoted) -> dict[str, Any]:
+    """The options of ``kind``: its defaults updated with ``given``, checked; ValueError naming the
+    option as ``show`` writes it (Python's ``'name'``, or the command line's ``--name``)."""
     defaults = OPTIONS[kind]
     unknown = sorted(set(given) - set(defaults))
     if unknown:
-        raise ValueError(f"option(s) {', '.join(map(repr, unknown))} do not apply to kind {kind!r}; "
-                         f"its options are {', '.join(defaults)}")
+        raise ValueError(f"option(s) {', '.join(map(show, unknown))} do not apply to kind {kind!r}; "
+                         f"its options are {', '.join(map(show, defaults))}")
     opts = {**defaults, **{k: v for k, v in given.items() if v is not None}}
     for name, value in opts.items():
         if value is None:
             continue
         if name in ("request_rate", "think_time_s"):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-                raise ValueError(f"'{name}' must be a number, got {value!r}")
+                raise ValueError(f"{show(name)} must be a number, got {value!r}")
             if value < 0 or (value == 0 and name not in _MAY_BE_ZERO):
-                raise ValueError(f"'{name}' must be {'>= 0' if name in _MAY_BE_ZERO else '> 0'}, got {value!r}")
+                raise ValueError(f"{show(name)} must be {'>= 0' if name in _MAY_BE_ZERO else '> 0'}, got {value!r}")
         elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"'{name}' must be an integer >= 1, got {value!r}")
+            raise ValueError(f"{show(name)} must be an integer >= 1, got {value!r}")
     for low in [name for name in opts if name.endswith("_min")]:
         high = low[:-4] + "_max"
         if opts[low] > opts[high]:
-            raise ValueError(f"'{low}' ({opts[low]}) is larger than '{high}' ({opts[high]})")
+            raise ValueError(f"{show(low)} ({opts[low]}) is larger than {show(high)} ({opts[high]})")
     if kind == "multi-turn" and opts["max_prompt_len"] is not None and opts["max_prompt_len"] < opts["user_len_max"]:
-        raise ValueError(f"'max_prompt_len' ({opts['max_prompt_len']}) is shorter than 'user_len_max' "
-                         f"({opts['user_len_max']}): a first turn might not fit")
+        raise ValueError(f"{show('max_prompt_len')} ({opts['max_prompt_len']}) is shorter than "
+                         f"{show('user_len_max')} ({opts['user_len_max']}): a first turn might not fit")
     return opts
 
 
@@ -122,9 +133,14 @@ def run(args: argparse.Namespace) -> int:
 
     given = {name: getattr(args, name) for name in sorted(set().union(*OPTIONS.values()))
              if getattr(args, name) is not None}
-    misplaced = ["--" + name.replace("_", "-") for name in given if name not in OPTIONS[args.kind]]
+    misplaced = [_flag(name) for name in given if name not in OPTIONS[args.kind]]
     if misplaced:
-        raise ValueError(f"{', '.join(misplaced)} do(es) not apply to --kind {args.kind}")
+        verb = "does" if len(misplaced) == 1 else "do"
+        raise ValueError(f"{', '.join(misplaced)} {verb} not apply to --kind {args.kind} (its options: "
+                         f"{', '.join(map(_flag, OPTIONS[args.kind]))})")
+    if args.num_requests < 1:
+        raise ValueError(f"--num-requests must be an integer >= 1, got {args.num_requests}")
+    _options(args.kind, given, show=_flag)  # the same checks synthesize makes, naming the flags
     requests = synthesize(args.kind, args.num_requests, args.seed, **given)
     save_trace(args.output, requests)
     groups = {r.prefix_group for r in requests if r.prefix_group is not None}
@@ -141,7 +157,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--kind", choices=KINDS, required=True, help="the workload to synthesize")
     parser.add_argument("--num-requests", type=int, default=200, help="requests in the trace")
     parser.add_argument("--seed", type=int, default=0, help="seed of lengths, groups and arrival times")
-    parser.add_argument("-o", "--output", required=True, help="the JSONL file to write")
+    parser.add_argument("-o", "--output", required=True, help=f"the JSONL file to write ({OUTPUT_RULE})")
     parser.add_argument("--request-rate", type=float, default=None,
                         help="requests per second, Poisson arrivals ('inf': all at 0; default 4)")
     parser.add_argument("--output-len-min", type=int, default=None, help="fewest output tokens (default 16)")

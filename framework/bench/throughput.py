@@ -1,4 +1,4 @@
-"""`sparrow bench throughput`: the offline CPU workload of BENCHMARKS.md, optionally against HF.
+"""`sparrow bench throughput`: the offline CPU workload of docs/benchmarks.md, optionally against HF.
 
 Workload: random token-id prompts with lengths uniform in [input_len_min, input_len_max), per-request
 max_tokens uniform in [output_len_min, output_len_max), ignore_eos, greedy. The HF reference runs
@@ -22,6 +22,8 @@ import random
 import time
 from datetime import datetime, timezone
 from typing import Any
+
+from sparrow.bench.outputs import RULE as OUTPUT_RULE
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,8 @@ def add_parser(subparsers: Any) -> None:
                    help="a quicker, reduced HF run on the first N prompts only, reported as per-batch "
                         "throughput and not as a speed-up (default: all prompts)")
     p.add_argument("--repeats", type=int, default=1, help="runs of the engine (the median is reported)")
-    p.add_argument("--result-file", default="bench-results/throughput.json", help="JSON report path ('' for none)")
+    p.add_argument("--result-file", default="bench-results/throughput.json",
+                   help=f"JSON report path, '' for none ({OUTPUT_RULE})")
     p.add_argument("--engine-args", default="{}",
                    help='JSON dict of extra engine arguments, e.g. \'{"max_num_seqs": 64}\'')
     p.add_argument("--quantization", default=None,

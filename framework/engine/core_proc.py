@@ -305,10 +305,13 @@ def _serve(config: EngineConfig, input_path: str, output_path: str, zmq_ctx: zmq
     proc.output_queue.put(serial.HandshakeMessage(
         status="READY", num_blocks=engine_core.num_kv_blocks, block_size=engine_core.block_size,
         max_model_len=config.model.max_model_len or 0))
-    proc.start_io_threads()
-    freeze_startup_objects()
     exit_code = 0
+    # Everything after the I/O threads start is inside the try: a SIGTERM that lands during
+    # start-up (a frontend giving up right after READY) must still stop them before the context
+    # closes their sockets, or the input thread fails on a closed socket.
     try:
+        proc.start_io_threads()
+        freeze_startup_objects()
         proc.run_busy_loop()
     except SystemExit:
         logger.info("engine core shutting down")

@@ -2,7 +2,8 @@
 
 A mistake by the user (a bad flag value, a missing model or weight file, an unknown scheduler or
 device, a busy port) ends the command with one line, ``sparrow: error: <message>``, and exit
-status 2 (1 for failures at run time); ``--debug`` adds the traceback.
+status 2 (1 for failures at run time); ``--debug`` adds the traceback. argparse's own mistakes
+(an unknown flag, a value of the wrong type) are that one line too, without the usage block.
 
 ``--log-level`` governs every process: the engine core and the worker ranks read it from
 ``SPARROW_LOGGING_LEVEL``, which the command sets before any of them starts.
@@ -18,7 +19,7 @@ import re
 import sys
 import traceback
 import types
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, NoReturn, Union, get_args, get_origin
 
 ENV_LOGGING_LEVEL = "SPARROW_LOGGING_LEVEL"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -32,6 +33,15 @@ EXIT_INTERRUPTED = 130  # the shell's status for a command stopped by SIGINT
 # there are the user's mistake (a model directory, a flag), anything else is a failure.
 USER_ERROR_NAMES = ("ConfigError", "ValueError", "FileNotFoundError", "WeightFileError", "MissingWeightsError",
                     "UnsupportedArchitectureError", "PluginError")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """A usage mistake is one line, like every other user mistake: ``sparrow: error: <message>``
+    and status 2, without argparse's usage block (``--help`` still prints it). Subcommands'
+    parsers are of this class too (``add_subparsers`` makes its parsers of the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USER_ERROR, f"sparrow: error: {message} (see `{self.prog} --help`)\n")
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -77,7 +87,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
             elif get_origin(kinds[0]) is Literal:
                 group.add_argument(flag, dest=name, choices=list(get_args(kinds[0])), default=None, help=help_text)
             elif get_origin(kinds[0]) is list:
-                group.add_argument(flag, dest=name, nargs="+", default=None, metavar="NAME", help=help_text)
+                group.add_argument(flag, dest=name, nargs="+", type=_text, default=None, metavar="NAME",
+                                   help=help_text)
             elif dict in kinds or get_origin(kinds[0]) is dict:
                 group.add_argument(flag, dest=name, type=_json_object, default=None, metavar="JSON", help=help_text)
             elif int in kinds:
@@ -85,7 +96,15 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
             elif float in kinds:
                 group.add_argument(flag, dest=name, type=float, default=None, help=help_text)
             else:
-                group.add_argument(flag, dest=name, default=None, help=help_text)
+                group.add_argument(flag, dest=name, type=_text, default=None, help=help_text)
+
+
+def _text(value: str) -> str:
+    """A text engine argument: empty would be taken for the default (``--served-model-name ""``
+    served under the model's name), so it is refused."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return value
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -148,7 +167,7 @@ def stream_generate(engine: Any, prompts: list[str], params: Any, out: Any) -> N
     if streaming:
         out.write(prompts[0])
         out.flush()
-    texts = {request_id: [] for request_id in prompt_of}  # request id -> text deltas so far
+    texts: dict[str, list[str]] = {request_id: [] for request_id in prompt_of}  # request id -> text deltas so far
     while engine.has_unfinished_requests():
         for output in engine.step():
             delta = output.outputs[0].text if output.outputs else ""
@@ -202,8 +221,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from sparrow import __version__
 
-    parser = argparse.ArgumentParser(prog="sparrow", description="Sparrow: a small, pluggable LLM inference engine",
-                                     formatter_class=HelpFormatter)
+    parser = ArgumentParser(prog="sparrow", description="Sparrow: a small, pluggable LLM inference engine",
+                            formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     _add_common_options(parser, argparse.SUPPRESS)
     parser.set_defaults(log_level=None, debug=False, default_log_level="WARNING")
@@ -335,10 +354,14 @@ def _one_line(message: str) -> str:
 
 
 def configure_logging(args: argparse.Namespace) -> str:
-    """Set the log level of this process and, through the environment, of every process it starts."""
-    level = (args.log_level or os.environ.get(ENV_LOGGING_LEVEL) or args.default_log_level).upper()
-    if level not in LOG_LEVELS:
-        level = args.default_log_level
+    """Set the log level of this process and, through the environment, of every process it starts.
+    A value of ``$SPARROW_LOGGING_LEVEL`` that is not a level is a ValueError naming the variable,
+    even under ``--log-level`` (never a value accepted and ignored)."""
+    from_env = os.environ.get(ENV_LOGGING_LEVEL)
+    if from_env and from_env.upper() not in LOG_LEVELS:
+        raise ValueError(f"{ENV_LOGGING_LEVEL}={from_env!r} is not a log level; use one of {', '.join(LOG_LEVELS)} "
+                         "(or unset it)")
+    level = (args.log_level or from_env or args.default_log_level).upper()
     os.environ[ENV_LOGGING_LEVEL] = level
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     return level
@@ -347,8 +370,15 @@ def configure_logging(args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    configure_logging(args)
     try:
+        configure_logging(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        if args.command == "bench":
+            from sparrow.bench.outputs import check_outputs
+
+            check_outputs(args)  # a report that cannot be written fails now, not after the run
         result = args.func(args)
     except KeyboardInterrupt:
         print("sparrow: interrupted", file=sys.stderr)

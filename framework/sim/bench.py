@@ -1,4 +1,4 @@
-"""`sparrow bench sim`: the offline GPU workload of BENCHMARKS.md on the simulated device.
+"""`sparrow bench sim`: the offline GPU workload of docs/benchmarks.md on the simulated device.
 
 The same requests as ``sparrow bench throughput --preset gpu`` (same seed, same lengths: 256
 requests, prompt and output lengths uniform in [100, 1024]) with the same engine settings
@@ -25,6 +25,7 @@ ENGINE_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 16384}
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from sparrow.bench.outputs import RULE as OUTPUT_RULE
     from sparrow.bench.throughput import GPU_PRESET
 
     p = subparsers.add_parser("sim", help="the GPU throughput workload on the simulated device (device='sim')",
@@ -45,7 +46,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--measured-elapsed", type=float, default=None,
                    help="a measured elapsed time (s) of the same workload to compare with (default: the "
                         "calibration run's, for the H100 at the default workload)")
-    p.add_argument("--result-file", default="bench-results/sim.json", help="JSON report path ('' for none)")
+    p.add_argument("--result-file", default="bench-results/sim.json",
+                   help=f"JSON report path, '' for none ({OUTPUT_RULE})")
     p.set_defaults(func=run)
     return p
 

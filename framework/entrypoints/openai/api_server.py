@@ -29,16 +29,13 @@ import argparse
 import asyncio
 import logging
 import os
-import secrets
 import signal
 from typing import Any
 
 from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sparrow.engine.async_llm import AsyncLLM
 from sparrow.engine.exceptions import EngineDeadError
@@ -48,6 +45,12 @@ from sparrow.entrypoints.openai.cli_args import (  # noqa: F401 - add_serve_pars
     ENV_API_KEY,
     ENV_PROFILER_DIR,
     add_serve_parser,
+)
+from sparrow.entrypoints.openai.http_guards import (
+    CORSGuard,
+    JSONBodyRoute,
+    RequestLimitsMiddleware,
+    error_response,
 )
 from sparrow.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -76,75 +79,9 @@ from sparrow.entrypoints.openai.serving_tokenization import (
 
 logger = logging.getLogger(__name__)
 
-# Paths the API key guards besides /v1/*: the tokenizer endpoints cost input-thread time and show
-# the chat template.
-_GUARDED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)
 }
-
-
-def error_response(status_code: int, message: str, err_type: str, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    return JSONResponse(APIError(status_code, message, err_type, param, code).body(), status_code=status_code)
-
-
-class _BodyTooLarge(StarletteHTTPException):
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"the request body is larger than the limit of {limit} bytes")
-
-
-class RequestLimitsMiddleware:
-    """Bearer auth on /v1/* and the tokenizer endpoints, and a cap on the request body, before
-    any route reads the body. (CORS preflight requests never get here: CORSMiddleware, outside
-    this one, answers them, as browsers send them without credentials.)
-
-    The cap is checked against Content-Length up front and against the bytes actually received
-    (a chunked body has no Content-Length).
-    """
-
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
-        self.app = app
-        self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
-        guarded = scope["path"].startswith("/v1") or scope["path"] in _GUARDED_PATHS
-        if self.api_key is not None and guarded and not self._authorized(headers):
-            response = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                      "AuthenticationError", code="invalid_api_key")
-            await response(scope, receive, send)
-            return
-        declared = headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await self._too_large(scope, receive, send)
-            return
-        received = 0
-        limit = self.max_body_bytes
-
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise _BodyTooLarge(limit)
-            return message
-
-        await self.app(scope, limited_receive, send)
-
-    def _authorized(self, headers: dict[str, str]) -> bool:
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key.encode())
-
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(413, f"the request body is larger than the limit of {self.max_body_bytes} bytes",
-                                  "RequestTooLargeError", code="request_too_large")
-        await response(scope, receive, send)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -173,7 +110,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         err_type = {404: "NotFoundError", 405: "MethodNotAllowed", 413: "RequestTooLargeError"}.get(
             exc.status_code, "HTTPError")
-        return error_response(exc.status_code, str(exc.detail), err_type)
+        # A chunked body over the cap is found while it is read, and ends up here.
+        code = "request_too_large" if exc.status_code == 413 else None
+        return error_response(exc.status_code, str(exc.detail), err_type, code=code)
 
     @app.exception_handler(EngineDeadError)
     async def dead(_: Request, exc: EngineDeadError) -> JSONResponse:
@@ -189,12 +128,13 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     max_body = getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_REQUEST_BODY_BYTES
     model_names = [engine.served_model_name]
     app = FastAPI(title="Sparrow OpenAI-compatible API", version=__version__)
+    app.router.route_class = JSONBodyRoute  # before any route is added
     app.add_middleware(RequestLimitsMiddleware, api_key=api_key, max_body_bytes=max_body)
     # Added last, so outermost: preflights are answered before auth, and every response (a 401
     # too) carries the CORS headers a browser needs to read it.
     cors = {name: ["*"] if getattr(args, name, None) is None else getattr(args, name)
             for name in ("allowed_origins", "allowed_methods", "allowed_headers")}
-    app.add_middleware(CORSMiddleware, allow_origins=cors["allowed_origins"], allow_methods=cors["allowed_methods"],
+    app.add_middleware(CORSGuard, allow_origins=cors["allowed_origins"], allow_methods=cors["allowed_methods"],
                        allow_headers=cors["allowed_headers"],
                        allow_credentials=bool(getattr(args, "allow_credentials", False)))
     _install_error_handlers(app)

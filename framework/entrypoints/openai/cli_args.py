@@ -27,6 +27,28 @@ def _run_server(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+def _port(value: str) -> int:
+    # 0 asks the system for a free port (the start-up line "serving ... on http://HOST:PORT" names
+    # it); anything outside 0-65535 is not a TCP port, whatever the socket library makes of it.
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 1-65535 (or 0 for any free port), got {value!r}")
+    return port
+
+
+def _positive_bytes(value: str) -> int:
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be a number of bytes >= 1, got {value!r}")
+    return size
+
+
 def _shutdown_timeout(value: str) -> float:
     try:
         seconds = float(value)
@@ -68,12 +90,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1",
                         help="address to listen on; 0.0.0.0 for every IPv4 interface (default: 127.0.0.1)")
-    server.add_argument("--port", type=int, default=8000,
-                        help="TCP port to listen on; checked before the model loads (default: 8000)")
+    server.add_argument("--port", type=_port, default=8000,
+                        help="TCP port to listen on, 1-65535, or 0 for a free port the start-up line names; "
+                             "checked before the model loads (default: 8000)")
     server.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${ENV_API_KEY} if set, "
                              "else no authentication)")
-    server.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+    server.add_argument("--max-request-body-bytes", type=_positive_bytes, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help=f"answer larger request bodies with 413 (default: {DEFAULT_MAX_REQUEST_BODY_BYTES}, "
                              "10 MiB)")
     server.add_argument("--shutdown-timeout", type=_shutdown_timeout, default=DEFAULT_SHUTDOWN_TIMEOUT_S,

@@ -4,7 +4,9 @@ Requests accept OpenAI's fields plus vLLM's extras (top_k, min_p, repetition_pen
 min_tokens, stop_token_ids, priority, truncate_prompt_tokens, chat_template, ...). The models keep
 unknown fields (``extra="allow"``) only so that ``request_checks`` can refuse each one with a 400
 naming it: nothing a client sends is silently ignored, except the few harmless fields listed there.
-Integers are bounded to what the engine can carry (64-bit), floats must be finite.
+Request models are strict about JSON types, as OpenAI is: a string is not a number and a boolean
+is not an integer (an integer is a float, though: ``temperature: 1``). Integers are bounded to what
+the engine can carry (64-bit), floats must be finite.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
 MAX_N = 128  # samples per prompt; each is a sequence in the engine
@@ -25,6 +28,13 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, protected_namespaces=())
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body or a part of one: no coercion between JSON types (``"4"`` is not 4, ``true``
+    is not 1), so that a client's mistake is a 400 naming the field rather than a guess."""
+
+    model_config = ConfigDict(strict=True)
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -56,7 +66,7 @@ class ModelList(OpenAIBaseModel):
 
 
 # -- shared -----------------------------------------------------------------------------------
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = Field(
         False, description="vLLM's: with include_usage, every chunk carries the usage so far.")
@@ -68,7 +78,26 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
-class SamplingFields(OpenAIBaseModel):
+class JsonSchemaFormat(RequestModel):
+    """``response_format.json_schema``, OpenAI's fields: the output matches ``schema``; ``strict``
+    is always in effect (the output is generated under the schema's grammar)."""
+
+    name: str | None = None
+    description: str | None = None
+    # vLLM's name for it: ``schema`` would shadow a BaseModel attribute.
+    json_schema: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI's response_format: ``type`` text, json_object or json_schema (with ``json_schema``).
+    The type is checked in ``structured_outputs``, so that an unsupported one says so."""
+
+    type: str = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class SamplingFields(RequestModel):
     """Sampling fields both endpoints share (OpenAI's, then vLLM's extras)."""
 
     model: str | None = Field(None, description="Served model name; defaults to the first one served.")
@@ -77,7 +106,7 @@ class SamplingFields(OpenAIBaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=0, le=INT64_MAX)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -100,7 +129,7 @@ class SamplingFields(OpenAIBaseModel):
         description="Keep only the last k prompt tokens (-1: the most that leave room for one output token).")
     return_tokens_as_token_ids: bool = Field(
         False, description="Logprob tokens as 'token_id:N', so that tokens decoding to the same text stay apart.")
-    response_format: dict[str, Any] | None = Field(
+    response_format: ResponseFormat | None = Field(
         None, description="{'type': 'text'} (the default), {'type': 'json_object'}, or {'type': 'json_schema', "
         "'json_schema': {'name': ..., 'schema': {...}}}: the output is JSON (matching the schema).")
     # Structured outputs, vLLM's ways (at most one of these and response_format's JSON types).
@@ -139,12 +168,23 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's Logprob: one token's logprob at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's: one entry per prompt token, None for the first (no context predicts it), else
+    # token id (a JSON key, so a string) -> its Logprob; streamed in a choice's first chunk.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -166,31 +206,45 @@ class CompletionStreamResponse(OpenAIBaseModel):
 
 
 # -- chat -------------------------------------------------------------------------------------
-class FunctionCall(OpenAIBaseModel):
+class FunctionCall(RequestModel):
     name: str
     arguments: str = Field("", description="The call's arguments, a JSON object as a string.")
 
 
-class ToolCall(OpenAIBaseModel):
+class ToolCall(RequestModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class FunctionDefinition(OpenAIBaseModel):
+class FunctionDefinition(RequestModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(OpenAIBaseModel):
+class Tool(RequestModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class ChatMessage(OpenAIBaseModel):
+class ToolChoiceFunction(RequestModel):
+    name: str | None = None
+
+
+class NamedToolChoice(RequestModel):
+    """``{"type": "function", "function": {"name": ...}}``; ``tool_calling`` checks that both are
+    there, so that a half-written choice gets a message showing the whole form."""
+
+    type: str = "function"
+    function: ToolChoiceFunction | None = None
+
+
+class ChatMessage(RequestModel):
     role: str
+    # Content parts stay dicts: a part of another type than text is "not supported yet" rather
+    # than a list of its unknown keys; request_checks checks each part's keys.
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="An assistant turn's tool calls, for the template.")
@@ -207,7 +261,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = Field(None, description="Functions the model may call; shown to the chat template.")
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = Field(
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="none: a text reply; auto (the default with tools): the tool parser finds calls in the "
         "output (needs --enable-auto-tool-choice and --tool-call-parser); required: at least one call; "
         "{'type': 'function', 'function': {'name': ...}}: a call to that function. required and named calls are "

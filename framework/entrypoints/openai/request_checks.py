@@ -5,16 +5,17 @@ one told "not supported". So, beyond the fields the endpoints implement:
 
 - fields of features not built yet (tool calling's deprecated forms, beam search, ...) are a 400
   saying "not supported yet" (structured outputs are checked in ``structured_outputs.py``);
-- any other unknown field is a 400 saying "unknown field";
+- any other unknown field, at any depth (content parts too), is a 400 saying "unknown field";
 - a few fields that common clients send and that change nothing a client can see here are
   accepted and ignored (``IGNORED_FIELDS``; on messages, ``IGNORED_MESSAGE_FIELDS`` when empty);
 - text that UTF-8 cannot encode (a lone surrogate), anywhere in the request, is a 400 naming
   where it is.
 
-``param`` is the top-level field, except inside ``messages`` where it is the message and key
-(``messages[2].content``), as OpenAI names them. Errors are ``RequestFieldError`` (a
-``sparrow.errors.InvalidArgumentError`` with ``param``); the endpoints turn them into OpenAI-shaped
-400s.
+``param`` names the field: an unknown or unsupported key by its whole path
+(``response_format.json_schema.bogus``), a bad value by its top-level field, except inside
+``messages`` where it is the message and key (``messages[2].content``). Errors are
+``RequestFieldError`` (a ``sparrow.errors.InvalidArgumentError`` with ``param``); the endpoints
+turn them into OpenAI-shaped 400s with that ``param`` as it is.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "mm_processor_kwargs": "multimodal inputs",
     "kv_transfer_params": "KV cache transfer",
     "cache_salt": "cache_salt",
+    "cache_control": "cache_control (prompt caching here is automatic)",
 }
 _GUIDED_PREFIX = "guided_"  # guided_decoding_backend, guided_whitespace_pattern, ... (the four are fields)
 _MESSAGE_KEY = re.compile(r"messages\[\d+\](?:\.[^.\[]+)?")
@@ -76,7 +78,38 @@ def param_of(path: str) -> str:
 
 
 def not_supported(field: str, what: str, hint: str = "") -> RequestFieldError:
-    return RequestFieldError(f"{field}: {what} is not supported yet{hint}", param_of(field), code="unsupported")
+    return RequestFieldError(f"{field}: {what} is not supported yet{hint}", field, code="unsupported")
+
+
+def refuse_key(field: str, name: str) -> RequestFieldError:
+    """The error for a key ``name`` no request model declares; ``field``, its path, is the param."""
+    if name in NOT_SUPPORTED_YET:
+        return not_supported(field, NOT_SUPPORTED_YET[name])
+    if name.startswith(_GUIDED_PREFIX):
+        return not_supported(field, _GUIDED)
+    return RequestFieldError(f"{field}: unknown field (check its spelling; the API reference lists the fields this "
+                             f"server implements)", field, code="unknown_field")
+
+
+def content_texts(path: str, parts: list[dict[str, Any]]) -> list[str]:
+    """The texts of a message's content parts (``path``: ``messages[i].content``); a 400 for a
+    part that is not ``{"type": "text", "text": "..."}``."""
+    texts = []
+    for index, part in enumerate(parts):
+        where = f"{path}[{index}]"
+        kind = part.get("type")
+        if kind != "text":
+            raise RequestFieldError(f"{where}: only text parts are supported, got type {kind!r}", path,
+                                    code="unsupported")
+        text = part.get("text")
+        if not isinstance(text, str):
+            got = "it is missing" if "text" not in part else f"got {type(text).__name__}"
+            raise RequestFieldError(f"{where}.text: a text part needs its text, a string ({got})", path)
+        for key in part:
+            if key not in ("type", "text"):
+                raise refuse_key(f"{where}.{key}", key)
+        texts.append(text)
+    return texts
 
 
 def check_unicode(request: BaseModel) -> None:
@@ -106,20 +139,24 @@ def check_fields(request: BaseModel) -> None:
 
 
 def _check_extras(model: BaseModel, path: str, *, top_level: bool = False) -> None:
+    is_message = path.startswith("messages[") and "." not in path
     for name, value in (model.model_extra or {}).items():
         field = f"{path}.{name}" if path else name
         if top_level and name in IGNORED_FIELDS:
             continue
-        if path.startswith("messages[") and "." not in path and name in IGNORED_MESSAGE_FIELDS and not value:
-            continue
-        if name in NOT_SUPPORTED_YET:
-            raise not_supported(field, NOT_SUPPORTED_YET[name])
-        if name.startswith(_GUIDED_PREFIX):
-            raise not_supported(field, _GUIDED)
-        raise RequestFieldError(f"{field}: unknown field (check its spelling; the API reference lists the "
-                                f"fields this server implements)", param_of(field), code="unknown_field")
-    for name in type(model).model_fields:
-        _check_nested(getattr(model, name), f"{path}.{name}" if path else name)
+        if is_message and name in IGNORED_MESSAGE_FIELDS:
+            if not value:
+                continue
+            # A known key of OpenAI's assistant turns: only its content is what cannot be honoured.
+            raise not_supported(field, f"a non-empty {name}", " (it is accepted empty or null, as OpenAI returns "
+                                                              "assistant turns)")
+        raise refuse_key(field, name)
+    for name, field_info in type(model).model_fields.items():
+        # The path the client wrote: an aliased field by its alias (json_schema.schema).
+        _check_nested(getattr(model, name), f"{path}.{field_info.alias or name}" if path else name)
+    content = getattr(model, "content", None)
+    if is_message and isinstance(content, list):
+        content_texts(f"{path}.content", content)
 
 
 def _check_nested(value: Any, path: str) -> None:

@@ -34,7 +34,7 @@ from sparrow.entrypoints.openai.protocol import (
     DeltaMessage,
     ToolCall,
 )
-from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_unicode
+from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_unicode, content_texts
 from sparrow.entrypoints.openai.serving_engine import (
     APIError,
     OpenAIServing,
@@ -57,25 +57,23 @@ def message_text(position: int, content: str | list[dict[str, Any]] | None) -> s
     """A message's content as text: a string, or the text parts of a content list."""
     if content is None or isinstance(content, str):
         return content or ""
-    texts = []
-    for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise APIError(400, f"messages[{position}].content: only text parts are supported, "
-                                f"got {part.get('type')!r}",
-                           "BadRequestError", param=f"messages[{position}].content", code="unsupported")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return "\n".join(content_texts(f"messages[{position}].content", content))
 
 
-def _template_tool_call(call: ToolCall) -> dict[str, Any]:
-    arguments: Any = call.function.arguments
+def _template_tool_call(where: str, call: ToolCall) -> dict[str, Any]:
+    """An earlier turn's tool call as templates take it, its arguments parsed to an object (as
+    vLLM does; "" is {}). ``where`` is the call's path, ``messages[i].tool_calls[j]``."""
+    arguments = call.function.arguments
+    field = f"{where}.function.arguments"
     try:
-        parsed = json.loads(arguments)
-    except (ValueError, RecursionError):
-        parsed = None  # not JSON (a model's broken call, sent back verbatim): the template gets the string
-    if isinstance(parsed, dict):
-        arguments = parsed
-    return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
+        parsed = json.loads(arguments) if arguments else {}
+    except (ValueError, RecursionError) as exc:
+        raise RequestFieldError(f"{field}: not valid JSON ({exc}); the arguments are a JSON object as a string",
+                                field) from None
+    if not isinstance(parsed, dict):
+        raise RequestFieldError(f"{field}: the arguments are a JSON object as a string, got a JSON "
+                                f"{type(parsed).__name__}", field)
+    return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": parsed}}
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -86,7 +84,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if message.name is not None:
             entry["name"] = message.name
         if message.tool_calls:
-            entry["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+            entry["tool_calls"] = [_template_tool_call(f"messages[{position}].tool_calls[{index}]", call)
+                                   for index, call in enumerate(message.tool_calls)]
             if message.content is None:
                 entry["content"] = None  # a turn that only called tools, as templates expect it
         if message.tool_call_id is not None:
@@ -120,6 +119,10 @@ def render_prompt(input_processor: Any, request: ChatCompletionRequest) -> dict[
         raise RequestFieldError(f"messages: the chat template failed: {exc}", "messages") from None
     # By default no special tokens are added: the template wrote every one the model expects.
     all_ids = input_processor.tokenize(text, add_special_tokens=request.add_special_tokens, field="messages")
+    if not all_ids:
+        # Name what made the prompt empty: the request's template, or else the messages.
+        field = "chat_template" if request.chat_template is not None else "messages"
+        raise RequestFieldError(f"{field}: the chat template rendered an empty prompt for these messages", field)
     token_ids = input_processor.truncate(all_ids, request.truncate_prompt_tokens)
     if len(token_ids) < len(all_ids):
         text = input_processor.tokenizer.decode(token_ids)

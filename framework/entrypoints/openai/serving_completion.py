@@ -18,6 +18,7 @@ from sparrow.entrypoints.openai.protocol import (
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
+    PromptLogprob,
     UsageInfo,
 )
 from sparrow.entrypoints.openai.request_checks import check_unicode, not_supported
@@ -33,7 +34,7 @@ from sparrow.entrypoints.openai.serving_engine import (
     token_label,
     usage,
 )
-from sparrow.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from sparrow.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -120,13 +121,28 @@ class CompletionLogprobsBuilder:
         return out
 
 
+def prompt_logprobs_json(logprobs: PromptLogprobs | None) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs`` of a choice: per prompt token None (the first) or token id ->
+    Logprob, the prompt's token first, then the top-k; -inf as vLLM reports it."""
+    return [None if position is None else
+            {str(token_id): PromptLogprob(logprob=clamp_logprob(entry.logprob), rank=entry.rank,
+                                          decoded_token=entry.decoded_token)
+             for token_id, entry in position.items()}
+            for position in logprobs or []]
+
+
 class Echo:
     """How a request's choices are shaped by ``echo``: the prompt in front of each choice's text
     (and its logprobs in front of the generated tokens' when logprobs were asked), and with
-    ``max_tokens=0`` the one generated token dropped."""
+    ``max_tokens=0`` the one generated token dropped; and whether each choice carries the
+    prompt's logprobs (vLLM's ``prompt_logprobs``; streamed, in the choice's first chunk)."""
 
-    def __init__(self, echo: bool, echo_only: bool, with_logprobs: bool) -> None:
+    def __init__(self, echo: bool, echo_only: bool, with_logprobs: bool, prompt_logprobs: bool) -> None:
         self.echo, self.echo_only, self.with_logprobs = echo, echo_only, with_logprobs
+        self.prompt_logprobs = prompt_logprobs
+
+    def prompt_logprobs_of(self, output: RequestOutput) -> list[dict[str, PromptLogprob] | None] | None:
+        return prompt_logprobs_json(output.prompt_logprobs) if self.prompt_logprobs else None
 
     def generated(self, completion: CompletionOutput) -> CompletionOutput:
         if not self.echo_only:
@@ -173,7 +189,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = self.new_request_id()
         streams = await self.submit(request_id, prompts, params, request.priority, self.lora_request_of(request.model))
         n = request.n
-        shape = Echo(echo, echo_only, request.logprobs is not None)
+        shape = Echo(echo, echo_only, request.logprobs is not None, request.prompt_logprobs is not None)
         if request.stream:
             options = request.stream_options
             include_usage = bool(options and options.include_usage)
@@ -210,6 +226,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 builder = CompletionLogprobsBuilder(self.engine.tokenizer, as_token_ids)
                 choice = self._choice(prompt_index * n + completion.index, completion, builder,
                                       shape.prefix(final, builder, self.engine.tokenizer))
+                choice.prompt_logprobs = shape.prompt_logprobs_of(final)
                 choices.append(choice)
         totals.total_tokens = totals.prompt_tokens + totals.completion_tokens
         choices.sort(key=lambda choice: choice.index)
@@ -240,13 +257,17 @@ class OpenAIServingCompletion(OpenAIServing):
                     completion_tokens += len(completion.token_ids)
                     first = index not in builders
                     # Tokens that end mid-character carry no text yet; send them with the next
-                    # chunk unless their logprobs must go out now (or the prompt is to be echoed).
+                    # chunk unless their logprobs must go out now (or the prompt's: echoed, or
+                    # its logprobs, which only this output carries).
                     if (not completion.text and completion.finish_reason is None and not completion.logprobs
-                            and not (first and shape.echo)):
+                            and not (first and (shape.echo or shape.prompt_logprobs))):
                         continue
                     builder = builders.setdefault(index, CompletionLogprobsBuilder(self.engine.tokenizer, as_token_ids))
                     prefix = shape.prefix(output, builder, self.engine.tokenizer) if first else ("", None)
-                    choices.append(self._choice(index, completion, builder, prefix))
+                    choice = self._choice(index, completion, builder, prefix)
+                    if first:
+                        choice.prompt_logprobs = shape.prompt_logprobs_of(output)
+                    choices.append(choice)
                 if choices:
                     # continuous_usage_stats: the usage so far (of the prompts seen so far) in every chunk.
                     so_far = usage(sum(prompt_tokens.values()), completion_tokens) if continuous_usage else None

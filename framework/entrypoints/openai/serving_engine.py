@@ -32,14 +32,15 @@ T = TypeVar("T")
 _PARAM_NAMES = {
     "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
-    "prompt_logprobs", "logit_bias", "allowed_token_ids", "prompt", "prompt_token_ids", "messages", "chat_template",
+    "prompt_logprobs", "logit_bias", "allowed_token_ids", "prompt", "messages", "chat_template",
     "priority", "truncate_prompt_tokens", "chat_template_kwargs", "continue_final_message", "add_generation_prompt",
     "tools", "tool_choice", "model", "user", "bad_words", "vllm_xargs",
 }
 # A leading field name, and inside messages the message and key: "messages[1].content: ...".
-_LEADING_NAME = re.compile(r"^(?:SamplingParams\.)?([a-z_]+)(\[\d+\](?:\.[a-z_]+)?)?")
+_LEADING_NAME = re.compile(r"^([a-z_]+)(\[\d+\](?:\.[a-z_]+)?)?")
 # Engine-side field names -> the request field the client sent.
 _REQUEST_FIELD = {"prompt_token_ids": "prompt", "extra_args": "vllm_xargs"}
+_ENGINE_CLASS_PREFIX = "SamplingParams."  # how SamplingParams' own checks name a field
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM reports this instead
 
 
@@ -66,6 +67,16 @@ def _printable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def client_words(message: str) -> str:
+    """An engine-side message as the client should read it: a field named as the request names
+    it (``stop[0]``, not ``SamplingParams.stop[0]``; ``vllm_xargs``, not ``extra_args``)."""
+    message = message.removeprefix(_ENGINE_CLASS_PREFIX)
+    match = _LEADING_NAME.match(message)
+    if match and match.group(1) in _REQUEST_FIELD:
+        message = _REQUEST_FIELD[match.group(1)] + message[match.end(1):]
+    return message
+
+
 def request_param(field: str) -> str:
     """The OpenAI ``param`` for an InvalidArgumentError's field: the top-level request field
     (``stop[1]`` -> ``stop``; ``extra_args`` -> ``vllm_xargs``), or inside ``messages`` the
@@ -77,7 +88,10 @@ def request_param(field: str) -> str:
 def bad_request(exc: ValueError, default_param: str | None = None) -> APIError:
     """A 400 for an invalid value: ``param`` is an InvalidArgumentError's field; for a plain
     ValueError, the field its message starts with, else ``default_param``."""
-    message = str(exc)
+    message = client_words(str(exc))
+    if isinstance(exc, RequestFieldError):
+        # The request checks chose the param: for a nested key, its whole path.
+        return APIError(400, message, "BadRequestError", param=exc.param, code=exc.code or "invalid_value")
     if isinstance(exc, InvalidArgumentError):
         return APIError(400, message, "BadRequestError", param=request_param(exc.field),
                         code=exc.code or "invalid_value")
@@ -85,10 +99,6 @@ def bad_request(exc: ValueError, default_param: str | None = None) -> APIError:
     param = match.group(1) if match and match.group(1) in _PARAM_NAMES else default_param
     if match and param == "messages" and match.group(2):
         param += match.group(2)
-    if param == "prompt_token_ids":
-        param = "prompt"
-    elif message.startswith(("extra_args", "SamplingParams.extra_args")):  # SamplingParams' name for it
-        param = "vllm_xargs"
     return APIError(400, message, "BadRequestError", param=param, code="invalid_value")
 
 
@@ -185,7 +195,7 @@ class OpenAIServing:
     async def structured_outputs(self, request: SamplingFields) -> StructuredOutputsParams | None:
         """The request's structured outputs, parsed off the event loop (the first parse imports
         xgrammar); a 400 naming the field when they are invalid."""
-        if (request.response_format is None or request.response_format.get("type", "text") == "text") and all(
+        if (request.response_format is None or request.response_format.type == "text") and all(
                 getattr(request, name) is None for name in ("structured_outputs", *GUIDED_FIELDS)):
             return None
         return await self.off_loop(structured_outputs_of, request)

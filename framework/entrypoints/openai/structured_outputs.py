@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sparrow.entrypoints.openai.protocol import ResponseFormat
 from sparrow.entrypoints.openai.request_checks import RequestFieldError, not_supported
 from sparrow.sampling_params import STRUCTURED_OUTPUT_KINDS, StructuredOutputsParams
 
@@ -26,44 +27,58 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
                  "guided_grammar": "grammar"}
 
 
-def check_response_format(response_format: Any) -> None:
-    """Refuse a response_format that is not an object with a supported type (a 400 before work)."""
+def check_response_format(response_format: ResponseFormat | None) -> None:
+    """Refuse a response_format of an unsupported type, or one whose json_schema its type would
+    ignore (a 400 before work)."""
     if response_format is None:
         return
-    if not isinstance(response_format, dict):
-        raise RequestFieldError("response_format must be an object such as {\"type\": \"json_object\"}",
-                                "response_format")
-    kind = response_format.get("type", "text")
+    kind = response_format.type
     if kind not in RESPONSE_FORMAT_TYPES:
         raise not_supported("response_format", f"response_format of type {kind!r}",
                             f"; supported types: {', '.join(RESPONSE_FORMAT_TYPES)}")
+    if response_format.json_schema is not None and kind != "json_schema":
+        raise RequestFieldError(f"response_format.json_schema: only allowed with type json_schema, got type "
+                                f"{kind!r} (which would ignore the schema)", "response_format.json_schema")
 
 
-def _from_response_format(response_format: dict[str, Any]) -> dict[str, Any] | None:
-    kind = response_format.get("type", "text")
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+def _from_response_format(response_format: ResponseFormat) -> tuple[dict[str, Any], str] | None:
+    """The StructuredOutputsParams fields a response_format asks for, and the path of the field
+    that holds them (for messages); None for type text."""
+    if response_format.type == "json_object":
+        return {"json_object": True}, "response_format"
+    if response_format.type == "json_schema":
+        spec = response_format.json_schema
+        if spec is None or spec.json_schema is None:
             raise RequestFieldError("response_format: type json_schema needs json_schema.schema, a JSON schema "
                                     "object (e.g. {\"json_schema\": {\"name\": \"x\", \"schema\": {...}}})",
                                     "response_format")
-        return {"json": spec["schema"] if isinstance(spec["schema"], dict) else {}}
+        schema = spec.json_schema
+        return {"json": schema if isinstance(schema, dict) else {}}, "response_format.json_schema.schema"
     return None
+
+
+def _client_words(message: str, field: str, fields: dict[str, Any]) -> str:
+    """A StructuredOutputsParams or grammar message in the words of the request: ``field`` is
+    where the client wrote what it asked for (``guided_regex is invalid: ...``, not
+    ``structured_outputs.regex is invalid: ...``)."""
+    message = message.removeprefix("StructuredOutputsParams: ")
+    if field != "structured_outputs" and len(fields) == 1:
+        message = message.replace(f"structured_outputs.{next(iter(fields))}", field)
+    return message if message.startswith(field) else f"{field}: {message}"
 
 
 def structured_outputs_of(request: Any) -> StructuredOutputsParams | None:
     """The request's structured outputs, checked and parsed; None when it asks for none."""
     from sparrow.structured_output.grammar import check_structured_outputs
 
-    sources: list[tuple[str, dict[str, Any]]] = []  # (request field, StructuredOutputsParams fields)
+    # (request field, StructuredOutputsParams fields, where the client wrote them)
+    sources: list[tuple[str, dict[str, Any], str]] = []
     response_format = getattr(request, "response_format", None)
     check_response_format(response_format)
     if response_format is not None:
-        fields = _from_response_format(response_format)
-        if fields is not None:
-            sources.append(("response_format", fields))
+        asked = _from_response_format(response_format)
+        if asked is not None:
+            sources.append(("response_format", *asked))
     extra = getattr(request, "structured_outputs", None)
     if extra is not None:
         if not isinstance(extra, dict):
@@ -73,21 +88,22 @@ def structured_outputs_of(request: Any) -> StructuredOutputsParams | None:
         if unknown:
             raise not_supported(f"structured_outputs.{unknown[0]}", f"structured_outputs.{unknown[0]}",
                                 f"; supported: {', '.join(STRUCTURED_OUTPUT_KINDS)}")
-        sources.append(("structured_outputs", {key: value for key, value in extra.items() if value is not None}))
+        fields = {key: value for key, value in extra.items() if value is not None}
+        sources.append(("structured_outputs", fields, "structured_outputs"))
     for name, kind in GUIDED_FIELDS.items():
         value = getattr(request, name, None)
         if value is not None:
-            sources.append((name, {kind: value}))
+            sources.append((name, {kind: value}, name))
     if not sources:
         return None
     if len(sources) > 1:
-        names = " and ".join(name for name, _ in sources)
+        names = " and ".join(source[0] for source in sources)
         raise RequestFieldError(f"{sources[1][0]}: only one structured output may be asked for, got {names}",
                                 sources[1][0])
-    param, fields = sources[0]
+    param, fields, where = sources[0]
     try:
         params = StructuredOutputsParams(**fields)
         check_structured_outputs(params)
     except (TypeError, ValueError) as exc:
-        raise RequestFieldError(f"{param}: {exc}", param) from None
+        raise RequestFieldError(_client_words(str(exc), where, fields), param) from None
     return params

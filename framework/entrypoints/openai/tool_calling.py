@@ -54,10 +54,9 @@ def resolve_tool_choice(request: Any, *, auto_enabled: bool) -> ToolChoice:
     choice = request.tool_choice
     if choice is None:
         choice = "auto" if tools else "none"
-    if isinstance(choice, dict):
-        function = choice.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        if choice.get("type", "function") != "function" or not isinstance(name, str) or not name:
+    if not isinstance(choice, str):  # a NamedToolChoice
+        name = choice.function.name if choice.function is not None else None
+        if choice.type != "function" or not name:
             raise RequestFieldError("tool_choice: a named tool choice is {\"type\": \"function\", \"function\": "
                                     "{\"name\": \"...\"}}", "tool_choice")
         names = [tool.function.name for tool in tools]
@@ -107,7 +106,7 @@ def tool_structured_outputs(request: Any, choice: ToolChoice) -> StructuredOutpu
 
     if not choice.forced:
         return None
-    formatted = request.response_format is not None and request.response_format.get("type", "text") != "text"
+    formatted = request.response_format is not None and request.response_format.type != "text"
     if formatted or any(getattr(request, name, None) is not None
                         for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
                                      "guided_grammar")):

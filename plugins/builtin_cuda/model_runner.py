@@ -26,7 +26,8 @@ from sparrow.attention import AttentionMetadata
 from sparrow.layers.attention import Attention
 from sparrow.spec_decode.proposer import ProposerForward
 from sparrow.worker.model_runner import ModelRunner, StepInputs
-from sparrow_cuda.cuda_graphs import StaticInputs, StepGraphs, graph_shapes, probe_step
+from sparrow_cuda.cuda_graphs import StaticInputs, StepGraphs, graph_shapes
+from sparrow_cuda.graph_probe import probe_step
 
 logger = logging.getLogger(__name__)
 

@@ -70,6 +70,13 @@ class ModelConfig(_Section):
         False, description="Structured outputs: let JSON grammars put any whitespace between tokens (the "
         "default allows only compact JSON, so that a weak model cannot emit whitespace until max_tokens; "
         "vLLM's disable_any_whitespace, inverted).")
+    structured_outputs_compile_timeout: float = Field(
+        30.0, gt=0, description="Structured outputs: seconds a grammar may take to compile; a request whose grammar "
+        "takes longer fails, and the compile is stopped (a short regex can take xgrammar minutes).")
+    structured_outputs_mask_budget_ms: float = Field(
+        100.0, gt=0, description="Structured outputs: milliseconds one request's grammar may take to compute a "
+        "token mask. A grammar over it at its first token fails its request at compile time; one over it on "
+        "three steps fails then (every request in the batch waits for the masks).")
     reasoning_parser: str | None = Field(
         None, description="How the model marks its reasoning: qwen3, deepseek_r1 (<think>...</think>) or a "
         "plugin's. The server splits reasoning_content from content, and structured outputs apply only after "

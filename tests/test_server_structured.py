@@ -35,7 +35,9 @@ class Pet(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir, tmp_path_factory):
-    yield from serve_for_module(qwen3_dir, tmp_path_factory, "structured-logs")
+    # A short compile timeout for the slow-grammar test (the others compile in milliseconds).
+    yield from serve_for_module(qwen3_dir, tmp_path_factory, "structured-logs",
+                                "--structured-outputs-compile-timeout", "5")
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +134,26 @@ def test_bad_structured_outputs_are_400_naming_the_field(client, extra, param, p
     # The server carries on.
     ok = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, extra_body={"ignore_eos": True})
     assert ok.usage.completion_tokens == 2
+
+
+def test_a_grammar_too_slow_to_compile_is_refused_and_the_others_are_served(server, client):
+    # "(a|b)*" 2,000 times compiles in xgrammar for about two minutes of one core: stopped after
+    # --structured-outputs-compile-timeout (5 s), while other requests, constrained or not, run.
+    import concurrent.futures
+
+    slow = {"guided_regex": "(a|b)*" * 2000}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        refused = pool.submit(client.completions.create, model=MODEL_NAME, prompt=PROMPT, max_tokens=4,
+                              extra_body=slow)
+        plain = pool.submit(client.completions.create, model=MODEL_NAME, prompt=PROMPT, max_tokens=8,
+                            extra_body={"ignore_eos": True})
+        choice = pool.submit(client.chat.completions.create, model=MODEL_NAME, messages=MESSAGES,
+                             max_completion_tokens=8, extra_body={"guided_choice": ["yes", "no"]})
+        assert plain.result(timeout=60).usage.completion_tokens == 8
+        assert choice.result(timeout=60).choices[0].message.content in ("yes", "no")
+        with pytest.raises(openai.BadRequestError) as info:
+            refused.result(timeout=60)
+    error = info.value.body
+    assert "did not compile within 5 s" in error["message"], error
+    assert "structured_outputs_compile_timeout" in error["message"], error
+    assert "was killed" in server.log()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 
 import jsonschema
 import pytest
@@ -242,28 +243,116 @@ def test_invalid_grammar_fails_in_the_caller_and_the_engine_carries_on(llm):
     assert out.text in CHOICES and out.finish_reason == "stop"
 
 
-def test_a_grammar_that_fails_to_compile_in_the_engine_core_fails_only_its_request(qwen3_dir):
-    # A client that skips the frontend's parse (EngineCoreRequest built by hand): the core's
-    # compile fails, that request ends with an error output, the other one runs.
+def core_request(req_id: str, max_tokens: int = 4, **kind):
     from sparrow.engine.messages import EngineCoreRequest
 
-    engine, _ = make_engine(model=qwen3_dir, tokenizer=qwen3_dir, max_model_len=256)
+    grammar = StructuredOutputsParams(**kind) if kind else None
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, structured_outputs=grammar)
+    return EngineCoreRequest(request_id=req_id, prompt_token_ids=[5, 6, 7], sampling_params=params,
+                             max_tokens=max_tokens)
 
-    def request(req_id: str, **kind) -> EngineCoreRequest:
-        params = SamplingParams(max_tokens=4, ignore_eos=True, structured_outputs=StructuredOutputsParams(**kind))
-        return EngineCoreRequest(request_id=req_id, prompt_token_ids=[5, 6, 7], sampling_params=params, max_tokens=4)
 
-    engine.add_request(request("bad", regex="(unclosed"))
-    engine.add_request(request("good", choice=["yes", "no"]))
+def run_to_the_end(engine, timeout: float = 120.0) -> dict:
+    """Step ``engine`` until nothing is left (grammars compile in a child process that takes a
+    few seconds to start); the finished outputs by request id."""
     finished = {}
-    for _ in range(2000):
-        if not engine.has_unfinished_requests():
-            break
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, f"still unfinished after {timeout} s"
         for output in engine.step().outputs:
             if output.finished:
                 finished[output.request_id] = output
+    return finished
+
+
+def test_a_grammar_that_fails_to_compile_in_the_engine_core_fails_only_its_request(qwen3_dir):
+    # A client that skips the frontend's parse (EngineCoreRequest built by hand): the core's
+    # compile fails, that request ends with an error output, the other one runs.
+    engine, _ = make_engine(model=qwen3_dir, tokenizer=qwen3_dir, max_model_len=256)
+    engine.add_request(core_request("bad", regex="(unclosed"))
+    engine.add_request(core_request("good", choice=["yes", "no"]))
+    finished = run_to_the_end(engine)
     assert "structured_outputs.regex is invalid" in (finished["bad"].error_message or "")
     assert finished["good"].error_message is None
+    engine.shutdown()
+
+
+# "(a|b)*" written n times: xgrammar's compile time grows faster than n (about 0.2 s at n=100, 4 s
+# at 400, two minutes at 2,000 on a 2-core VM), and so does each token mask's (18 ms at n=100,
+# against well under 1 ms for the grammars above).
+def slow_regex(n: int) -> str:
+    return "(a|b)*" * n
+
+
+def test_a_grammar_past_the_compile_timeout_fails_alone_and_its_compile_is_killed(qwen3_dir):
+    engine, _ = make_engine(model=qwen3_dir, tokenizer=qwen3_dir, max_model_len=256,
+                            structured_outputs_compile_timeout=3.0)
+    manager = engine.structured_output_manager()
+    # Started first, so that the child process is up and the timeout measures the compile alone.
+    engine.add_request(core_request("warm", choice=["yes", "no"]))
+    assert run_to_the_end(engine)["warm"].error_message is None
+    [first_child] = manager.worker_pids()
+
+    started = time.monotonic()
+    engine.add_request(core_request("slow", regex=slow_regex(2000)))
+    engine.add_request(core_request("plain", max_tokens=6))
+    finished = run_to_the_end(engine)
+    assert time.monotonic() - started < 60  # not the two minutes the compile would take
+    assert "did not compile within 3 s (structured_outputs_compile_timeout)" in finished["slow"].error_message
+    assert finished["plain"].error_message is None and len(finished["plain"].new_token_ids) >= 1
+
+    # The slow compile's process is gone, not left burning a core.
+    deadline = time.monotonic() + 10
+    while first_child in manager.worker_pids() or _pid_alive(first_child):
+        assert time.monotonic() < deadline, "the timed-out compile process is still running"
+        time.sleep(0.1)
+    # The same grammar again fails at once (the failure is cached), and other grammars compile
+    # in a new process.
+    engine.add_request(core_request("slow-again", regex=slow_regex(2000)))
+    engine.add_request(core_request("after", choice=["yes", "no"]))
+    started = time.monotonic()
+    finished = run_to_the_end(engine)
+    assert "did not compile within" in finished["slow-again"].error_message
+    assert finished["after"].error_message is None
+    engine.shutdown()
+    assert manager.worker_pids() == []
+
+
+def _pid_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by us) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_grammars_whose_token_masks_cost_too_much_fail_alone(qwen3_dir):
+    # Budget 2 ms: the test's fast grammars take well under 1 ms per mask, slow_regex(100) ~18 ms.
+    # A real model in-process: the grammar must steer the tokens past "x".
+    from sparrow.config import EngineConfig
+    from sparrow.engine.core import EngineCore
+
+    engine = EngineCore(EngineConfig.from_kwargs(model=qwen3_dir, tokenizer=qwen3_dir, max_model_len=256,
+                                                 dtype="float32", structured_outputs_mask_budget_ms=2.0))
+    # Expensive from its first token: refused when it compiles.
+    engine.add_request(core_request("expensive", regex=slow_regex(100)))
+    # Cheap at its first tokens, then 20-400 ms per mask for at least the eight characters it
+    # asks for (xgrammar turns some simpler tails into cheap automata): failed by the step loop.
+    engine.add_request(core_request("later", max_tokens=12, regex="x(ab" + slow_regex(100) + "){4}"))
+    engine.add_request(core_request("cheap", max_tokens=12, regex=r"[a-z]{1,8}@(foo|bar)\.(com|org)"))
+    finished = run_to_the_end(engine)
+    assert "first token mask took" in finished["expensive"].error_message
+    assert "structured_outputs_mask_budget_ms" in finished["expensive"].error_message
+    later = finished["later"]
+    assert "on 3 steps, over the budget of 2 ms" in later.error_message, later
+    assert finished["cheap"].error_message is None
     engine.shutdown()
 
 

@@ -188,13 +188,16 @@ class EngineCore:
                 model.tokenizer, vocab_size=self.vocab_size,
                 stop_token_ids=model_eos_token_ids(model.model) if model.model else [],
                 any_whitespace=model.structured_outputs_any_whitespace,
-                max_num_reqs=self.config.scheduler.max_num_seqs, reasoning_parser=model.reasoning_parser)
+                max_num_reqs=self.config.scheduler.max_num_seqs, reasoning_parser=model.reasoning_parser,
+                compile_timeout=model.structured_outputs_compile_timeout,
+                mask_budget_ms=model.structured_outputs_mask_budget_ms)
         return self._structured_output
 
     def _fail_uncompiled_grammars(self) -> list[EngineCoreOutput]:
-        """Finish, with an error output each, the requests whose grammar failed to compile (the
-        frontend parses every grammar first, so this is rare: a compile-only failure, or a
-        client that skipped the frontend)."""
+        """Finish, with an error output each, the requests whose grammar failed: to compile (the
+        frontend parses every grammar first, so this is rare: a compile-only failure, a compile
+        past the timeout, or a client that skipped the frontend), or later, when its token masks
+        cost too much (``_attach_grammar_bitmask`` puts those back in ``_grammar_pending``)."""
         failed: list[EngineCoreOutput] = []
         for req_id, request in list(self._grammar_pending.items()):
             if not request.structured_output.done():
@@ -230,6 +233,9 @@ class EngineCore:
         if grammars:
             scheduler_output.structured_output_request_ids = req_ids
             scheduler_output.grammar_bitmask = self._structured_output.fill_bitmask(grammars, drafts)
+            for req_id, grammar in zip(req_ids, grammars):
+                if grammar.error() is not None:  # its masks cost too much: failed at the next step
+                    self._grammar_pending[req_id] = requests[req_id]
 
     # -- utilities (callable by name from the frontend) -------------------------------------
     def reset_prefix_cache(self) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 from sparrow.sampling_params import StructuredOutputsParams
 
 # xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: "; the client needs the rest.
-_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
 def grammar_key(params: StructuredOutputsParams) -> str:
@@ -64,7 +64,7 @@ def build_grammar(params: StructuredOutputsParams, *, any_whitespace: bool = Fal
             return xgrammar.Grammar.from_ebnf(choice_ebnf(params.choice or []))
         return xgrammar.Grammar.from_ebnf(params.grammar)
     except (RuntimeError, ValueError) as exc:
-        message = _CPP_PREFIX.sub("", str(exc)).strip()
+        message = CPP_PREFIX.sub("", str(exc)).strip()
         raise ValueError(f"structured_outputs.{kind} is invalid: {message}") from None
 
 

@@ -11,26 +11,38 @@ Shape of one step (``EngineCore.step``)::
     update_from_output(...)         the scheduler feeds each accepted token to the matcher, then
                                     keeps of the new drafts the prefix the grammar accepts
 
-Compiling runs in a thread pool (xgrammar releases the GIL while it compiles), with a cache keyed
-by the grammar (``grammar.grammar_key``): the same schema sent twice compiles once, and two
-requests sent together share one compile. The tokenizer and the compiler are built on the first
+Compiling runs in child processes (``compile_process``), driven from a thread pool, with a cache
+keyed by the grammar (``grammar.grammar_key``): the same schema sent twice compiles once, and two
+requests sent together share one compile. The tokenizer and the first child are built on the first
 structured request, in the pool too, so an engine that never sees one pays nothing.
+
+Two bounds keep one request's grammar from costing the others (a short regex can take xgrammar
+minutes to compile and then a large part of a second per token mask):
+
+- ``compile_timeout``: a compile that runs longer fails its request, and its child is killed;
+- ``mask_budget_ms``: a grammar whose first token mask takes longer fails its request at compile
+  time, and one whose masks take longer on three steps of the step loop is failed then.
+
+A failed grammar stays in the cache, so sending it again fails at once.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from sparrow.sampling_params import StructuredOutputsParams
-from sparrow.structured_output.grammar import build_grammar, grammar_key
+from sparrow.structured_output.compile_process import CompileTimeout, CompileWorker
+from sparrow.structured_output.grammar import CPP_PREFIX, build_grammar, grammar_key
 
 logger = logging.getLogger(__name__)
 
 _BITS_PER_WORD = 32
+_SLOW_MASKS_ALLOWED = 2  # a grammar's masks may pass the budget twice (a loaded machine); the third fails it
 
 
 class StructuredOutputRequest:
@@ -48,7 +60,8 @@ class StructuredOutputRequest:
     preemption like the matcher's.
     """
 
-    __slots__ = ("key", "_compiled", "_matcher", "_manager", "_prompt_token_ids", "_reasoning")
+    __slots__ = ("key", "_compiled", "_matcher", "_manager", "_prompt_token_ids", "_reasoning", "_slow_masks",
+                 "_failure")
 
     def __init__(self, key: str, compiled: Future, manager: StructuredOutputManager | None = None,
                  prompt_token_ids: list[int] | None = None) -> None:
@@ -58,6 +71,8 @@ class StructuredOutputRequest:
         self._manager = manager
         self._prompt_token_ids = prompt_token_ids  # read once, when the matcher is built
         self._reasoning = False  # True while the model reasons: no mask, nothing fed to the matcher
+        self._slow_masks = 0  # steps whose mask took longer than the manager's budget
+        self._failure: str | None = None  # set when the masks cost too much (see charge_mask_time)
 
     def is_ready(self) -> bool:
         """True once the grammar compiled (the matcher is then built); False while compiling or
@@ -80,11 +95,28 @@ class StructuredOutputRequest:
         return self._compiled.done()
 
     def error(self) -> str | None:
-        """Why compiling failed, once it has; None while compiling or after a success."""
+        """Why the grammar failed: its compile, or its masks' cost on the step loop; None while
+        compiling or while it works."""
+        if self._failure is not None:
+            return self._failure
         if not self._compiled.done():
             return None
         exc = self._compiled.exception()
         return None if exc is None else str(exc)
+
+    def charge_mask_time(self, seconds: float, budget_seconds: float) -> bool:
+        """Count one step's mask time against the budget; True when the grammar has now failed
+        (its masks passed the budget on more than ``_SLOW_MASKS_ALLOWED`` steps)."""
+        if seconds <= budget_seconds or self._failure is not None:
+            return False
+        self._slow_masks += 1
+        if self._slow_masks <= _SLOW_MASKS_ALLOWED:
+            return False
+        kind = self.key.split(":", 1)[0]
+        self._failure = (f"structured_outputs.{kind}: the grammar is too expensive to apply: its token mask took "
+                         f"{seconds * 1000:.0f} ms on {self._slow_masks} steps, over the budget of "
+                         f"{budget_seconds * 1000:g} ms (structured_outputs_mask_budget_ms)")
+        return True
 
     @property
     def reasoning(self) -> bool:
@@ -168,13 +200,17 @@ class StructuredOutputManager:
     grammar may end with (EOS and the generation config's); ``any_whitespace``: let JSON grammars
     put any whitespace between tokens (off: compact JSON only); ``reasoning_parser``: the name
     of a registered reasoning parser, whose end-of-reasoning token starts each grammar (None:
-    grammars apply from the first token).
+    grammars apply from the first token); ``compile_timeout`` (seconds) and ``mask_budget_ms``:
+    the bounds in the module's docstring.
     """
 
     def __init__(self, tokenizer_path: str, *, vocab_size: int, stop_token_ids: list[int],
                  any_whitespace: bool = False, max_workers: int = 2, cache_size: int = 256,
-                 max_num_reqs: int = 256, reasoning_parser: str | None = None) -> None:
+                 max_num_reqs: int = 256, reasoning_parser: str | None = None,
+                 compile_timeout: float = 30.0, mask_budget_ms: float = 100.0) -> None:
         self.tokenizer_path = tokenizer_path
+        self.compile_timeout = compile_timeout
+        self.mask_budget_seconds = mask_budget_ms / 1000
         self.reasoning_parser = reasoning_parser
         self.reasoner: Any = None  # the reasoning parser, built with the compiler
         self.vocab_size = vocab_size
@@ -186,8 +222,12 @@ class StructuredOutputManager:
         self._pool: ThreadPoolExecutor | None = None
         self._max_workers = max_workers
         self._lock = threading.Lock()  # guards the cache; never held while compiling
-        self._compiler_lock = threading.Lock()  # the first compile builds the compiler under it
-        self._compiler: Any = None
+        self._compiler_lock = threading.Lock()  # the first compile loads the tokenizer under it
+        self._tokenizer_info: Any = None  # xgrammar.TokenizerInfo, built once
+        self._tokenizer_info_json = ""
+        self._idle_workers: list[CompileWorker] = []  # child processes waiting for a compile
+        self._workers: set[CompileWorker] = set()  # every live child, idle or compiling
+        self._closed = False
         self._cache: OrderedDict[str, Future] = OrderedDict()  # grammar key -> compiled grammar
         self._bitmask: Any = None  # int32 [max_num_reqs, num_words], reused every step
 
@@ -211,26 +251,90 @@ class StructuredOutputManager:
         return StructuredOutputRequest(key, compiled, self, prompt_token_ids)
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
+        """Runs in the pool: parse here (fast), compile in a child process, check the mask cost."""
+        import xgrammar
+
         grammar = build_grammar(params, any_whitespace=self.any_whitespace)
-        return self._get_compiler().compile_grammar(grammar)
+        worker = self._take_worker()  # a new child imports xgrammar while the tokenizer loads
+        try:
+            if not worker.started:
+                self._load_tokenizer()
+                worker.start(self._tokenizer_info_json, max_threads=self._max_workers)
+            data, fill_seconds = worker.compile(grammar.serialize_json(), self.compile_timeout)
+        except ValueError as exc:
+            self._give_back(worker)
+            raise ValueError(f"structured_outputs.{params.kind} could not be compiled: "
+                             f"{CPP_PREFIX.sub('', str(exc)).strip()}") from None
+        except CompileTimeout:
+            self._forget(worker)  # killed
+            logger.warning("a %s grammar did not compile within %g s; its compile process was killed",
+                           params.kind, self.compile_timeout)
+            raise ValueError(f"structured_outputs.{params.kind}: the grammar did not compile within "
+                             f"{self.compile_timeout:g} s (structured_outputs_compile_timeout); simplify it") from None
+        except BaseException:
+            self._forget(worker)
+            raise
+        self._give_back(worker)
+        if fill_seconds > self.mask_budget_seconds:
+            raise ValueError(f"structured_outputs.{params.kind}: the grammar is too expensive to apply: its first "
+                             f"token mask took {fill_seconds * 1000:.0f} ms, over the budget of "
+                             f"{self.mask_budget_seconds * 1000:g} ms (structured_outputs_mask_budget_ms)")
+        return xgrammar.CompiledGrammar.deserialize_json(data, self._tokenizer_info)
 
-    def _get_compiler(self) -> Any:
+    def _load_tokenizer(self) -> None:
+        """The tokenizer's xgrammar description (and the reasoning parser), built once."""
         with self._compiler_lock:
-            if self._compiler is None:
-                import xgrammar
+            if self._tokenizer_info is not None:
+                return
+            import xgrammar
 
-                from sparrow.engine.setup import load_tokenizer
+            from sparrow.engine.setup import load_tokenizer
 
-                tokenizer = load_tokenizer(self.tokenizer_path)
-                stop_token_ids = list(self.stop_token_ids)
-                if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stop_token_ids:
-                    stop_token_ids.insert(0, tokenizer.eos_token_id)
-                info = xgrammar.TokenizerInfo.from_huggingface(
-                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop_token_ids or None)
-                if self.reasoning_parser is not None:
-                    self.reasoner = _build_reasoner(self.reasoning_parser, tokenizer)
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=self._max_workers)
-            return self._compiler
+            tokenizer = load_tokenizer(self.tokenizer_path)
+            stop_token_ids = list(self.stop_token_ids)
+            if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stop_token_ids:
+                stop_token_ids.insert(0, tokenizer.eos_token_id)
+            info = xgrammar.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop_token_ids or None)
+            if self.reasoning_parser is not None:
+                self.reasoner = _build_reasoner(self.reasoning_parser, tokenizer)
+            self._tokenizer_info_json = info.serialize_json()
+            self._tokenizer_info = info
+
+    def _take_worker(self) -> CompileWorker:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine is shutting down")
+            while self._idle_workers:
+                worker = self._idle_workers.pop()
+                if worker.alive():
+                    return worker
+                self._workers.discard(worker)
+        worker = CompileWorker()
+        with self._lock:
+            self._workers.add(worker)
+            closed = self._closed
+        if closed:
+            self._forget(worker)
+            raise RuntimeError("the engine is shutting down")
+        return worker
+
+    def _give_back(self, worker: CompileWorker) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle_workers.append(worker)
+                return
+        self._forget(worker)
+
+    def _forget(self, worker: CompileWorker) -> None:
+        with self._lock:
+            self._workers.discard(worker)
+        worker.close()
+
+    def worker_pids(self) -> list[int]:
+        """The compile processes alive now (for tests and diagnostics)."""
+        with self._lock:
+            return [worker.pid for worker in self._workers if worker.alive()]
 
     # -- every step -------------------------------------------------------------------------
     def fill_bitmask(self, grammars: list[StructuredOutputRequest],
@@ -246,15 +350,23 @@ class StructuredOutputManager:
             self._bitmask = xgrammar.allocate_token_bitmask(max(self.max_num_reqs, num_rows), self.vocab_size)
         row = 0
         for index, grammar in enumerate(grammars):
+            started = time.perf_counter()
             if drafts and drafts[index]:
                 grammar.fill_with_drafts(self._bitmask, row, drafts[index])
-                row += 1 + len(drafts[index])
+                rows = 1 + len(drafts[index])
             else:
                 grammar.fill(self._bitmask, row)
-                row += 1
+                rows = 1
+            grammar.charge_mask_time(time.perf_counter() - started, self.mask_budget_seconds * rows)
+            row += rows
         return self._bitmask[:num_rows].numpy().tobytes()
 
     def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+            workers, self._idle_workers = list(self._workers), []
+        for worker in workers:  # a compiling child is killed; its pool thread then fails its request
+            worker.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 

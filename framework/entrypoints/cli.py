@@ -15,24 +15,18 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
 import traceback
 import types
 from typing import Any, Literal, NoReturn, Union, get_args, get_origin
+
+from sparrow.entrypoints.cli_errors import EXIT_INTERRUPTED, EXIT_RUNTIME_FAILURE, EXIT_USER_ERROR, describe_error
 
 ENV_LOGGING_LEVEL = "SPARROW_LOGGING_LEVEL"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # Engine arguments set by Sparrow itself between its processes: accepted, never shown in --help.
 HIDDEN_ENGINE_ARGS = frozenset({"data_parallel_rank"})
 DEFAULT_PROMPT = "Once upon a time"
-EXIT_RUNTIME_FAILURE = 1
-EXIT_USER_ERROR = 2  # argparse's status for a usage error, so every user mistake exits alike
-EXIT_INTERRUPTED = 130  # the shell's status for a command stopped by SIGINT
-# Exceptions raised inside the engine process reach the frontend as traceback text: these names
-# there are the user's mistake (a model directory, a flag), anything else is a failure.
-USER_ERROR_NAMES = ("ConfigError", "ValueError", "FileNotFoundError", "WeightFileError", "MissingWeightsError",
-                    "UnsupportedArchitectureError", "PluginError")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -317,42 +311,7 @@ def _optional_parsers(sub: Any, bench_sub: Any) -> None:
     add_sim_parser(bench_sub)
 
 
-# -- errors and logging -------------------------------------------------------------------------
-def describe_error(exc: BaseException) -> tuple[str, int] | None:
-    """(one-line message, exit status) for an error the user can act on; None for a bug."""
-    from sparrow.config import ConfigError
-    from sparrow.engine.exceptions import EngineDeadError, EngineStartupError
-    from sparrow.plugins import PluginError
-
-    if isinstance(exc, EngineStartupError):
-        name, message = _root_cause(str(exc))
-        status = EXIT_USER_ERROR if name.rsplit(".", 1)[-1] in USER_ERROR_NAMES else EXIT_RUNTIME_FAILURE
-        return f"the engine failed to start: {message}", status
-    if isinstance(exc, (ConfigError, ValueError, FileNotFoundError, PluginError)):
-        return _one_line(str(exc)), EXIT_USER_ERROR
-    if isinstance(exc, (EngineDeadError, OSError)):
-        return _one_line(str(exc)), EXIT_RUNTIME_FAILURE
-    return None
-
-
-_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit)): (.+)$")
-
-
-def _root_cause(text: str) -> tuple[str, str]:
-    """(exception name, message) of the innermost exception in a traceback's text: the last line
-    that reads ``SomeError: message``."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    for line in reversed(lines):
-        match = _EXCEPTION_LINE.match(line)
-        if match:
-            return match.group(1), match.group(2)
-    return "", lines[-1] if lines else text
-
-
-def _one_line(message: str) -> str:
-    return " ".join(part.strip() for part in message.splitlines() if part.strip()) or "(no message)"
-
-
+# -- logging ------------------------------------------------------------------------------------
 def configure_logging(args: argparse.Namespace) -> str:
     """Set the log level of this process and, through the environment, of every process it starts.
     A value of ``$SPARROW_LOGGING_LEVEL`` that is not a level is a ValueError naming the variable,

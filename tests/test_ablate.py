@@ -170,3 +170,39 @@ def test_real_engine_replays_a_trace_at_its_arrival_times(qwen3_dir, tmp_path):
     # It shares its group's 16-token prefix with the second request: one full block hits.
     assert point["prefix_cache_hits"] >= 16
     assert "trace" in (out_dir / "results.md").read_text().splitlines()[0]
+
+
+def test_a_point_that_fails_when_it_runs_is_a_row_and_the_grid_goes_on(tmp_path, monkeypatch, capsys):
+    # Every value passes the checks made before the first point; the second point then fails at
+    # run time (as an out-of-memory or a plugin's bug would). The first and third are measured,
+    # the second is a row saying why, and results.json was rewritten after every point.
+    from sparrow.bench import ablate
+
+    out_dir = tmp_path / "ablate"
+    real_run_sim_point = ablate.run_sim_point
+    written_after_each_point = []
+
+    def run_sim_point(model_path, workload, point, *args):
+        if (out_dir / "results.json").exists():
+            written_after_each_point.append(len(json.loads((out_dir / "results.json").read_text())["points"]))
+        if point["scheduler"] == "sjf":
+            raise MemoryError("simulated: out of memory at step 12")
+        return real_run_sim_point(model_path, workload, point, *args)
+
+    monkeypatch.setattr(ablate, "run_sim_point", run_sim_point)
+    status = main(["bench", "ablate", "--device", "sim", "--schedulers", "fcfs,sjf,lpm", "--num-prompts", "8",
+                   "--length-scale", "0.2", "--output-dir", str(out_dir)])
+    assert status == 1
+    error = capsys.readouterr().err
+    assert "sparrow: error: 1 of 3 grid points failed (sjf)" in error, error
+    assert written_after_each_point == [1, 2]
+    report = json.loads((out_dir / "results.json").read_text())
+    fcfs, sjf, lpm = report["points"]
+    assert sjf["error"] == "MemoryError: simulated: out of memory at step 12"
+    assert fcfs["output_tok_s"] > 0 and lpm["output_tok_s"] > 0
+    table = (out_dir / "results.md").read_text()
+    assert "| sjf | failed: MemoryError: simulated: out of memory at step 12 |" in table
+    lines = table.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| point |"))
+    assert all(line.count("|") == lines[header].count("|") for line in lines[header + 2:header + 5])
+    assert (out_dir / "results.png").exists()

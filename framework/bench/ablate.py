@@ -26,14 +26,15 @@ too. Writes ``results.md`` (table), ``results.json`` and ``results.png`` (chart)
 
 Every flag, every grid value and every combination of them is checked before the first point runs
 (``sparrow.bench.ablate_checks``: each point's engine configuration is built and pre-flighted,
-nothing is loaded), so a mistake in the last value of a grid costs no run.
+nothing is loaded), so a mistake in the last value of a grid costs no run. A point that still
+fails when it runs is a row saying why, the grid goes on, and the command exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -41,8 +42,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sparrow.bench.ablate_report import COLUMNS, markdown_table, write_chart  # noqa: F401 - re-exported
+from sparrow.bench.ablate_report import COLUMNS, markdown_table, write_chart, write_report  # noqa: F401 - re-exported
 from sparrow.bench.outputs import RULE as OUTPUT_RULE
+
+logger = logging.getLogger(__name__)
 
 WORKLOADS = ("offline", "shared-prefix", "mixed")
 # (flag dest, engine argument, short label for chart and table)
@@ -357,19 +360,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                  length_scale=args.length_scale)
     from tqdm.auto import tqdm
 
-    results = []
-    # Progress on stderr: one bar over the grid, and one per point over its requests.
-    with tqdm(total=len(points), desc="grid points", unit="point", dynamic_ncols=True) as bar:
-        for point in points:
-            label = point_label(point, varying)
-            bar.set_postfix_str(label)
-            if sim_gpu is not None:
-                measured = run_sim_point(model_path, workload, point, engine_args, args.seed, sim_gpu)
-            else:
-                measured = run_point(model_path, workload, point, engine_args, args.multiprocess, args.seed)
-            results.append({"label": label, "settings": point, **measured})
-            bar.update(1)
-
+    out_dir = Path(args.output_dir)
+    results: list[dict[str, Any]] = []
     report = {
         "benchmark": "ablate", "workload": "trace" if args.trace else args.workload, "trace": args.trace,
         "model": model_path, "device": device, "sim_gpu": sim_gpu,
@@ -378,15 +370,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "axes": {arg: values for arg, values in axes.items() if values},
         "machine": f"{platform.node()} {platform.machine()} {torch.get_num_threads()} threads",
         "torch": torch.__version__, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "points": results,
+        "num_points": len(points), "points": results,
     }
-    out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    table = markdown_table(report)
-    (out_dir / "results.json").write_text(json.dumps(report, indent=2))
-    (out_dir / "results.md").write_text(table)
-    charted = write_chart(report, out_dir / "results.png")
+    # Progress on stderr: one bar over the grid, and one per point over its requests.
+    with tqdm(total=len(points), desc="grid points", unit="point", dynamic_ncols=True) as bar:
+        for point in points:
+            label = point_label(point, varying)
+            bar.set_postfix_str(label)
+            try:
+                if sim_gpu is not None:
+                    measured = run_sim_point(model_path, workload, point, engine_args, args.seed, sim_gpu)
+                else:
+                    measured = run_point(model_path, workload, point, engine_args, args.multiprocess, args.seed)
+            except Exception as exc:  # noqa: BLE001 - one point's failure is its row; the grid goes on
+                logger.error("grid point %s failed: %s: %s", label, type(exc).__name__, exc)
+                measured = {"error": " ".join(f"{type(exc).__name__}: {exc}".split())}
+            results.append({"label": label, "settings": point, **measured})
+            write_report(report, out_dir, chart=False)  # what is measured survives a later stop
+            bar.update(1)
+
+    table, charted = write_report(report, out_dir, chart=True)
     print(table)
     print(f"wrote {out_dir / 'results.md'}, results.json" + (", results.png" if charted else
           " (no chart: matplotlib is not installed; pip install 'sparrow-llm[bench]')"))
+    failed = [point["label"] for point in results if "error" in point]
+    if failed:
+        from sparrow.entrypoints.cli_errors import CommandFailed
+
+        raise CommandFailed(f"{len(failed)} of {len(results)} grid points failed ({', '.join(failed)}); "
+                           f"their rows in {out_dir / 'results.md'} say why")
     return report

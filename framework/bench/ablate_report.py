@@ -2,6 +2,9 @@
 
 A simulated run's table names the simulated card instead of this machine and carries no date, so
 two runs with the same seed write identical tables (results.json keeps the date).
+
+The table and results.json are rewritten after every point, so a grid stopped half-way (Ctrl-C, a
+crash, a killed machine) keeps what it measured; a point that failed is a row saying why.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ def _cell(point: dict[str, Any], key: str, fmt: str) -> str:
 
 
 def markdown_table(report: dict[str, Any]) -> str:
-    first = report["points"][0]
+    measured = [point for point in report["points"] if "error" not in point]
+    prompt_tokens = measured[0]["prompt_tokens"] if measured else "?"
     source = f"trace `{report['trace']}`" if report.get("trace") else f"{report['workload']} workload"
     if report.get("sim_gpu"):
         where = f"- device: simulated {report['sim_gpu']} (`device=\"sim\"`, simulated time)"
@@ -45,7 +49,7 @@ def markdown_table(report: dict[str, Any]) -> str:
         f"# sparrow bench ablate: {source}",
         "",
         f"- model: `{report['model']}`",
-        f"- requests: {report['num_prompts']} ({first['prompt_tokens']} prompt tokens), "
+        f"- requests: {report['num_prompts']} ({prompt_tokens} prompt tokens), "
         f"length scale {report['length_scale']}, seed {report['seed']}",
         f"- engine args: `{json.dumps(report['engine_args'])}`",
         where,
@@ -54,9 +58,25 @@ def markdown_table(report: dict[str, Any]) -> str:
         "| --- | " + " | ".join("---:" for _ in COLUMNS) + " |",
     ]
     for point in report["points"]:
+        if "error" in point:
+            error = point["error"].replace("|", "\\|")
+            lines.append(f"| {point['label']} | failed: {error} |" + " - |" * (len(COLUMNS) - 1))
+            continue
         cells = [_cell(point, key, fmt) for _, key, fmt in COLUMNS]
         lines.append(f"| {point['label']} | " + " | ".join(cells) + " |")
+    if len(report["points"]) < report.get("num_points", len(report["points"])):
+        lines += ["", f"(stopped after {len(report['points'])} of {report['num_points']} points)"]
     return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict[str, Any], out_dir: Path, chart: bool) -> tuple[str, bool]:
+    """Write results.json and results.md (and, with ``chart``, results.png) to ``out_dir``;
+    (the table, whether the chart was drawn)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(report)
+    (out_dir / "results.json").write_text(json.dumps(report, indent=2))
+    (out_dir / "results.md").write_text(table)
+    return table, chart and write_chart(report, out_dir / "results.png")
 
 
 def write_chart(report: dict[str, Any], path: Path) -> bool:
@@ -70,7 +90,9 @@ def write_chart(report: dict[str, Any], path: Path) -> bool:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    points = report["points"]
+    points = [point for point in report["points"] if "error" not in point]
+    if not points:
+        return False
     labels = [point["label"] for point in points]
     x = np.arange(len(points))
     width = 0.4

@@ -19,6 +19,11 @@ USER_ERROR_NAMES = ("ConfigError", "ValueError", "FileNotFoundError", "WeightFil
                     "UnsupportedArchitectureError", "PluginError")
 
 
+class CommandFailed(Exception):
+    """A command that ran but did not do all it was asked (some grid points of an ablation failed,
+    say): its message is the one line printed, with status 1."""
+
+
 def describe_error(exc: BaseException) -> tuple[str, int] | None:
     """(one-line message, exit status) for an error the user can act on; None for a bug."""
     from sparrow.config import ConfigError
@@ -31,7 +36,7 @@ def describe_error(exc: BaseException) -> tuple[str, int] | None:
         return f"the engine failed to start: {message}", status
     if isinstance(exc, (ConfigError, ValueError, FileNotFoundError, PluginError)):
         return _one_line(str(exc)), EXIT_USER_ERROR
-    if isinstance(exc, (EngineDeadError, OSError)):
+    if isinstance(exc, (EngineDeadError, OSError, CommandFailed)):
         return _one_line(str(exc)), EXIT_RUNTIME_FAILURE
     return None
 

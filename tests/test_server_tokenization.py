@@ -111,6 +111,11 @@ def test_tokenize_refuses_what_it_does_not_honour(http):
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}), 400)
     assert error["param"] == "messages[0].content"
     assert error_of(http.post("/tokenize", json={"messages": []}), 400)["param"] == "messages"
+    # JSON types are strict, as on the generation endpoints: "yes" and 1 are not booleans.
+    for body, param in [({"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+                        ({"prompt": "x", "return_token_strs": 1}, "return_token_strs"),
+                        ({"messages": MESSAGES, "add_generation_prompt": "no"}, "add_generation_prompt")]:
+        assert error_of(http.post("/tokenize", json=body), 400)["param"] == param, body
     assert error_of(http.post("/tokenize", json=["x"]), 400)["code"] == "invalid_value"
     assert error_of(http.post("/tokenize", content=b"{not json", headers={"content-type": "application/json"}),
                     400)["code"] == "invalid_value"

@@ -23,6 +23,7 @@ from sparrow.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     OpenAIBaseModel,
+    RequestModel,
     TokenId,
     Tool,
 )
@@ -33,7 +34,7 @@ from sparrow.entrypoints.openai.serving_engine import APIError, OpenAIServing, f
 # -- requests and responses (vLLM's shapes) -----------------------------------------------------------
 
 
-class TokenizeCompletionRequest(OpenAIBaseModel):
+class TokenizeCompletionRequest(RequestModel):
     model: str | None = Field(None, description="Served model name; defaults to the first one served.")
     prompt: str
     add_special_tokens: bool = Field(True, description="Let the tokenizer add its special tokens (BOS, ...), "
@@ -41,7 +42,7 @@ class TokenizeCompletionRequest(OpenAIBaseModel):
     return_token_strs: bool | None = Field(False, description="Also return each token as the tokenizer spells it.")
 
 
-class TokenizeChatRequest(OpenAIBaseModel):
+class TokenizeChatRequest(RequestModel):
     model: str | None = Field(None, description="Served model name; defaults to the first one served.")
     messages: list[ChatMessage] = Field(..., min_length=1)
     add_generation_prompt: bool = True
@@ -61,7 +62,7 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = Field(None, description="Served model name; defaults to the first one served.")
     tokens: list[TokenId]
 

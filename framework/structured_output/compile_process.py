@@ -92,16 +92,22 @@ class CompileWorker:
             raise ValueError(head["error"])
         return body, float(head["fill_seconds"])
 
-    def kill(self) -> None:
+    def terminate(self) -> None:
+        """Kill the child; safe from any thread (a thread reading from it then sees it exit)."""
         if self._proc.poll() is None:
             self._proc.kill()
         self._proc.wait()
+
+    def kill(self) -> None:
+        """Kill the child and close the pipes: only from the thread using this worker."""
+        self.terminate()
         for pipe in (self._proc.stdin, self._proc.stdout):
             if pipe is not None:
                 pipe.close()
 
     def close(self) -> None:
-        """End the child: EOF on its input ends an idle child; a busy one is killed."""
+        """End the child: EOF on its input ends an idle child; a busy one is killed. Only from
+        the thread using this worker (or when no thread is)."""
         if self._proc.poll() is None and self._proc.stdin is not None:
             try:
                 self._proc.stdin.close()

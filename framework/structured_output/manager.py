@@ -364,9 +364,12 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         with self._lock:
             self._closed = True
-            workers, self._idle_workers = list(self._workers), []
-        for worker in workers:  # a compiling child is killed; its pool thread then fails its request
+            idle, self._idle_workers = self._idle_workers, []
+            busy = [worker for worker in self._workers if worker not in idle]
+        for worker in idle:
             worker.close()
+        for worker in busy:  # killed; the pool thread reading from it fails its request and closes it
+            worker.terminate()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 

@@ -12,6 +12,7 @@ import functools
 import inspect
 import logging
 import os
+import weakref
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, Callable
@@ -179,55 +180,96 @@ class Registry:
 def _collect(pm: pluggy.PluginManager, hook_name: str, make_register: Callable) -> None:
     hook = getattr(pm.hook, hook_name)
     for impl in hook.get_hookimpls():
-        impl.function(**{k: make_register(impl.plugin_name) for k in impl.argnames if k == "register"})
+        try:
+            impl.function(**{k: make_register(impl.plugin_name) for k in impl.argnames if k == "register"})
+        except PluginError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure is reported with the plugin's name
+            raise PluginError(f"sparrow plugin {impl.plugin_name!r} failed in {hook_name}: {exc!r}. "
+                              f"Exclude it with SPARROW_PLUGINS or uninstall it.") from exc
+
+
+def check_registered_object(kind: str, name: str, plugin: str, obj: Any, *, classes_only: bool = False) -> None:
+    """Refuse, when it is registered, what could never be resolved later: a ``kind`` entry must be
+    a class (or, unless ``classes_only``, any callable) or an import path ``"package.module:Name"``."""
+    if isinstance(obj, str):
+        module_name, _, attr = obj.partition(":")
+        if module_name and attr:
+            return
+        problem = f"the import path {obj!r} is not of the form 'package.module:Name'"
+    elif inspect.isclass(obj) or (callable(obj) and not classes_only):
+        return
+    else:
+        problem = f"{obj!r} is not a class or an import path 'package.module:Class'"
+    raise PluginError(f"sparrow plugin {plugin!r} registered {kind} {name!r} wrongly: {problem}")
 
 
 def build_registry(pm: pluggy.PluginManager) -> Registry:
     reg = Registry()
-    owners: dict[tuple[str, str], str] = {}
+    owners: dict[tuple[str, str], tuple[str, bool]] = {}
 
-    def claim(kind: str, name: str, plugin: str, override: bool = False) -> None:
+    def claim(kind: str, name: str, plugin: str, override: bool = False) -> bool:
+        """Whether ``plugin``'s registration of ``name`` is kept: an override wins over a plain
+        registration whichever comes first (entry points load in sys.path order)."""
         if not isinstance(name, str) or not name:
             raise PluginError(f"plugin {plugin!r} registered a {kind} with an invalid name {name!r}")
         previous = owners.get((kind, name))
-        if previous is not None and not override:
-            raise PluginError(f"{kind} {name!r} is registered by both {previous!r} and {plugin!r}")
-        owners[(kind, name)] = plugin
+        if previous is not None and previous[1] == override:
+            hint = "" if override else "; the one that replaces the other passes override=True"
+            raise PluginError(f"{kind} {name!r} is registered by both {previous[0]!r} and {plugin!r}{hint}")
+        if previous is not None and previous[1]:
+            return False  # an earlier plugin already replaced this one's registration
+        owners[(kind, name)] = (plugin, override)
+        return True
 
     def platforms(plugin: str):
         def register(name: str, detect: Callable[[], str | None], priority: int = 0) -> None:
+            if not callable(detect):
+                raise PluginError(f"sparrow plugin {plugin!r} registered platform {name!r} with detect={detect!r}, "
+                                  f"which is not callable: pass a function returning 'package.module:Class' or None")
+            if not isinstance(priority, int) or isinstance(priority, bool):
+                raise PluginError(f"sparrow plugin {plugin!r} registered platform {name!r} with priority "
+                                  f"{priority!r}, which is not an int")
             claim("platform", name, plugin)
             reg.platforms[name] = PlatformEntry(name, detect, priority, plugin)
         return register
 
     def schedulers(plugin: str):
         def register(name: str, scheduler_cls: type, override: bool = False) -> None:
-            claim("scheduler", name, plugin, override)
-            reg.schedulers[name] = scheduler_cls
+            check_registered_object("scheduler", name, plugin, scheduler_cls, classes_only=True)
+            if claim("scheduler", name, plugin, override):
+                reg.schedulers[name] = scheduler_cls
         return register
 
     def connectors(plugin: str):
         def register(name: str, connector_cls: type, override: bool = False) -> None:
-            claim("kv connector", name, plugin, override)
-            reg.kv_connectors[name] = connector_cls
+            check_registered_object("kv connector", name, plugin, connector_cls, classes_only=True)
+            if claim("kv connector", name, plugin, override):
+                reg.kv_connectors[name] = connector_cls
         return register
 
     def architectures(plugin: str):
         def register(architecture: str, import_path: str, override: bool = False) -> None:
-            claim("architecture", architecture, plugin, override)
-            reg.architectures[architecture] = import_path
+            if not isinstance(import_path, str):
+                raise PluginError(f"sparrow plugin {plugin!r} registered architecture {architecture!r} as "
+                                  f"{import_path!r}: pass the import path 'package.module:ModelClass'")
+            check_registered_object("architecture", architecture, plugin, import_path)
+            if claim("architecture", architecture, plugin, override):
+                reg.architectures[architecture] = import_path
         return register
 
     def logits_processors(plugin: str):
         def register(name: str, processor: Any, override: bool = False) -> None:
-            claim("logits processor", name, plugin, override)
-            reg.logits_processors[name] = processor
+            check_registered_object("logits processor", name, plugin, processor, classes_only=True)
+            if claim("logits processor", name, plugin, override):
+                reg.logits_processors[name] = processor
         return register
 
     def parsers(kind: str, table: dict[str, Any], plugin: str):
         def register(name: str, parser_cls: Any, override: bool = False) -> None:
-            claim(kind, name, plugin, override)
-            table[name] = parser_cls
+            check_registered_object(kind, name, plugin, parser_cls, classes_only=True)
+            if claim(kind, name, plugin, override):
+                table[name] = parser_cls
         return register
 
     def ops(plugin: str):
@@ -239,8 +281,9 @@ def build_registry(pm: pluggy.PluginManager) -> Registry:
                                   f"ops: {', '.join(KERNEL_OPS)}")
             if not isinstance(platform, str) or not platform:
                 raise PluginError(f"plugin {plugin!r} registered op {op!r} for an invalid platform {platform!r}")
-            claim("op", f"{op} on {platform}", plugin, override)
-            reg.ops.setdefault(op, {})[platform] = impl
+            check_registered_object("op", f"{op} on {platform}", plugin, impl)
+            if claim("op", f"{op} on {platform}", plugin, override):
+                reg.ops.setdefault(op, {})[platform] = impl
         return register
 
     _collect(pm, "sparrow_register_platforms", platforms)
@@ -264,18 +307,34 @@ def build_registry(pm: pluggy.PluginManager) -> Registry:
     return reg
 
 
+# pm -> (the plugins it held, their registry): the registration hooks run once per set of plugins.
+_REGISTRIES: weakref.WeakKeyDictionary[pluggy.PluginManager, tuple[list[Any], Registry]] = weakref.WeakKeyDictionary()
+
+
 def get_registry(pm: pluggy.PluginManager | None = None) -> Registry:
-    """Registrations of ``pm`` (default: the process's plugin manager). Cheap to call again."""
-    return build_registry(pm or get_plugin_manager())
+    """Registrations of ``pm`` (default: the process's plugin manager). Cheap to call again: the
+    registration hooks run again only after a plugin was registered or unregistered. Read it, never
+    change it (every caller shares it)."""
+    pm = pm or get_plugin_manager()
+    plugins = [plugin for _, plugin in pm.list_name_plugin()]
+    cached = _REGISTRIES.get(pm)
+    if cached is not None and len(cached[0]) == len(plugins) and all(a is b for a, b in zip(cached[0], plugins)):
+        return cached[1]
+    registry = build_registry(pm)
+    _REGISTRIES[pm] = (plugins, registry)
+    return registry
 
 
 def import_object(import_path: str) -> Any:
-    """Import ``"package.module:attr"``."""
+    """Import ``"package.module:attr"``; an ImportError naming ``import_path`` when that fails."""
     import importlib
 
     module_name, _, attr = import_path.partition(":")
-    module = importlib.import_module(module_name)
-    return getattr(module, attr) if attr else module
+    try:
+        module = importlib.import_module(module_name)
+        return getattr(module, attr) if attr else module
+    except (ImportError, AttributeError) as exc:
+        raise ImportError(f"cannot import {import_path!r}: {exc}") from exc
 
 
 def resolve_parser(kind: str, name: str, table: dict[str, Any]) -> type:
@@ -284,4 +343,10 @@ def resolve_parser(kind: str, name: str, table: dict[str, Any]) -> type:
     if name not in table:
         raise ValueError(f"unknown {kind} {name!r}; registered: {', '.join(sorted(table)) or 'none'}")
     entry = table[name]
-    return import_object(entry) if isinstance(entry, str) else entry
+    if not isinstance(entry, str):
+        return entry
+    try:
+        return import_object(entry)
+    except ImportError as exc:
+        raise PluginError(f"{kind} {name!r} is registered as {entry!r}, which does not import: {exc.__cause__!r}. "
+                          f"`sparrow plugins` lists which plugin registers it.") from exc

@@ -370,6 +370,8 @@ def test_the_parser_and_plugins_import_no_server_stack_nor_torch():
     assert result.returncode == 0, result.stderr
     assert "parser: []" in result.stdout and "plugins: []" in result.stdout, result.stdout
     assert "cpu" in result.stdout and "linear" in result.stdout  # the listing and its op table ran
+    proposers = next(line for line in result.stdout.splitlines() if line.startswith("speculative proposers"))
+    assert all(name in proposers for name in ("ngram", "draft_model", "eagle")), proposers
 
 
 def test_serve_flag_constants_match_the_server():

@@ -141,13 +141,33 @@ def kernel_default_only(pm: pluggy.PluginManager, hook_name: str) -> bool:
     return len(impls) == 1 and impls[0].plugin_name == DEFAULT_HOOKS
 
 
-def resolve_hook(pm: pluggy.PluginManager, hook_name: str) -> Callable[..., Any]:
+def resolve_hook(pm: pluggy.PluginManager, hook_name: str, returns: type | tuple[type, ...] | None = None
+                 ) -> Callable[..., Any]:
     """What to call for ``hook_name`` (with the hookspec's keywords): the kernel default's function
-    when it is the only implementation (a direct call), else the hook with its plugins."""
+    when it is the only implementation (a direct call), else the hook with its plugins, whose
+    result must then be a ``returns`` (see :func:`check_hook_result`)."""
     hook = getattr(pm.hook, hook_name)
     if kernel_default_only(pm, hook_name):
         return hook.get_hookimpls()[0].function
-    return hook
+    if returns is None:
+        return hook
+
+    def call(**kwargs: Any) -> Any:
+        return check_hook_result(pm, hook_name, hook(**kwargs), returns)
+    return call
+
+
+def check_hook_result(pm: pluggy.PluginManager, hook_name: str, result: Any,
+                      expected: type | tuple[type, ...]) -> Any:
+    """``result`` when it is an ``expected``; else a PluginError naming the hook's implementations
+    (a plugin returned the wrong thing: better here than an AttributeError deep in the kernel)."""
+    if isinstance(result, expected):
+        return result
+    names = " or ".join("None" if kind is type(None) else kind.__name__
+                        for kind in (expected if isinstance(expected, tuple) else (expected,)))
+    plugins = ", ".join(impl.plugin_name for impl in getattr(pm.hook, hook_name).get_hookimpls())
+    raise PluginError(f"{hook_name} returned {type(result).__name__} {result!r:.80}, not {names}; "
+                      f"its implementations: {plugins}")
 
 
 @dataclass(slots=True)

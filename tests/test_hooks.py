@@ -193,6 +193,37 @@ def test_sparrow_schedule_can_be_replaced():
         assert executor.history == [] and engine.has_unfinished_requests()
 
 
+def test_sparrow_schedule_and_allocate_slots_results_of_the_wrong_type_name_the_plugin():
+    # A plugin returning the wrong thing fails at the hook, naming it, not as an AttributeError
+    # deep in the kernel.
+    from sparrow.plugins import PluginError
+
+    class Sloppy:
+        @hookimpl(tryfirst=True)
+        def sparrow_schedule(self, scheduler):
+            return {"num_scheduled_tokens": {}}
+
+    with registered(Sloppy(), "sloppy-scheduler"):
+        engine = engine_with()
+        engine.add_request(make_request("a", 4))
+        with pytest.raises(PluginError, match=r"sparrow_schedule returned dict .*not SchedulerOutput or None; "
+                                              r"its implementations: .*sloppy-scheduler"):
+            engine.step()
+
+    class Careless:
+        @hookimpl(wrapper=True)
+        def sparrow_allocate_slots(self, request):
+            yield
+            return "plenty"
+
+    with registered(Careless(), "careless-allocator"):
+        engine = engine_with()
+        engine.add_request(make_request("a", 4))
+        with pytest.raises(PluginError, match=r"sparrow_allocate_slots returned str 'plenty', not KVCacheBlocks or "
+                                              r"None; its implementations: .*careless-allocator"):
+            engine.step()
+
+
 def test_sparrow_allocate_slots():
     class Veto:
         """Refuses memory to one request: it waits while the others run."""
@@ -232,6 +263,23 @@ def test_sparrow_execute_model():
         outputs = run_to_completion(engine)
     assert len(outputs["a"]) == 3
     assert timings == [1, 1, 1]
+
+
+def test_sparrow_execute_model_result_of_the_wrong_type_names_the_plugin():
+    from sparrow.plugins import PluginError
+
+    class Broken:
+        @hookimpl(tryfirst=True)
+        def sparrow_execute_model(self, worker, scheduler_output):
+            return 42
+
+    with registered(TinyPlatformPlugin(), "tiny-platform"), registered(Broken(), "broken-runner"):
+        engine = engine_with(executor=None, device="tinydev")
+        engine.add_request(make_request("a", 6, max_tokens=3))
+        with pytest.raises(PluginError, match=r"sparrow_execute_model returned int 42, not ModelRunnerOutput; "
+                                              r"its implementations: .*broken-runner"):
+            run_to_completion(engine)
+        engine.shutdown()
 
 
 def test_sparrow_execute_model_can_be_replaced_and_falls_through_on_none():

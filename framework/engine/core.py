@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from sparrow.config import EngineConfig
-from sparrow.core.kv_cache_manager import KVCacheManager
+from sparrow.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from sparrow.core.kv_cache_utils import KVCacheGroupSpec
 from sparrow.core.request import FinishReason, Request, RequestStatus
 from sparrow.core.sched.interface import SchedulerInterface
@@ -19,7 +19,14 @@ from sparrow.engine.request_guard import check_request, model_vocab_size
 from sparrow.executor import Executor, make_executor
 from sparrow.executor.abstract import StepHandle
 from sparrow.kv_transfer import KVConnectorRole, build_connector
-from sparrow.plugins import get_plugin_manager, get_registry, kernel_default_only, resolve_hook, resolve_parser
+from sparrow.plugins import (
+    check_hook_result,
+    get_plugin_manager,
+    get_registry,
+    kernel_default_only,
+    resolve_hook,
+    resolve_parser,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -319,7 +326,7 @@ def schedule_step(pm: Any, scheduler: SchedulerInterface) -> Callable[[], Schedu
     if kernel_default_only(pm, "sparrow_schedule"):
         return scheduler.schedule
     hook = pm.hook.sparrow_schedule
-    return lambda: hook(scheduler=scheduler)
+    return lambda: check_hook_result(pm, "sparrow_schedule", hook(scheduler=scheduler), (SchedulerOutput, type(None)))
 
 
 def eviction_policy_class(name: str, pm: Any = None) -> type:
@@ -341,7 +348,7 @@ def build_scheduler(config: EngineConfig, kv_cache_manager: KVCacheManager, pm: 
         max_model_len=config.model.max_model_len,
         enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
         long_prefill_token_threshold=config.scheduler.long_prefill_token_threshold,
-        allocate_slots=resolve_hook(pm, "sparrow_allocate_slots"),
+        allocate_slots=resolve_hook(pm, "sparrow_allocate_slots", returns=(KVCacheBlocks, type(None))),
         kv_connector=build_connector(config, KVConnectorRole.SCHEDULER, kv_cache_manager.block_size),
     )
     if config.lora.enable_lora:

@@ -17,7 +17,7 @@ from sparrow.config import EngineConfig
 from sparrow.core.sched.output import SchedulerOutput
 from sparrow.executor.abstract import Executor, KVCacheInfo, StepHandle
 from sparrow.platforms import resolve_platform
-from sparrow.plugins import get_plugin_manager, import_object, kernel_default_only
+from sparrow.plugins import check_hook_result, get_plugin_manager, import_object, kernel_default_only
 from sparrow.worker.outputs import ModelRunnerOutput
 
 
@@ -104,4 +104,5 @@ def execute_step(pm: Any, worker: Any, defer: bool = False) -> Callable[[Schedul
         deferred = getattr(worker, "execute_model_deferred", None) if defer else None
         return deferred or worker.execute_model
     hook = pm.hook.sparrow_execute_model
-    return lambda scheduler_output: hook(worker=worker, scheduler_output=scheduler_output)
+    return lambda scheduler_output: check_hook_result(
+        pm, "sparrow_execute_model", hook(worker=worker, scheduler_output=scheduler_output), ModelRunnerOutput)

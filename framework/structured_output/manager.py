@@ -256,9 +256,14 @@ class StructuredOutputManager:
 
         grammar = build_grammar(params, any_whitespace=self.any_whitespace)
         worker = self._take_worker()  # a new child imports xgrammar while the tokenizer loads
+        if not worker.started:
+            try:  # its errors (a reasoning parser's, say) are not the grammar's: raised as they are
+                self._load_tokenizer()
+            except BaseException:
+                self._give_back(worker)
+                raise
         try:
             if not worker.started:
-                self._load_tokenizer()
                 worker.start(self._tokenizer_info_json, max_threads=self._max_workers)
             data, fill_seconds = worker.compile(grammar.serialize_json(), self.compile_timeout)
         except ValueError as exc:

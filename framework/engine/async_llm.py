@@ -12,6 +12,9 @@ When the engine core dies, every pending and later call raises ``EngineDeadError
 Tokenizing a prompt (and validating it) runs on one worker thread, not on the event loop: a
 prompt of megabytes takes seconds to tokenize, and the loop must keep serving open streams and
 health checks meanwhile.
+
+An AsyncLLM belongs to the event loop of its first request or utility call; another loop (a second
+``asyncio.run``, another thread) gets a RuntimeError saying so.
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
+import numbers
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from sparrow.config import EngineConfig
+from sparrow.config import ConfigError, EngineConfig
 from sparrow.core.kv_cache_utils import request_capacity_tokens
 from sparrow.engine.exceptions import EngineDeadError
 from sparrow.engine.input_processor import PromptType
@@ -42,13 +47,63 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# The keys a prompt dict may have. vLLM's other keys (multi_modal_data, mm_processor_kwargs,
+# cache_salt, token_type_ids, prompt_embeds, ...) are refused, never dropped: Sparrow serves
+# text-only models and has no cache salts.
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+class AsyncEngineArgs:
+    """vLLM's ``AsyncEngineArgs``: the engine arguments as one object, for
+    ``AsyncLLM.from_engine_args(AsyncEngineArgs(model=..., max_model_len=...))``.
+
+    Takes the keywords ``LLM`` and ``AsyncLLM.from_engine_args`` take; every argument is an
+    attribute (unset ones read as their defaults) and may be reassigned before the engine is built.
+    An unknown name raises ``ConfigError`` at once; values are checked by ``create_engine_config``.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        object.__setattr__(self, "_args", {})
+        self.model = model
+        for name, value in engine_args.items():
+            setattr(self, name, value)
+
+    @staticmethod
+    def _check_name(name: str) -> None:
+        owners = EngineConfig.field_names()
+        if name not in owners:
+            raise ConfigError(f"unknown engine argument {name!r}; valid arguments: {', '.join(sorted(owners))}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._check_name(name)
+        self._args[name] = value
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        self._check_name(name)
+        args = self.__dict__["_args"]
+        return args[name] if name in args else EngineConfig().flat()[name]
+
+    def create_engine_config(self, usage_context: Any = None) -> EngineConfig:
+        """The validated configuration (``usage_context`` is vLLM's telemetry tag; unused)."""
+        return EngineConfig.from_kwargs(**self._args)
+
+    def __repr__(self) -> str:
+        return f"AsyncEngineArgs({', '.join(f'{k}={v!r}' for k, v in self._args.items())})"
+
 
 class AsyncLLM:
     """An asyncio engine. ``AsyncLLM.from_engine_args(model=..., max_model_len=...)`` takes the
-    same keywords as ``LLM``; ``executor_factory`` ("package.module:callable") replaces the
-    configured executor in the engine process (tests)."""
+    same keywords as ``LLM`` (or, as in vLLM, one ``AsyncEngineArgs``); ``AsyncLLM(config)`` and
+    ``AsyncLLM.from_vllm_config(config)`` take an ``EngineConfig``. ``executor_factory``
+    ("package.module:callable") replaces the configured executor in the engine process (tests)."""
 
     def __init__(self, config: EngineConfig, *, executor_factory: str | None = None) -> None:
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"AsyncLLM(config) takes an EngineConfig, got {type(config).__name__}; for engine "
+                            "arguments use AsyncLLM.from_engine_args(model=..., ...)")
         self.config = finalize_config(config)
         model_dir = self.config.model.model
         self.model_config = self.config.model
@@ -68,6 +123,10 @@ class AsyncLLM:
         self._dead_error: EngineDeadError | None = None
         self._dead_event = asyncio.Event()
         self._output_handler: asyncio.Task | None = None
+        # The event loop this engine belongs to: that of its first request or utility call.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Set by shutdown(): prompts still queued for the input thread then fail with the dead error.
+        self._closed = False
         # One thread, as vLLM has: a Hugging Face fast tokenizer re-configured (truncation,
         # padding) by one thread while another encodes fails with "Already borrowed".
         self._input_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparrow-input")
@@ -83,8 +142,25 @@ class AsyncLLM:
             kv_info["num_blocks"], kv_info["block_size"], self.hf_config, self.model_config.max_model_len or 0)
 
     @classmethod
-    def from_engine_args(cls, executor_factory: str | None = None, **engine_args: Any) -> AsyncLLM:
-        return cls(EngineConfig.from_kwargs(**engine_args), executor_factory=executor_factory)
+    def from_engine_args(cls, engine_args: AsyncEngineArgs | EngineConfig | None = None, /, *,
+                         executor_factory: str | None = None, **kwargs: Any) -> AsyncLLM:
+        """``from_engine_args(model=..., **engine_args)``, or vLLM's ``from_engine_args(AsyncEngineArgs(...))``."""
+        if engine_args is None:
+            return cls(EngineConfig.from_kwargs(**kwargs), executor_factory=executor_factory)
+        if kwargs:
+            raise TypeError(f"AsyncLLM.from_engine_args: pass the engine arguments in engine_args or as keywords, "
+                            f"not both (got engine_args and {', '.join(sorted(kwargs))})")
+        if isinstance(engine_args, EngineConfig):
+            return cls(engine_args, executor_factory=executor_factory)
+        if not callable(getattr(engine_args, "create_engine_config", None)):
+            raise TypeError(f"AsyncLLM.from_engine_args: engine_args must be an AsyncEngineArgs or an EngineConfig, "
+                            f"got {type(engine_args).__name__}")
+        return cls(engine_args.create_engine_config(), executor_factory=executor_factory)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: EngineConfig, *, executor_factory: str | None = None) -> AsyncLLM:
+        """vLLM's name for building from a whole configuration (here an ``EngineConfig``)."""
+        return cls(vllm_config, executor_factory=executor_factory)
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -99,9 +175,23 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return not self.errored
 
+    @property
+    def is_stopped(self) -> bool:
+        return self.errored
+
     async def check_health(self) -> None:
         """Raises EngineDeadError when the engine core is gone."""
         self._raise_if_dead()
+
+    def _bind_loop(self) -> None:
+        """Tie the engine to the running event loop on first use; refuse any other loop."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif loop is not self._loop:
+            raise RuntimeError(
+                "this AsyncLLM belongs to the event loop of its first request and cannot be used from another "
+                "one (a second asyncio.run(), another thread); create the engine in, and use it from, one loop")
 
     def _raise_if_dead(self) -> None:
         error = self.dead_error
@@ -111,9 +201,22 @@ class AsyncLLM:
     async def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    async def get_model_config(self) -> Any:
+        return self.model_config
+
+    async def get_vllm_config(self) -> EngineConfig:
+        return self.config
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
     async def wait_until_dead(self) -> EngineDeadError:
         """Return once the engine core has died (or ``fail_all`` / ``shutdown`` ended the engine).
         Starts the output handler, so that a death is noticed even when no request is running."""
+        self._bind_loop()
         self._ensure_output_handler()
         await self._dead_event.wait()
         return self.dead_error or EngineDeadError()
@@ -121,11 +224,23 @@ class AsyncLLM:
     async def run_input_work(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` (tokenizing, rendering a chat template) on the input thread and await it,
         so that the event loop stays free while a huge prompt is processed."""
+        work = functools.partial(fn, *args, **kwargs)
+
+        def run() -> T:
+            # Work still queued when shutdown() came fails here, as every caller of a dead engine
+            # does (a cancelled future would raise CancelledError in a task nobody cancelled).
+            if self._closed:
+                raise self._shutdown_error()
+            return work()
+
         try:
-            future = self._input_executor.submit(functools.partial(fn, *args, **kwargs))
+            future = self._input_executor.submit(run)
         except RuntimeError:  # the executor was shut down with the engine
-            raise self.dead_error or EngineDeadError("the engine was shut down") from None
+            raise self._shutdown_error() from None
         return await asyncio.wrap_future(future)
+
+    def _shutdown_error(self) -> EngineDeadError:
+        return self.dead_error or EngineDeadError("the engine was shut down")
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(
@@ -135,15 +250,22 @@ class AsyncLLM:
         request_id: str,
         *,
         lora_request: Any = None,
+        trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
+        data_parallel_rank: int | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs as they come (per ``sampling_params.output_kind``).
 
-        Raises ValueError for an invalid request (before anything is yielded) and
-        EngineDeadError when the engine dies. Closing or cancelling the consumer aborts it.
+        Raises ValueError naming the field for an invalid request (before anything is yielded) and
+        EngineDeadError when the engine dies or is shut down. Closing or cancelling the consumer
+        aborts it. vLLM's ``trace_headers``, ``data_parallel_rank`` and ``tokenization_kwargs`` are
+        accepted when they ask for nothing (None or empty; rank 0 of one engine) and refused otherwise.
         """
         collector = await self.add_request(request_id, prompt, sampling_params, priority=priority,
-                                           lora_request=lora_request)
+                                           lora_request=lora_request, trace_headers=trace_headers,
+                                           data_parallel_rank=data_parallel_rank,
+                                           tokenization_kwargs=tokenization_kwargs)
         stream = self.stream_outputs(request_id, collector)
         try:
             async for output in stream:
@@ -151,6 +273,14 @@ class AsyncLLM:
         finally:
             # Closing an unfinished stream aborts the request in the engine core.
             await stream.aclose()
+
+    async def encode(self, prompt: PromptType, pooling_params: Any, request_id: str, *args: Any,
+                     **kwargs: Any) -> AsyncGenerator[Any, None]:
+        """vLLM's pooling entry point: Sparrow serves generative models only, so it is refused."""
+        raise InvalidArgumentError(
+            f"request {request_id!r}: encode() needs a pooling (embedding / classification) model, and Sparrow "
+            "serves generative models only; use generate()", "pooling_params")
+        yield  # an async generator, as in vLLM: the error comes at the first iteration
 
     async def stream_outputs(self, request_id: str, collector: RequestOutputCollector
                              ) -> AsyncGenerator[RequestOutput, None]:
@@ -170,14 +300,28 @@ class AsyncLLM:
         finally:
             self._collectors.pop(request_id, None)
 
-    async def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None,
-                          *, priority: int = 0, arrival_time: float | None = None,
-                          lora_request: Any = None) -> RequestOutputCollector:
-        """Validate and submit a request; its outputs go to the returned collector."""
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
+                          arrival_time: float | None = None, lora_request: Any = None,
+                          tokenization_kwargs: dict[str, Any] | None = None,
+                          trace_headers: Mapping[str, str] | None = None, priority: int = 0,
+                          data_parallel_rank: int | None = None) -> RequestOutputCollector:
+        """Validate and submit a request; its outputs go to the returned collector (vLLM's
+        parameters; see ``generate``)."""
         self._raise_if_dead()
+        self._bind_loop()
         self._ensure_output_handler()
+        priority, arrival_time = self._check_request_fields(
+            request_id, prompt, arrival_time, priority, trace_headers, tokenization_kwargs, data_parallel_rank)
         self._check_request_id_free(request_id)
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, SamplingParams):
+            # Checked again (a field may have been set after construction) and copied, so that the
+            # caller may reuse or change its SamplingParams while this request runs.
+            params = params.clone()
+        else:
+            raise InvalidArgumentError(f"sampling_params of request {request_id!r} must be SamplingParams, got "
+                                       f"{type(params).__name__}", "sampling_params")
         if lora_request is not None:  # reads the adapter's config and tensor header
             await self.run_input_work(check_lora_request, lora_request, self.config, self.hf_config)
         text, request = await self.run_input_work(
@@ -203,9 +347,55 @@ class AsyncLLM:
             raise
         return collector
 
+    def _check_request_fields(self, request_id: Any, prompt: Any, arrival_time: Any, priority: Any,
+                              trace_headers: Any, tokenization_kwargs: Any, data_parallel_rank: Any
+                              ) -> tuple[int, float | None]:
+        """Refuse, naming the field, what the engine core could not decode or would not honour;
+        return ``priority`` and ``arrival_time`` as the wire carries them."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidArgumentError(f"request_id must be a non-empty string, got {request_id!r} "
+                                       f"({type(request_id).__name__})", "request_id")
+        if isinstance(prompt, Mapping):
+            for key, value in prompt.items():
+                if key not in _PROMPT_KEYS and value is not None:
+                    raise InvalidArgumentError(
+                        f"prompt of request {request_id!r}: key {key!r} is not supported (Sparrow takes text or token "
+                        f"ids only: no multi-modal data, embeddings or cache salts); a prompt dict takes "
+                        f"{' and '.join(_PROMPT_KEYS)}",
+                        f"prompt.{key}")
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral) \
+                or not _INT64_MIN <= int(priority) <= _INT64_MAX:
+            raise InvalidArgumentError(f"priority of request {request_id!r} must be a 64-bit integer, got "
+                                       f"{priority!r} ({type(priority).__name__})", "priority")
+        if arrival_time is not None:
+            if isinstance(arrival_time, bool) or not isinstance(arrival_time, numbers.Real) \
+                    or not math.isfinite(float(arrival_time)):
+                raise InvalidArgumentError(f"arrival_time of request {request_id!r} must be a finite number "
+                                           f"(time.monotonic()) or None, got {arrival_time!r}", "arrival_time")
+            arrival_time = float(arrival_time)
+        if trace_headers:
+            raise InvalidArgumentError(f"trace_headers of request {request_id!r}: Sparrow has no request tracing "
+                                       "(OpenTelemetry); leave trace_headers None", "trace_headers")
+        if tokenization_kwargs:
+            raise InvalidArgumentError(
+                f"tokenization_kwargs of request {request_id!r} are not supported (got {sorted(tokenization_kwargs)}): "
+                "pass prompt_token_ids to tokenize yourself, or SamplingParams for the output", "tokenization_kwargs")
+        if data_parallel_rank is not None:
+            size = self.config.parallel.data_parallel_size
+            if isinstance(data_parallel_rank, bool) or not isinstance(data_parallel_rank, numbers.Integral) \
+                    or not 0 <= int(data_parallel_rank) < size:
+                raise InvalidArgumentError(f"data_parallel_rank of request {request_id!r} must be an integer in "
+                                           f"[0, {size}) or None, got {data_parallel_rank!r}", "data_parallel_rank")
+            if size > 1:
+                raise InvalidArgumentError(f"data_parallel_rank of request {request_id!r}: Sparrow routes requests "
+                                           "to its data-parallel engines itself; leave data_parallel_rank None",
+                                           "data_parallel_rank")
+        return int(priority), arrival_time
+
     def _check_request_id_free(self, request_id: str) -> None:
         if request_id in self._collectors:
-            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+            raise InvalidArgumentError(f"request_id {request_id!r} is already in use by an unfinished request",
+                                       "request_id")
 
     def _check_kv_capacity(self, request: EngineCoreRequest) -> None:
         needed = min(len(request.prompt_token_ids) + (request.max_tokens or 0), self.model_config.max_model_len or 0)
@@ -217,9 +407,15 @@ class AsyncLLM:
                 f"{self.kv_cache_capacity_tokens}; lower max_tokens or raise kv_cache_memory_bytes / num_kv_blocks",
                 field)
 
-    async def abort(self, request_id: str | list[str]) -> None:
-        """Abort requests: their consumers get a final output with finish_reason "abort"."""
-        self._abort_now([request_id] if isinstance(request_id, str) else list(request_id))
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests (ids of unfinished requests; others are ignored, as in vLLM): their
+        consumers get a final output with finish_reason "abort"."""
+        request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for item in request_ids:
+            if not isinstance(item, str):
+                raise InvalidArgumentError(f"abort: request ids are strings, got {item!r} ({type(item).__name__})",
+                                           "request_id")
+        self._abort_now(request_ids)
 
     def fail_all(self, error: EngineDeadError) -> int:
         """Refuse every later request and end every unfinished one with ``error``, aborting its
@@ -307,45 +503,53 @@ class AsyncLLM:
         self._dead_event.set()
 
     # -- utilities --------------------------------------------------------------------------
+    async def _call_utility(self, method: str, *args: Any) -> Any:
+        self._raise_if_dead()
+        self._bind_loop()
+        return await self.engine_core.call_utility_async(method, *args)
+
     async def reset_prefix_cache(self) -> bool:
-        return await self.engine_core.call_utility_async("reset_prefix_cache")
+        return await self._call_utility("reset_prefix_cache")
 
     async def start_profile(self) -> None:
-        await self.engine_core.call_utility_async("profile", True)
+        await self._call_utility("profile", True)
 
     async def stop_profile(self) -> list[dict[str, Any]]:
-        return await self.engine_core.call_utility_async("profile", False)
+        return await self._call_utility("profile", False)
 
     async def get_scheduler_stats(self) -> SchedulerStats:
-        stats = await self.engine_core.call_utility_async("get_scheduler_stats")
+        stats = await self._call_utility("get_scheduler_stats")
         # The call consumed the cache-counter deltas; keep them in the Prometheus counters.
         self.metrics.record_scheduler_stats(stats)
         return stats
 
     async def get_kv_cache_info(self) -> dict[str, int]:
-        return await self.engine_core.call_utility_async("get_kv_cache_info")
+        return await self._call_utility("get_kv_cache_info")
 
     async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
-        return await self.engine_core.call_utility_async("collective_rpc", method, args, kwargs)
+        return await self._call_utility("collective_rpc", method, args, kwargs)
 
     # LoRA adapters (vLLM's names): load ahead of use, forget, list the loaded ids.
     async def add_lora(self, lora_request: Any) -> bool:
+        if lora_request is None:
+            raise InvalidArgumentError("add_lora: lora_request must be a LoRARequest, got None", "lora_request")
         await self.run_input_work(check_lora_request, lora_request, self.config, self.hf_config)
-        return await self.engine_core.call_utility_async(
+        return await self._call_utility(
             "add_lora", lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)
 
     async def remove_lora(self, lora_id: int) -> bool:
-        return await self.engine_core.call_utility_async("remove_lora", lora_id)
+        return await self._call_utility("remove_lora", lora_id)
 
     async def list_loras(self) -> set[int]:
-        return set(await self.engine_core.call_utility_async("list_loras"))
+        return set(await self._call_utility("list_loras"))
 
     def shutdown(self) -> None:
         """Stop the engine process; pending consumers get EngineDeadError."""
+        self._closed = True
         self.engine_core.shutdown()
-        # A prompt being tokenized finishes on its own; nothing queued behind it starts.
-        self._input_executor.shutdown(wait=False, cancel_futures=True)
-        error = self.engine_core.dead_error or EngineDeadError("the engine was shut down")
+        # A prompt being tokenized finishes on its own; those queued behind it fail at once.
+        self._input_executor.shutdown(wait=False)
+        error = self._shutdown_error()
         handler = self._output_handler
         if handler is None or handler.done():
             return

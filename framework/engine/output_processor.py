@@ -16,6 +16,7 @@ from sparrow.core.request import FinishReason
 from sparrow.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from sparrow.engine.input_processor import make_child_requests
 from sparrow.engine.messages import EngineCoreOutput, EngineCoreRequest
+from sparrow.errors import InvalidArgumentError
 from sparrow.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from sparrow.sampling_params import RequestOutputKind
 from sparrow.worker.outputs import TokenLogprobs
@@ -171,7 +172,14 @@ class OutputProcessor:
         children = make_child_requests(request)
         for request_id in {request.request_id, *(child.request_id for child in children)}:
             if request_id in self._states or request_id in self._parents:
-                raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+                if request_id == request.request_id:
+                    raise InvalidArgumentError(
+                        f"request_id {request_id!r} is already in use by an unfinished request", "request_id")
+                # A child of an n > 1 request is named "{index}_{request_id}" (as in vLLM).
+                raise InvalidArgumentError(
+                    f"request_id {request.request_id!r} with n={len(children)} needs the id {request_id!r} for one "
+                    "of its samples, and an unfinished request already has it; choose another request_id",
+                    "request_id")
         params = request.sampling_params
         parent = None
         if len(children) > 1:

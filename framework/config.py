@@ -87,6 +87,26 @@ class ModelConfig(_Section):
     quantization: str | None = Field(
         None, description="Quantization method for the weights: a name a plugin registers (`sparrow plugins` "
         "lists them) (default: none, the weights run in dtype).")
+    trust_remote_code: bool = Field(
+        False, description="Let transformers run the Python code a model or tokenizer directory ships for its config "
+        "or tokenizer class (auto_map in config.json / tokenizer_config.json); only for directories you trust. The "
+        "model itself always runs Sparrow's implementation of its architecture.")
+    tokenizer_mode: Literal["auto", "slow"] = Field(
+        "auto", description="auto: the fast (Rust) tokenizer when the directory has one; slow: the Python "
+        "tokenizer class, where the directory has one (its own code's slow class, with trust_remote_code, or a "
+        "Python-only tokenizer; transformers 5 has no slow twin of a fast tokenizer, so a fast-only directory is "
+        "refused). vLLM's mistral and custom modes are not supported.")
+    generation_config: str = Field(
+        "auto", min_length=1, description="Where the default sampling parameters come from: auto (the model "
+        "directory's generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, and "
+        "max_new_tokens as max_tokens), vllm (the neutral defaults; the file is ignored), or a directory holding a "
+        "generation_config.json. Used where a request leaves a parameter unset.")
+    override_generation_config: dict[str, Any] = Field(
+        default_factory=dict, description="Generation-config values that replace the file's, e.g. "
+        "'{\"temperature\": 0.5}'; a max_new_tokens here also caps every request's max_tokens on the server.")
+    max_logprobs: int = Field(
+        20, ge=-1, description="Most log probabilities per token a request may ask for (logprobs, prompt_logprobs, "
+        "top_logprobs); -1: the vocabulary size.")
 
     @field_validator("logits_processors", mode="before")
     @classmethod
@@ -266,6 +286,14 @@ class LoRAConfig(_Section):
         return value
 
 
+class ObservabilityConfig(_Section):
+    disable_log_stats: bool | None = Field(
+        None, description="Do not log the engine's throughput, queue and KV cache usage every log_stats_interval "
+        "seconds (default: logged by sparrow serve and AsyncLLM, not by LLM, as in vLLM).")
+    log_stats_interval: float = Field(
+        10.0, gt=0, description="Seconds between two stats log lines (vLLM's VLLM_LOG_STATS_INTERVAL).")
+
+
 class PluginsConfig(_Section):
     additional_config: dict[str, Any] = Field(
         default_factory=dict, description='Settings for plugins (a platform\'s, say), passed through untouched '
@@ -295,6 +323,7 @@ class EngineConfig(BaseModel):
     kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
     load: LoadConfig = Field(default_factory=LoadConfig)
     plugins: PluginsConfig = Field(default_factory=PluginsConfig)
+    observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     speculative: SpeculativeSection = Field(default_factory=SpeculativeSection)
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
 

@@ -31,14 +31,34 @@ class WeightFileError(FileNotFoundError):
     """A weight file is missing or does not hold the tensors its index promises."""
 
 
-def get_hf_config(model_dir: str | Path) -> Any:
-    """The transformers config of a local model directory (never touches the network)."""
+def get_hf_config(model_dir: str | Path, trust_remote_code: bool = False) -> Any:
+    """The transformers config of a local model directory (never touches the network).
+
+    ``trust_remote_code`` (the engine argument) lets transformers import the config class the
+    directory ships (``auto_map`` in config.json); without it such a directory raises a
+    :class:`~sparrow.config.ConfigError` naming the argument."""
     from transformers import AutoConfig
 
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"model directory {str(model_dir)!r} has no config.json")
-    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    try:
+        # Always a bool: None would make transformers ask on stdin whether to run the code.
+        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True,
+                                          trust_remote_code=bool(trust_remote_code))
+    except ValueError as exc:
+        if trust_remote_code or "trust_remote_code" not in str(exc):
+            raise
+        from sparrow.config import ConfigError
+
+        raise ConfigError(remote_code_message(f"the config.json of {str(model_dir)!r}")) from None
+
+
+def remote_code_message(what: str) -> str:
+    """The error for a directory whose Python code transformers must run while trust_remote_code is off."""
+    return (f"invalid engine argument 'trust_remote_code': {what} needs the Python code the directory ships "
+            "(auto_map), which runs only with trust_remote_code=True (sparrow serve --trust-remote-code); "
+            "set it for a directory you trust")
 
 
 def get_max_model_len(hf_config: Any) -> int:
@@ -154,7 +174,7 @@ def load_model(
     from sparrow.models.registry import resolve_model_class
 
     model_dir = Path(model_dir)
-    hf_config = get_hf_config(model_dir)
+    hf_config = get_hf_config(model_dir, config.model.trust_remote_code if config is not None else False)
     model_cls = resolve_model_class(hf_config, _architectures(registry))
     loader = get_model_loader(config, registry)
     from sparrow.quantization import get_quantization_method, quantization_scope
@@ -224,7 +244,7 @@ def iter_safetensors(model_dir: str | Path, tp: ParallelContext | None = None) -
                 yield name, handle.get_slice(name) if lazy else handle.get_tensor(name)
 
 
-def checkpoint_num_parameters(model_dir: str | Path) -> int:
+def checkpoint_num_parameters(model_dir: str | Path, trust_remote_code: bool = False) -> int:
     """The parameter count of the whole checkpoint, read from the safetensors headers.
 
     Rotary caches some exporters save are not parameters, and a tied LM head is counted once (as
@@ -235,7 +255,7 @@ def checkpoint_num_parameters(model_dir: str | Path) -> int:
 
     from sparrow.models.llama import IGNORED_SUFFIXES
 
-    tied = bool(getattr(get_hf_config(model_dir), "tie_word_embeddings", False))
+    tied = bool(getattr(get_hf_config(model_dir, trust_remote_code), "tie_word_embeddings", False))
     total = 0
     for path, names in safetensors_files(model_dir).items():
         with safe_open(str(path), framework="pt", device="cpu") as handle:

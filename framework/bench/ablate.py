@@ -352,7 +352,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     checks.check_grid(axes, {arg: "--" + dest.replace("_", "-") for dest, arg, _ in AXES}, points,
                       checks.engine_point_check(model_path, engine_args, args.seed, sim_gpu),
                       lambda point: point_label(point, set(point)))
-    vocab_size = get_hf_config(model_path).vocab_size
+    vocab_size = get_hf_config(model_path, bool(engine_args.get("trust_remote_code", False))).vocab_size
     if args.trace is not None:
         workload = trace_workload(args.trace, vocab_size, seed=args.seed)
     else:

@@ -38,6 +38,7 @@ from sparrow.engine.metrics import EngineMetrics
 from sparrow.engine.mp_client import AsyncMPClient
 from sparrow.engine.output_collector import RequestOutputCollector
 from sparrow.engine.setup import build_frontend, finalize_config
+from sparrow.engine.stats_log import StatsLogger
 from sparrow.errors import InvalidArgumentError, error_from_engine
 from sparrow.lora.engine import check_lora_request
 from sparrow.outputs import RequestOutput
@@ -112,8 +113,14 @@ class AsyncLLM:
         self.tokenizer, self.hf_config = frontend.tokenizer, frontend.hf_config
         self.input_processor = frontend.input_processor
         self.output_processor = frontend.output_processor
+        # What a request's unset sampling parameters default to (the model's generation config).
+        self.default_sampling_params = frontend.default_sampling_params
         self.metrics = EngineMetrics(self.served_model_name)
         self.last_stats: SchedulerStats | None = None
+        # vLLM's periodic stats line (on unless disable_log_stats is True), fed by the output handler.
+        observability = self.config.observability
+        self.stat_logger: StatsLogger | None = (
+            None if observability.disable_log_stats is True else StatsLogger(observability.log_stats_interval))
         # request_id -> the mailbox of its generate() consumer
         self._collectors: dict[str, RequestOutputCollector] = {}
         # engine-core request id -> caller's request id (they differ for the children of n > 1)
@@ -314,7 +321,7 @@ class AsyncLLM:
             request_id, prompt, arrival_time, priority, trace_headers, tokenization_kwargs, data_parallel_rank)
         self._check_request_id_free(request_id)
         if params is None:
-            params = SamplingParams()
+            params = SamplingParams(**self.default_sampling_params)
         elif isinstance(params, SamplingParams):
             # Checked again (a field may have been set after construction) and copied, so that the
             # caller may reuse or change its SamplingParams while this request runs.
@@ -447,6 +454,14 @@ class AsyncLLM:
                 self._run_output_handler(), name="AsyncLLM.output_handler")
 
     async def _run_output_handler(self) -> None:
+        stat_logger = self.stat_logger
+        stats_task = None
+        if stat_logger is not None:
+            # The first interval starts with the first request; a line also comes while no output
+            # arrives (an engine gone idle). The task ends with this one (shutdown cancels it).
+            stat_logger.start(time.monotonic())
+            stats_task = asyncio.get_running_loop().create_task(
+                self._log_stats_periodically(stat_logger), name="AsyncLLM.stats_logger")
         try:
             while True:
                 outputs = await self.engine_core.get_output_async()
@@ -454,7 +469,11 @@ class AsyncLLM:
                 if outputs.scheduler_stats is not None:
                     self.last_stats = outputs.scheduler_stats
                     self.metrics.record_scheduler_stats(outputs.scheduler_stats)
+                    if stat_logger is not None:
+                        stat_logger.record_scheduler_stats(outputs.scheduler_stats)
                 if outputs.outputs:
+                    if stat_logger is not None:  # before _process_outputs forgets finished requests
+                        stat_logger.record_outputs(outputs.outputs, self._prompt_lens)
                     self._process_outputs(outputs.outputs, now)
         except EngineDeadError as exc:
             self._set_dead(exc)
@@ -463,6 +482,15 @@ class AsyncLLM:
         except Exception as exc:  # noqa: BLE001 - a broken handler must fail callers, not hang them
             logger.exception("AsyncLLM output handler failed")
             self._set_dead(EngineDeadError(f"the output handler failed: {type(exc).__name__}: {exc}"))
+        finally:
+            if stats_task is not None:
+                stats_task.cancel()
+
+    @staticmethod
+    async def _log_stats_periodically(stat_logger: StatsLogger) -> None:
+        while True:
+            await asyncio.sleep(stat_logger.seconds_until_due(time.monotonic()))
+            stat_logger.maybe_log(time.monotonic())
 
     def _process_outputs(self, core_outputs: list[EngineCoreOutput], now: float) -> None:
         if any(output.error_message is not None for output in core_outputs):
@@ -519,7 +547,7 @@ class AsyncLLM:
 
     async def get_scheduler_stats(self) -> SchedulerStats:
         stats = await self._call_utility("get_scheduler_stats")
-        # The call consumed the cache-counter deltas; keep them in the Prometheus counters.
+        # A snapshot of cumulative counters: the Prometheus counters take what is new in it.
         self.metrics.record_scheduler_stats(stats)
         return stats
 

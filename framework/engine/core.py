@@ -64,7 +64,7 @@ class EngineCore:
         self._schedule = schedule_step(self.pm, self.scheduler)
         # None when the model directory cannot tell (fake executors in tests): token ids are then
         # checked for sign only.
-        self.vocab_size = model_vocab_size(config.model.model)
+        self.vocab_size = model_vocab_size(config.model.model, config.model.trust_remote_code)
         # Structured outputs: built on the first constrained request (it loads the tokenizer).
         self._structured_output: Any = None
         self._grammar_pending: dict[str, Request] = {}  # req_id -> request whose grammar compiles
@@ -197,7 +197,8 @@ class EngineCore:
                 any_whitespace=model.structured_outputs_any_whitespace,
                 max_num_reqs=self.config.scheduler.max_num_seqs, reasoning_parser=model.reasoning_parser,
                 compile_timeout=model.structured_outputs_compile_timeout,
-                mask_budget_ms=model.structured_outputs_mask_budget_ms)
+                mask_budget_ms=model.structured_outputs_mask_budget_ms,
+                trust_remote_code=model.trust_remote_code, tokenizer_mode=model.tokenizer_mode)
         return self._structured_output
 
     def _fail_uncompiled_grammars(self) -> list[EngineCoreOutput]:
@@ -278,7 +279,7 @@ class EngineCore:
         if getattr(self, "_lora_hf_config", None) is None:
             from sparrow.model_loader import get_hf_config
 
-            self._lora_hf_config = get_hf_config(self.config.model.model)
+            self._lora_hf_config = get_hf_config(self.config.model.model, self.config.model.trust_remote_code)
         return self._lora_hf_config
 
     def remove_lora(self, lora_int_id: int) -> bool:

@@ -321,7 +321,8 @@ class InputProcessor:
             value = getattr(params, field_name)
             if value is not None and value > self.max_logprobs:
                 raise InvalidArgumentError(
-                    f"{field_name}={value} exceeds the maximum of {self.max_logprobs} for {name}", field_name)
+                    f"{field_name}={value} exceeds the maximum of {self.max_logprobs} for {name} (the engine argument "
+                    "max_logprobs)", field_name)
         check_text("stop", params.stop)
         if params.stop and (self.tokenizer is None or not params.detokenize):
             raise InvalidArgumentError(f"stop strings {params.stop!r} need detokenize=True and a tokenizer ({name})",

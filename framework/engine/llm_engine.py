@@ -8,8 +8,9 @@ from typing import Any
 from sparrow.config import EngineConfig
 from sparrow.core.kv_cache_utils import request_capacity_tokens
 from sparrow.engine.input_processor import PromptType
-from sparrow.engine.messages import EngineCoreOutput, SchedulerStats
+from sparrow.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from sparrow.engine.setup import build_frontend, finalize_config
+from sparrow.engine.stats_log import StatsLogger
 from sparrow.errors import InvalidArgumentError, error_from_engine
 from sparrow.outputs import RequestOutput
 from sparrow.sampling_params import SamplingParams
@@ -36,11 +37,19 @@ class LLMEngine:
         self.tokenizer, self.hf_config = frontend.tokenizer, frontend.hf_config
         self.input_processor = frontend.input_processor
         self.output_processor = frontend.output_processor
+        # What a request's unset sampling parameters default to (the model's generation config).
+        self.default_sampling_params = frontend.default_sampling_params
         self.engine_core = make_engine_client(self.config, multiprocess)
         kv_info = self.engine_core.call_utility("get_kv_cache_info")
         self.kv_cache_capacity_tokens = request_capacity_tokens(
             kv_info["num_blocks"], kv_info["block_size"], self.hf_config, self.config.model.max_model_len or 0)
         self.last_stats: SchedulerStats | None = None
+        # vLLM's periodic stats line, logged by step(): only with disable_log_stats=False (as vLLM's LLM).
+        observability = self.config.observability
+        self.stat_logger: StatsLogger | None = (
+            StatsLogger(observability.log_stats_interval) if observability.disable_log_stats is False else None)
+        # engine-core request id -> prompt length, for the stats line (kept only while it is on)
+        self._prompt_lens: dict[str, int] = {}
         # Outputs of a step that also raised (another request failed): handed out by the next step.
         self._held_outputs: list[RequestOutput] = []
 
@@ -71,6 +80,8 @@ class LLMEngine:
         children = self.output_processor.add_request(request, text)
         try:
             for child in children:
+                if self.stat_logger is not None:
+                    self._prompt_lens[child.request_id] = len(child.prompt_token_ids)
                 self.engine_core.add_request(child)
         except BaseException:
             self._abort_quietly([request.request_id])
@@ -87,6 +98,8 @@ class LLMEngine:
         aborted = set(request_ids)
         self._held_outputs = [o for o in self._held_outputs if o.request_id not in aborted]
         engine_ids = self.output_processor.abort_requests(request_ids)
+        for engine_id in engine_ids:
+            self._prompt_lens.pop(engine_id, None)
         self.engine_core.abort_requests(engine_ids)
 
     def _abort_quietly(self, request_ids: list[str]) -> None:
@@ -114,6 +127,8 @@ class LLMEngine:
         outputs = self.engine_core.get_output()
         if outputs.scheduler_stats is not None:
             self.last_stats = outputs.scheduler_stats
+        if self.stat_logger is not None:
+            self._record_stats(outputs)
         failures: dict[str, EngineCoreOutput] = {}  # caller's request id -> the engine core's error finish
         core_outputs = []
         for output in outputs.outputs:
@@ -125,6 +140,8 @@ class LLMEngine:
                 failures.setdefault(external_id, output)
         processed = self.output_processor.process_outputs(core_outputs)
         if processed.reqs_to_abort:
+            for engine_id in processed.reqs_to_abort:
+                self._prompt_lens.pop(engine_id, None)
             self.engine_core.abort_requests(processed.reqs_to_abort)
         if failures:
             self.abort_request(list(failures))
@@ -134,6 +151,18 @@ class LLMEngine:
                 raise error_from_engine(f"request {rid!r}: {failed.error_message or ''}", failed.error_field)
             raise ValueError("; ".join(f"request {rid!r}: {failed.error_message}" for rid, failed in failures.items()))
         return processed.request_outputs
+
+    def _record_stats(self, outputs: EngineCoreOutputs) -> None:
+        stat_logger = self.stat_logger
+        assert stat_logger is not None
+        if outputs.scheduler_stats is not None:
+            stat_logger.record_scheduler_stats(outputs.scheduler_stats)
+        if outputs.outputs:
+            stat_logger.record_outputs(outputs.outputs, self._prompt_lens)
+            for output in outputs.outputs:
+                if output.finish_reason is not None:
+                    self._prompt_lens.pop(output.request_id, None)
+        stat_logger.maybe_log()
 
     # -- utilities --------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:

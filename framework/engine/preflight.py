@@ -12,6 +12,9 @@ What is checked:
     model / tokenizer      the directory exists with config.json, the weights the load_format's
                            loader reads (auto: *.safetensors, every file its index names) and
                            tokenizer files
+    trust_remote_code      set when config.json needs the code the directory ships (auto_map)
+    tokenizer_mode         slow: the tokenizer loads as a Python (slow) one (transformers 5 has
+                           none for a directory whose tokenizer is only the Rust one)
     scheduler, device,     names the plugin registry knows (the device present on this machine);
     kv_connector,          kv_role set with a connector
     load_format,
@@ -96,6 +99,16 @@ def check_model_files(model: str, tokenizer: str | None, load_format: str = "aut
     if not any((tokenizer_dir / name).is_file() for name in TOKENIZER_FILES):
         raise _error("tokenizer", f"{str(tokenizer_dir)!r} holds no tokenizer files (one of "
                      f"{', '.join(TOKENIZER_FILES)}){default_note}")
+
+
+def check_tokenizer_mode(config: EngineConfig) -> None:
+    """tokenizer_mode "slow": the tokenizer loads as a Python one (loading it is the only sure
+    test of which class transformers picks; "auto" loads it once, in the frontend, as before)."""
+    if config.model.tokenizer_mode != "slow":
+        return
+    from sparrow.engine.setup import load_tokenizer
+
+    load_tokenizer(config.model.tokenizer or str(config.model.model), config.model.trust_remote_code, "slow")
 
 
 # -- plugin names ---------------------------------------------------------------------------------
@@ -343,10 +356,11 @@ def check_engine_config(config: EngineConfig, hf_config: Any = None, platform: A
     check_model_dir(model)
     check_plugin_names(config, registry)
     check_model_files(model, config.model.tokenizer, config.load.load_format, registry)
+    check_tokenizer_mode(config)
     if hf_config is None:
         from sparrow.model_loader import get_hf_config
 
-        hf_config = get_hf_config(model)
+        hf_config = get_hf_config(model, config.model.trust_remote_code)
     if platform is None:
         platform = resolve_configured_platform(config.device.device, registry)
     check_platform_settings(config, platform, hf_config)

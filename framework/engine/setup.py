@@ -37,12 +37,14 @@ def resolve_model_path(model: str | None) -> str:
     return str(path.resolve())
 
 
-def _model_limits(model_path: str) -> tuple[Any, int]:
+def _model_limits(model_path: str, trust_remote_code: bool = False) -> tuple[Any, int]:
     from sparrow.model_loader import get_hf_config, get_max_model_len
 
     try:
-        hf_config = get_hf_config(model_path)
+        hf_config = get_hf_config(model_path, trust_remote_code)
         return hf_config, get_max_model_len(hf_config)
+    except ConfigError:  # names its own argument (trust_remote_code)
+        raise
     except (OSError, ValueError) as exc:
         raise ConfigError(f"invalid engine argument 'model': the config.json of {model_path!r} cannot be "
                           f"used: {exc}") from None
@@ -72,7 +74,7 @@ def finalize_config(config: EngineConfig) -> EngineConfig:
     every configuration error is a ConfigError raised here, before any engine process starts. The
     caller's ``config`` is not changed."""
     model_path = resolve_model_path(config.model.model)
-    hf_config, model_max = _model_limits(model_path)
+    hf_config, model_max = _model_limits(model_path, config.model.trust_remote_code)
     max_model_len = config.model.max_model_len
     if max_model_len is None:
         max_model_len = model_max
@@ -96,7 +98,7 @@ def finalize_config(config: EngineConfig) -> EngineConfig:
     finalized = apply_platform_config(finalized, platform)
     if finalized.model.model != model_path:  # the platform pointed at other weights
         finalized.model.model = resolve_model_path(finalized.model.model)
-        hf_config, model_max = _model_limits(finalized.model.model)
+        hf_config, model_max = _model_limits(finalized.model.model, finalized.model.trust_remote_code)
     _check_max_model_len(finalized.model.max_model_len or 0, model_max)
     if finalized.scheduler.max_num_batched_tokens is None:
         finalized.scheduler.max_num_batched_tokens = platform.default_max_num_batched_tokens
@@ -107,10 +109,58 @@ def finalize_config(config: EngineConfig) -> EngineConfig:
     return finalized
 
 
-def load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str, trust_remote_code: bool = False, tokenizer_mode: str = "auto") -> Any:
+    """The tokenizer of the local directory ``path`` as the engine arguments ``trust_remote_code``
+    and ``tokenizer_mode`` ask, or a ConfigError naming the one that cannot be honoured.
+
+    transformers 5 ignores ``use_fast``: a directory has one tokenizer class, the Rust-backed one
+    where there is one. So "slow" gives a Python tokenizer where the directory has one (its only
+    class, or the slow class its own code lists first in tokenizer_config.json's auto_map, which
+    needs trust_remote_code), and refuses a directory whose tokenizer is only the Rust one rather
+    than load that under "slow"."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    from sparrow.model_loader import remote_code_message
+
+    if tokenizer_mode not in ("auto", "slow"):
+        raise ConfigError(f"invalid engine argument 'tokenizer_mode': {tokenizer_mode!r}; expected auto or slow")
+    try:
+        slow_class = _remote_slow_tokenizer_class(path) if tokenizer_mode == "slow" and trust_remote_code else None
+        if slow_class is not None:
+            tokenizer = slow_class.from_pretrained(path, local_files_only=True, trust_remote_code=True)
+        else:
+            # trust_remote_code always a bool: None would make transformers ask on stdin.
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True,
+                                                      trust_remote_code=bool(trust_remote_code),
+                                                      use_fast=tokenizer_mode != "slow")
+    except ValueError as exc:
+        if trust_remote_code or "trust_remote_code" not in str(exc):
+            raise
+        raise ConfigError(remote_code_message(f"the tokenizer of {path!r}")) from None
+    if tokenizer_mode == "slow" and getattr(tokenizer, "is_fast", False):
+        import transformers
+
+        raise ConfigError(
+            f"invalid engine argument 'tokenizer_mode': 'slow' needs a Python (slow) tokenizer, and the tokenizer of "
+            f"{path!r} is only the Rust-backed {type(tokenizer).__name__}: transformers {transformers.__version__} "
+            "ignores use_fast=False and has no slow class for it; use tokenizer_mode 'auto'")
+    return tokenizer
+
+
+def _remote_slow_tokenizer_class(path: str) -> Any:
+    """The slow class a directory's own code lists first in tokenizer_config.json's auto_map
+    (``"AutoTokenizer": [slow, fast]``), imported; None when it lists none. transformers 5's
+    AutoTokenizer always takes the fast one."""
+    try:
+        auto_map = json.loads((Path(path) / "tokenizer_config.json").read_text()).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return None
+    entry = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else auto_map  # a list: the legacy form
+    if not isinstance(entry, (list, tuple)) or not entry or not isinstance(entry[0], str):
+        return None
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    return get_class_from_dynamic_module(entry[0], path, local_files_only=True)
 
 
 def model_eos_token_ids(model_dir: str) -> list[int]:
@@ -132,6 +182,8 @@ class Frontend:
     hf_config: Any
     input_processor: Any
     output_processor: Any
+    # SamplingParams keywords for parameters a request leaves unset (sparrow.engine.generation_defaults)
+    default_sampling_params: dict[str, Any]
 
 
 def build_frontend(config: EngineConfig) -> Frontend:
@@ -140,8 +192,8 @@ def build_frontend(config: EngineConfig) -> Frontend:
     from sparrow.model_loader import get_hf_config
 
     model_dir = config.model.model
-    tokenizer = load_tokenizer(config.model.tokenizer)
-    hf_config = get_hf_config(model_dir)
+    tokenizer = load_tokenizer(config.model.tokenizer, config.model.trust_remote_code, config.model.tokenizer_mode)
+    hf_config = get_hf_config(model_dir, config.model.trust_remote_code)
     processor_classes = []
     if config.model.logits_processors:  # checked by the pre-flight; the built-ins need no validation
         from sparrow.sample.logits_processor.load import enabled_classes
@@ -153,6 +205,11 @@ def build_frontend(config: EngineConfig) -> Frontend:
     scheduler_cls = resolve_parser("scheduler", scheduler, get_registry().schedulers)
     input_processor = InputProcessor(tokenizer, max_model_len=config.model.max_model_len,
                                      vocab_size=hf_config.vocab_size, eos_token_ids=model_eos_token_ids(model_dir),
+                                     max_logprobs=(hf_config.vocab_size if config.model.max_logprobs == -1
+                                                   else config.model.max_logprobs),
                                      logits_processor_classes=processor_classes,
                                      scheduler=None if getattr(scheduler_cls, "uses_priority", False) else scheduler)
-    return Frontend(tokenizer, hf_config, input_processor, OutputProcessor(tokenizer))
+    from sparrow.engine.generation_defaults import generation_defaults
+
+    return Frontend(tokenizer, hf_config, input_processor, OutputProcessor(tokenizer),
+                    generation_defaults(config.model))

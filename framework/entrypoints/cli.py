@@ -132,16 +132,25 @@ def merge_model_arg(kwargs: dict[str, Any], model_pos: str | None) -> dict[str, 
 
 
 # -- commands -----------------------------------------------------------------------------------
+# What `sparrow generate` samples with where neither a flag nor the model's generation config says.
+GENERATE_DEFAULTS = {"max_tokens": 32, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from sparrow import LLM, RequestOutputKind, SamplingParams
 
     kwargs = merge_model_arg(engine_kwargs(args), args.model_pos)
-    # Built before the engine so that a bad sampling flag is reported without loading a model.
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos,
-                            output_kind=RequestOutputKind.DELTA)
+    # A flag given wins; then the model's generation config (--generation-config,
+    # --override-generation-config); then this command's own defaults (greedy, 32 tokens).
+    flags = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+             "top_k": args.top_k}
+    given = {name: value for name, value in flags.items() if value is not None}
+    fixed = {"seed": args.sampling_seed, "ignore_eos": args.ignore_eos, "output_kind": RequestOutputKind.DELTA}
+    # Checked before the engine starts, so that a bad sampling flag is reported without loading a model.
+    SamplingParams(**given, **fixed)
     prompts = args.prompt or [DEFAULT_PROMPT]
     with LLM(**kwargs) as llm:
+        params = SamplingParams(**{**GENERATE_DEFAULTS, **llm.llm_engine.default_sampling_params, **given}, **fixed)
         stream_generate(llm.llm_engine, prompts, params, sys.stdout)
     return 0
 
@@ -231,10 +240,17 @@ def build_parser() -> argparse.ArgumentParser:
     sampling = gen.add_argument_group("sampling")
     sampling.add_argument("--prompt", action="append",
                           help=f"prompt text; repeat for several (default: {DEFAULT_PROMPT!r})")
-    sampling.add_argument("--max-tokens", type=int, default=32, help="most tokens to generate per prompt")
-    sampling.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
-    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep this probability mass")
-    sampling.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all")
+    # Unset flags take the model's generation config, then GENERATE_DEFAULTS.
+    sampling.add_argument("--max-tokens", type=int, default=None,
+                          help="most tokens to generate per prompt (default: the generation config's max_new_tokens, "
+                               "else 32)")
+    sampling.add_argument("--temperature", type=float, default=None,
+                          help="sampling temperature; 0 is greedy (default: the generation config's, else 0)")
+    sampling.add_argument("--top-p", type=float, default=None,
+                          help="nucleus sampling: keep this probability mass (default: the generation config's, "
+                               "else 1)")
+    sampling.add_argument("--top-k", type=int, default=None,
+                          help="keep the k most likely tokens; 0 keeps all (default: the generation config's, else 0)")
     sampling.add_argument("--sampling-seed", type=int, default=None,
                           help="per-request sampling seed (default: none, the engine's --seed drives sampling)")
     sampling.add_argument("--ignore-eos", action="store_true",

@@ -60,6 +60,7 @@ class LLM:
         """Generate for every prompt; outputs come back in input order.
 
         A prompt is a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``.
+        ``sampling_params`` None means ``get_default_sampling_params()`` (the model's generation config).
         ``lora_request``: a :class:`~sparrow.lora.request.LoRARequest` for every prompt, or a list
         with one (or None, the base model) per prompt; needs ``enable_lora=True``.
         """
@@ -111,7 +112,7 @@ class LLM:
     def _run(self, prompts: list[Any], sampling_params: Any, use_tqdm: bool,
              priority: Sequence[int] | None, lora_request: Any = None) -> list[RequestOutput]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -186,6 +187,12 @@ class LLM:
         return [r for r in results if r is not None]
 
     # -- utilities --------------------------------------------------------------------------
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The parameters ``generate`` and ``chat`` use when given none: the model's generation
+        config (``generation_config.json``, or the ``generation_config`` engine argument) over
+        vLLM's neutral defaults."""
+        return SamplingParams(**self.llm_engine.default_sampling_params)
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

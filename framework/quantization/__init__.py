@@ -154,7 +154,7 @@ def get_quantization_method(config: EngineConfig, hf_config: Any = None,
     if hf_config is None and config.model.model is not None:
         from sparrow.model_loader import get_hf_config
 
-        hf_config = get_hf_config(config.model.model)
+        hf_config = get_hf_config(config.model.model, config.model.trust_remote_code)
     method = cls(hf_quant_config(hf_config))
     method.hf_config = hf_config
     return method

@@ -85,9 +85,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--measured-elapsed must be > 0, got {args.measured_elapsed}")
     model = args.model or str(qwen3_0_6b_config_dir(cache_root() / "qwen3-0.6b-config"))
     # The throughput benchmark draws prompt ids below 4,096 (its small tokenizer's vocabulary).
-    workload = make_workload(args, min(get_hf_config(model).vocab_size, 4096))
-    requests = [SimRequest(prompt, max_tokens) for prompt, max_tokens in workload]
     engine_args = {**ENGINE_DEFAULTS, **args.engine_args_dict}
+    hf_config = get_hf_config(model, bool(engine_args.get("trust_remote_code", False)))
+    workload = make_workload(args, min(hf_config.vocab_size, 4096))
+    requests = [SimRequest(prompt, max_tokens) for prompt, max_tokens in workload]
     result = simulate(model, requests, sim_gpu=args.sim_gpu, seed=args.seed, **engine_args)
     summary = result.summary()
     measured = args.measured_elapsed

@@ -64,7 +64,8 @@ class SimWorker:
 
     def load_model(self) -> None:
         """Read the model's shapes from its config.json; no weights exist on this device."""
-        self.shape = ModelShape.from_hf_config(get_hf_config(self.config.model.model))
+        model = self.config.model
+        self.shape = ModelShape.from_hf_config(get_hf_config(model.model, model.trust_remote_code))
         quantization = self.config.model.quantization
         weight_bytes = QUANTIZED_WEIGHT_BYTES.get(quantization, DTYPE_BYTES[self.dtype]) if quantization \
             else DTYPE_BYTES[self.dtype]

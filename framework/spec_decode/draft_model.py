@@ -104,7 +104,7 @@ def load_draft_model(model_dir: str, runner: Any) -> torch.nn.Module:
     from sparrow.ops import bind_ops
     from sparrow.quantization import op_overrides_for, resolve_quantization
 
-    hf_config = get_hf_config(model_dir)
+    hf_config = get_hf_config(model_dir, runner.config.model.trust_remote_code)  # the target's setting
     model_section = runner.config.model.model_copy(
         update={"model": model_dir, "quantization": resolve_quantization(None, hf_config)})
     config = runner.config.model_copy(update={"model": model_section})

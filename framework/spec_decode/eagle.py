@@ -130,7 +130,7 @@ def load_eagle_head(model_dir: str, runner: Any) -> EagleHead:
     from sparrow.model_loader import get_hf_config, iter_safetensors
     from sparrow.ops import bind_ops
 
-    hf_config = get_hf_config(model_dir)
+    hf_config = get_hf_config(model_dir, runner.config.model.trust_remote_code)  # the target's setting
     target = runner.model
     if hf_config.hidden_size != target.config.hidden_size or hf_config.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config.model: the EAGLE head {model_dir!r} (hidden_size "

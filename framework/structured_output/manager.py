@@ -201,14 +201,18 @@ class StructuredOutputManager:
     put any whitespace between tokens (off: compact JSON only); ``reasoning_parser``: the name
     of a registered reasoning parser, whose end-of-reasoning token starts each grammar (None:
     grammars apply from the first token); ``compile_timeout`` (seconds) and ``mask_budget_ms``:
-    the bounds in the module's docstring.
+    the bounds in the module's docstring; ``trust_remote_code`` and ``tokenizer_mode``: the engine
+    arguments, so the tokenizer loads as the frontend's does.
     """
 
     def __init__(self, tokenizer_path: str, *, vocab_size: int, stop_token_ids: list[int],
                  any_whitespace: bool = False, max_workers: int = 2, cache_size: int = 256,
                  max_num_reqs: int = 256, reasoning_parser: str | None = None,
-                 compile_timeout: float = 30.0, mask_budget_ms: float = 100.0) -> None:
+                 compile_timeout: float = 30.0, mask_budget_ms: float = 100.0,
+                 trust_remote_code: bool = False, tokenizer_mode: str = "auto") -> None:
         self.tokenizer_path = tokenizer_path
+        self.trust_remote_code = trust_remote_code
+        self.tokenizer_mode = tokenizer_mode
         self.compile_timeout = compile_timeout
         self.mask_budget_seconds = mask_budget_ms / 1000
         self.reasoning_parser = reasoning_parser
@@ -295,12 +299,17 @@ class StructuredOutputManager:
 
             from sparrow.engine.setup import load_tokenizer
 
-            tokenizer = load_tokenizer(self.tokenizer_path)
+            tokenizer = load_tokenizer(self.tokenizer_path, self.trust_remote_code, self.tokenizer_mode)
             stop_token_ids = list(self.stop_token_ids)
             if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in stop_token_ids:
                 stop_token_ids.insert(0, tokenizer.eos_token_id)
-            info = xgrammar.TokenizerInfo.from_huggingface(
-                tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop_token_ids or None)
+            try:
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=stop_token_ids or None)
+            except ValueError as exc:  # a Python (slow) tokenizer that is neither sentencepiece nor tiktoken
+                mode = " (tokenizer_mode 'slow'; 'auto' may load a fast one)" if self.tokenizer_mode == "slow" else ""
+                raise ValueError(f"structured outputs need a tokenizer xgrammar can read (a fast one, sentencepiece "
+                                 f"or tiktoken), not {type(tokenizer).__name__}{mode}: {exc}") from None
             if self.reasoning_parser is not None:
                 self.reasoner = _build_reasoner(self.reasoning_parser, tokenizer)
             self._tokenizer_info_json = info.serialize_json()

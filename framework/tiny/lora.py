@@ -36,8 +36,10 @@ def peft_tensor_name(layer: int, projection: str, half: str) -> str:
 
 
 def build_lora_adapter(model_dir: str | Path, out_dir: str | Path, rank: int = 8, alpha: float = 16,
-                       targets: Sequence[str] = ALL_TARGETS, seed: int = 0, use_rslora: bool = False) -> Path:
-    """Write a PEFT LoRA adapter directory for the model in ``model_dir``; returns ``out_dir``."""
+                       targets: Sequence[str] = ALL_TARGETS, seed: int = 0, use_rslora: bool = False,
+                       trust_remote_code: bool = False) -> Path:
+    """Write a PEFT LoRA adapter directory for the model in ``model_dir``; returns ``out_dir``.
+    ``trust_remote_code``: the engine argument, for a model whose config.json needs its own code."""
     from safetensors.torch import save_file
 
     from sparrow.model_loader import get_hf_config
@@ -47,7 +49,7 @@ def build_lora_adapter(model_dir: str | Path, out_dir: str | Path, rank: int = 8
     unknown = sorted(set(targets) - set(SUPPORTED_TARGETS))
     if unknown or not targets:
         raise ValueError(f"targets must be a non-empty subset of {', '.join(SUPPORTED_TARGETS)}, got {list(targets)}")
-    hf_config = get_hf_config(model_dir)
+    hf_config = get_hf_config(model_dir, trust_remote_code)
     shapes = projection_shapes(hf_config)
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}

@@ -64,7 +64,7 @@ class WorkerBase:
 
         model_dir = self.config.model.model
         assert model_dir is not None, "the engine's setup fills the model directory"
-        hf_config = get_hf_config(model_dir)
+        hf_config = get_hf_config(model_dir, self.config.model.trust_remote_code)
         model = load_model(model_dir, self.attention_backend_cls(hf_config), self.dtype, self.device, tp=self.tp,
                            config=self.config)
         self.bind_ops(model, hf_config)
@@ -143,7 +143,7 @@ class WorkerBase:
         from sparrow.model_loader import checkpoint_num_parameters
 
         assert self.config.model.model is not None
-        return checkpoint_num_parameters(self.config.model.model)
+        return checkpoint_num_parameters(self.config.model.model, self.config.model.trust_remote_code)
 
     # -- LoRA adapters (the engine core's add_lora / remove_lora / list_loras) -------------------
     def _lora_manager(self) -> Any:

@@ -20,7 +20,6 @@ INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
 MAX_N = 128  # samples per prompt; each is a sequence in the engine
-MAX_LOGPROBS = 20  # vLLM's default cap on logprobs per position
 
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
@@ -153,11 +152,11 @@ class CompletionRequest(SamplingFields):
         ..., description="Text, several texts, token ids, or several lists of token ids.")
     max_tokens: int | None = Field(16, ge=0, le=INT32_MAX,
                                    description="0 only with echo: score the prompt, generate nothing.")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
     add_special_tokens: bool = Field(True, description="Let the tokenizer add its special tokens (BOS, ...).")
 
 
@@ -259,7 +258,7 @@ class ChatCompletionRequest(SamplingFields):
                                    description="Deprecated by OpenAI; see max_completion_tokens.")
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
     tools: list[Tool] | None = Field(None, description="Functions the model may call; shown to the chat template.")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="none: a text reply; auto (the default with tools): the tool parser finds calls in the "

@@ -179,6 +179,10 @@ class OpenAIServingChat(OpenAIServing):
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", "BadRequestError",
                            param="top_logprobs", code="invalid_value")
+        limit = self.engine.input_processor.max_logprobs
+        if request.top_logprobs is not None and request.top_logprobs > limit:
+            raise APIError(400, f"top_logprobs={request.top_logprobs} exceeds the maximum of {limit} (the server's "
+                           "max_logprobs)", "BadRequestError", param="top_logprobs", code="invalid_value")
         if tool_choice.forced:
             structured_outputs = await self.off_loop(tool_structured_outputs, request, tool_choice)
         else:
@@ -187,6 +191,7 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         params = self.sampling_params(request, max_tokens=max_tokens, logprobs=logprobs, stream=bool(request.stream),
+                                      longest_prompt=len(prompt["prompt_token_ids"]),
                                       structured_outputs=structured_outputs)
         request_id = self.new_request_id()
         streams = await self.submit(request_id, [prompt], params, request.priority, self.lora_request_of(request.model))

@@ -185,6 +185,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs = request.logprobs  # echoed prompt tokens carry their logprobs too
         params = self.sampling_params(request, max_tokens=1 if echo_only else request.max_tokens,
                                       logprobs=request.logprobs, stream=bool(request.stream),
+                                      longest_prompt=max(len(prompt["prompt_token_ids"]) for prompt in prompts),
                                       prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs)
         request_id = self.new_request_id()
         streams = await self.submit(request_id, prompts, params, request.priority, self.lora_request_of(request.model))

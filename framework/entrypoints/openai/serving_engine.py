@@ -15,6 +15,7 @@ from fastapi import Request
 
 from sparrow.engine.async_llm import AsyncLLM
 from sparrow.engine.exceptions import EngineDeadError, EngineShutdownError
+from sparrow.engine.generation_defaults import server_max_tokens_cap
 from sparrow.engine.text_checks import check_text
 from sparrow.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_fields, param_of
@@ -148,6 +149,10 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         # The LoRA adapters served under their own names (serving_models.LoRAModules), or None.
         self.lora_modules: Any = None
+        # A parameter a request leaves unset takes the model's generation-config default (vLLM's
+        # default_sampling_params); a max_new_tokens override caps every request's max_tokens.
+        self.default_sampling_params: dict[str, Any] = dict(engine.default_sampling_params)
+        self.max_tokens_cap = server_max_tokens_cap(engine.model_config, self.default_sampling_params)
 
     def check_model(self, model: str | None) -> str:
         if model is None or model in self.served_model_names:
@@ -200,20 +205,33 @@ class OpenAIServing:
             return None
         return await self.off_loop(structured_outputs_of, request)
 
-    @staticmethod
-    def sampling_params(request: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                        stream: bool, prompt_logprobs: int | None = None,
+    def sampling_params(self, request: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                        stream: bool, longest_prompt: int, prompt_logprobs: int | None = None,
                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        """The request's SamplingParams: ``max_tokens`` as the request gives it (None: the default),
+        ``longest_prompt`` the token count of its longest prompt."""
+        defaults = self.default_sampling_params
+
+        def unset_to_default(name: str, neutral: Any) -> Any:
+            value = getattr(request, name)
+            return defaults.get(name, neutral) if value is None else value
+
+        if max_tokens is None and "max_tokens" in defaults:
+            # A default, unlike a requested max_tokens, is cut to the room the prompt leaves (as vLLM's is).
+            room = (self.engine.model_config.max_model_len or 0) - longest_prompt
+            max_tokens = max(1, min(defaults["max_tokens"], room))
+        if self.max_tokens_cap is not None and (max_tokens is None or max_tokens > self.max_tokens_cap):
+            max_tokens = self.max_tokens_cap
         try:
             return SamplingParams(
                 n=request.n,
-                temperature=1.0 if request.temperature is None else request.temperature,
-                top_p=1.0 if request.top_p is None else request.top_p,
-                top_k=0 if request.top_k is None else request.top_k,
-                min_p=0.0 if request.min_p is None else request.min_p,
+                temperature=unset_to_default("temperature", 1.0),
+                top_p=unset_to_default("top_p", 1.0),
+                top_k=unset_to_default("top_k", 0),
+                min_p=unset_to_default("min_p", 0.0),
                 presence_penalty=request.presence_penalty or 0.0,
                 frequency_penalty=request.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+                repetition_penalty=unset_to_default("repetition_penalty", 1.0),
                 seed=request.seed,
                 stop=request.stop,
                 stop_token_ids=request.stop_token_ids,

@@ -1,0 +1,156 @@
+"""vLLM's periodic stats log line (its ``LoggingStatLogger``), one INFO line per interval:
+
+``Engine 000: Avg prompt throughput: 512.3 tokens/s, Avg generation throughput: 87.1 tokens/s,
+Running: 4 reqs, Waiting: 0 reqs, KV cache usage: 12.5%, Prefix cache hit rate: 43.0%``
+
+Throughputs are the tokens counted since the previous line divided by the seconds since it; the
+prefix cache hit rate is that of the prompt tokens looked up in the interval; running, waiting and
+KV cache usage are those of the latest scheduler snapshot. With speculative decoding a second line
+follows (vLLM's "SpecDecoding metrics"). When the engine was idle for the whole interval (no token,
+no request running or waiting) and the previous line was idle too, the line goes out at DEBUG, so
+an idle server does not fill its log.
+
+Fed by a frontend: ``record_scheduler_stats`` with every step's ``SchedulerStats`` (its counters
+are cumulative, so a snapshot seen twice counts once), ``record_outputs`` with every step's
+engine-core outputs. ``maybe_log(now)`` logs once ``interval`` seconds have passed, ``log(now)``
+at once. Pure Python, one thread; ``now`` is ``time.monotonic()`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+
+from sparrow.wire import EngineCoreOutput, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class StatsLogger:
+    def __init__(self, interval: float, engine_index: int = 0, now: float | None = None) -> None:
+        if not interval > 0:
+            raise ValueError(f"the stats log interval must be > 0 seconds, got {interval!r}")
+        self.interval = float(interval)
+        self.engine_index = engine_index
+        self.last_log_time = time.monotonic() if now is None else now
+        self._last_idle = True  # as vLLM: an engine idle from the start logs at DEBUG
+        # Since the last line
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.spec_decode_num_drafts = 0
+        self.spec_decode_num_draft_tokens = 0
+        self.spec_decode_num_accepted_tokens = 0
+        self.spec_decode_num_accepted_tokens_per_pos: list[int] = []
+        # Gauges of the latest snapshot
+        self.num_running_reqs = 0
+        self.num_waiting_reqs = 0
+        self.kv_cache_usage = 0.0
+        # The cumulative counters as of the latest snapshot seen (high-water marks).
+        self._seen = SchedulerStats()
+        # Engine-core request ids whose prompt tokens are counted (their first token came).
+        self._started: set[str] = set()
+
+    # -- feeding ----------------------------------------------------------------------------
+    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
+        self.num_running_reqs = stats.num_running_reqs
+        self.num_waiting_reqs = stats.num_waiting_reqs
+        self.kv_cache_usage = stats.kv_cache_usage
+        seen = self._seen
+        for name in ("prefix_cache_queries", "prefix_cache_hits", "spec_decode_num_drafts",
+                     "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+            new = getattr(stats, name) - getattr(seen, name)
+            if new > 0:
+                setattr(self, name, getattr(self, name) + new)
+                setattr(seen, name, getattr(stats, name))
+        per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+        if per_pos:
+            seen_pos, mine = seen.spec_decode_num_accepted_tokens_per_pos, self.spec_decode_num_accepted_tokens_per_pos
+            seen_pos.extend([0] * (len(per_pos) - len(seen_pos)))
+            mine.extend([0] * (len(per_pos) - len(mine)))
+            for position, total in enumerate(per_pos):
+                if total > seen_pos[position]:
+                    mine[position] += total - seen_pos[position]
+                    seen_pos[position] = total
+
+    def record_tokens(self, num_prompt_tokens: int = 0, num_generation_tokens: int = 0) -> None:
+        self.num_prompt_tokens += num_prompt_tokens
+        self.num_generation_tokens += num_generation_tokens
+
+    def record_outputs(self, outputs: Iterable[EngineCoreOutput], prompt_lens: Mapping[str, int]) -> None:
+        """One step's engine-core outputs. ``prompt_lens``: engine-core request id -> prompt
+        length, of the requests the frontend tracks (others are ignored, as aborted); a request's
+        prompt tokens count with its first token, as in vLLM."""
+        started = self._started
+        for output in outputs:
+            request_id = output.request_id
+            num_prompt = prompt_lens.get(request_id)
+            if num_prompt is not None and output.new_token_ids and output.error_message is None:
+                self.num_generation_tokens += len(output.new_token_ids)
+                if request_id not in started:
+                    self.num_prompt_tokens += num_prompt
+                    started.add(request_id)
+            if output.finish_reason is not None:
+                started.discard(request_id)
+        if len(started) > 2 * len(prompt_lens) + 64:
+            # Requests aborted (or failed) after their first token: the frontend forgot them.
+            started.intersection_update(prompt_lens.keys())
+
+    # -- logging ----------------------------------------------------------------------------
+    def start(self, now: float | None = None) -> None:
+        """Start the current interval at ``now`` (a frontend's first request), keeping the counts."""
+        self.last_log_time = time.monotonic() if now is None else now
+
+    def seconds_until_due(self, now: float) -> float:
+        return max(0.0, self.last_log_time + self.interval - now)
+
+    def maybe_log(self, now: float | None = None) -> bool:
+        """Log if ``interval`` seconds passed since the last line; True if it did."""
+        now = time.monotonic() if now is None else now
+        if now - self.last_log_time < self.interval:
+            return False
+        self.log(now)
+        return True
+
+    def format_lines(self, now: float) -> list[str]:
+        """The line(s) ``log(now)`` writes, without resetting anything."""
+        elapsed = max(now - self.last_log_time, 1e-9)
+        hit_rate = 100.0 * self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        lines = [
+            f"Engine {self.engine_index:03d}: "
+            f"Avg prompt throughput: {self.num_prompt_tokens / elapsed:.1f} tokens/s, "
+            f"Avg generation throughput: {self.num_generation_tokens / elapsed:.1f} tokens/s, "
+            f"Running: {self.num_running_reqs} reqs, Waiting: {self.num_waiting_reqs} reqs, "
+            f"KV cache usage: {100.0 * self.kv_cache_usage:.1f}%, "
+            f"Prefix cache hit rate: {hit_rate:.1f}%"]
+        drafts, draft_tokens = self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens
+        if drafts > 0:
+            accepted = self.spec_decode_num_accepted_tokens
+            per_pos = ", ".join(f"{count / drafts:.3f}" for count in self.spec_decode_num_accepted_tokens_per_pos)
+            rate = 100.0 * accepted / draft_tokens if draft_tokens else 0.0
+            lines.append(
+                f"Engine {self.engine_index:03d}: SpecDecoding metrics: "
+                f"Mean acceptance length: {1 + accepted / drafts:.2f}, "
+                f"Accepted throughput: {accepted / elapsed:.2f} tokens/s, "
+                f"Drafted throughput: {draft_tokens / elapsed:.2f} tokens/s, "
+                f"Accepted: {accepted} tokens, Drafted: {draft_tokens} tokens, "
+                f"Per-position acceptance rate: {per_pos}, "
+                f"Avg Draft acceptance rate: {rate:.1f}%")
+        return lines
+
+    def log(self, now: float | None = None) -> None:
+        """Log the line(s) now and start the next interval."""
+        now = time.monotonic() if now is None else now
+        idle = (self.num_prompt_tokens == 0 and self.num_generation_tokens == 0
+                and self.num_running_reqs == 0 and self.num_waiting_reqs == 0)
+        level = logging.DEBUG if idle and self._last_idle else logging.INFO
+        for line in self.format_lines(now):
+            logger.log(level, "%s", line)
+        self._last_idle = idle
+        self.last_log_time = now
+        self.num_prompt_tokens = self.num_generation_tokens = 0
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+        self.spec_decode_num_drafts = self.spec_decode_num_draft_tokens = self.spec_decode_num_accepted_tokens = 0
+        self.spec_decode_num_accepted_tokens_per_pos = [0] * len(self.spec_decode_num_accepted_tokens_per_pos)

@@ -22,15 +22,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
-import numbers
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from sparrow.config import ConfigError, EngineConfig
+from sparrow.config import EngineConfig
 from sparrow.core.kv_cache_utils import request_capacity_tokens
+from sparrow.engine.async_inputs import AsyncEngineArgs, check_request_fields
+from sparrow.engine.async_utilities import AsyncEngineUtilities
 from sparrow.engine.exceptions import EngineDeadError
 from sparrow.engine.input_processor import PromptType
 from sparrow.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
@@ -48,54 +48,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# The keys a prompt dict may have. vLLM's other keys (multi_modal_data, mm_processor_kwargs,
-# cache_salt, token_type_ids, prompt_embeds, ...) are refused, never dropped: Sparrow serves
-# text-only models and has no cache salts.
-_PROMPT_KEYS = ("prompt", "prompt_token_ids")
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
-
-class AsyncEngineArgs:
-    """vLLM's ``AsyncEngineArgs``: the engine arguments as one object, for
-    ``AsyncLLM.from_engine_args(AsyncEngineArgs(model=..., max_model_len=...))``.
-
-    Takes the keywords ``LLM`` and ``AsyncLLM.from_engine_args`` take; every argument is an
-    attribute (unset ones read as their defaults) and may be reassigned before the engine is built.
-    An unknown name raises ``ConfigError`` at once; values are checked by ``create_engine_config``.
-    """
-
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        object.__setattr__(self, "_args", {})
-        self.model = model
-        for name, value in engine_args.items():
-            setattr(self, name, value)
-
-    @staticmethod
-    def _check_name(name: str) -> None:
-        owners = EngineConfig.field_names()
-        if name not in owners:
-            raise ConfigError(f"unknown engine argument {name!r}; valid arguments: {', '.join(sorted(owners))}")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        self._check_name(name)
-        self._args[name] = value
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        self._check_name(name)
-        args = self.__dict__["_args"]
-        return args[name] if name in args else EngineConfig().flat()[name]
-
-    def create_engine_config(self, usage_context: Any = None) -> EngineConfig:
-        """The validated configuration (``usage_context`` is vLLM's telemetry tag; unused)."""
-        return EngineConfig.from_kwargs(**self._args)
-
-    def __repr__(self) -> str:
-        return f"AsyncEngineArgs({', '.join(f'{k}={v!r}' for k, v in self._args.items())})"
-
-
-class AsyncLLM:
+class AsyncLLM(AsyncEngineUtilities):
     """An asyncio engine. ``AsyncLLM.from_engine_args(model=..., max_model_len=...)`` takes the
     same keywords as ``LLM`` (or, as in vLLM, one ``AsyncEngineArgs``); ``AsyncLLM(config)`` and
     ``AsyncLLM.from_vllm_config(config)`` take an ``EngineConfig``. ``executor_factory``
@@ -205,21 +158,6 @@ class AsyncLLM:
         if error is not None:
             raise error
 
-    async def get_tokenizer(self) -> Any:
-        return self.tokenizer
-
-    async def get_model_config(self) -> Any:
-        return self.model_config
-
-    async def get_vllm_config(self) -> EngineConfig:
-        return self.config
-
-    async def get_supported_tasks(self) -> tuple[str, ...]:
-        return ("generate",)
-
-    async def is_tracing_enabled(self) -> bool:
-        return False
-
     async def wait_until_dead(self) -> EngineDeadError:
         """Return once the engine core has died (or ``fail_all`` / ``shutdown`` ended the engine).
         Starts the output handler, so that a death is noticed even when no request is running."""
@@ -317,8 +255,9 @@ class AsyncLLM:
         self._raise_if_dead()
         self._bind_loop()
         self._ensure_output_handler()
-        priority, arrival_time = self._check_request_fields(
-            request_id, prompt, arrival_time, priority, trace_headers, tokenization_kwargs, data_parallel_rank)
+        priority, arrival_time = check_request_fields(
+            request_id, prompt, arrival_time, priority, trace_headers, tokenization_kwargs, data_parallel_rank,
+            self.config.parallel.data_parallel_size)
         self._check_request_id_free(request_id)
         if params is None:
             params = SamplingParams(**self.default_sampling_params)
@@ -353,51 +292,6 @@ class AsyncLLM:
             self._collectors.pop(request_id, None)
             raise
         return collector
-
-    def _check_request_fields(self, request_id: Any, prompt: Any, arrival_time: Any, priority: Any,
-                              trace_headers: Any, tokenization_kwargs: Any, data_parallel_rank: Any
-                              ) -> tuple[int, float | None]:
-        """Refuse, naming the field, what the engine core could not decode or would not honour;
-        return ``priority`` and ``arrival_time`` as the wire carries them."""
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidArgumentError(f"request_id must be a non-empty string, got {request_id!r} "
-                                       f"({type(request_id).__name__})", "request_id")
-        if isinstance(prompt, Mapping):
-            for key, value in prompt.items():
-                if key not in _PROMPT_KEYS and value is not None:
-                    raise InvalidArgumentError(
-                        f"prompt of request {request_id!r}: key {key!r} is not supported (Sparrow takes text or token "
-                        f"ids only: no multi-modal data, embeddings or cache salts); a prompt dict takes "
-                        f"{' and '.join(_PROMPT_KEYS)}",
-                        f"prompt.{key}")
-        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral) \
-                or not _INT64_MIN <= int(priority) <= _INT64_MAX:
-            raise InvalidArgumentError(f"priority of request {request_id!r} must be a 64-bit integer, got "
-                                       f"{priority!r} ({type(priority).__name__})", "priority")
-        if arrival_time is not None:
-            if isinstance(arrival_time, bool) or not isinstance(arrival_time, numbers.Real) \
-                    or not math.isfinite(float(arrival_time)):
-                raise InvalidArgumentError(f"arrival_time of request {request_id!r} must be a finite number "
-                                           f"(time.monotonic()) or None, got {arrival_time!r}", "arrival_time")
-            arrival_time = float(arrival_time)
-        if trace_headers:
-            raise InvalidArgumentError(f"trace_headers of request {request_id!r}: Sparrow has no request tracing "
-                                       "(OpenTelemetry); leave trace_headers None", "trace_headers")
-        if tokenization_kwargs:
-            raise InvalidArgumentError(
-                f"tokenization_kwargs of request {request_id!r} are not supported (got {sorted(tokenization_kwargs)}): "
-                "pass prompt_token_ids to tokenize yourself, or SamplingParams for the output", "tokenization_kwargs")
-        if data_parallel_rank is not None:
-            size = self.config.parallel.data_parallel_size
-            if isinstance(data_parallel_rank, bool) or not isinstance(data_parallel_rank, numbers.Integral) \
-                    or not 0 <= int(data_parallel_rank) < size:
-                raise InvalidArgumentError(f"data_parallel_rank of request {request_id!r} must be an integer in "
-                                           f"[0, {size}) or None, got {data_parallel_rank!r}", "data_parallel_rank")
-            if size > 1:
-                raise InvalidArgumentError(f"data_parallel_rank of request {request_id!r}: Sparrow routes requests "
-                                           "to its data-parallel engines itself; leave data_parallel_rank None",
-                                           "data_parallel_rank")
-        return int(priority), arrival_time
 
     def _check_request_id_free(self, request_id: str) -> None:
         if request_id in self._collectors:
@@ -529,47 +423,6 @@ class AsyncLLM:
         for collector in self._collectors.values():
             collector.put(error)
         self._dead_event.set()
-
-    # -- utilities --------------------------------------------------------------------------
-    async def _call_utility(self, method: str, *args: Any) -> Any:
-        self._raise_if_dead()
-        self._bind_loop()
-        return await self.engine_core.call_utility_async(method, *args)
-
-    async def reset_prefix_cache(self) -> bool:
-        return await self._call_utility("reset_prefix_cache")
-
-    async def start_profile(self) -> None:
-        await self._call_utility("profile", True)
-
-    async def stop_profile(self) -> list[dict[str, Any]]:
-        return await self._call_utility("profile", False)
-
-    async def get_scheduler_stats(self) -> SchedulerStats:
-        stats = await self._call_utility("get_scheduler_stats")
-        # A snapshot of cumulative counters: the Prometheus counters take what is new in it.
-        self.metrics.record_scheduler_stats(stats)
-        return stats
-
-    async def get_kv_cache_info(self) -> dict[str, int]:
-        return await self._call_utility("get_kv_cache_info")
-
-    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
-        return await self._call_utility("collective_rpc", method, args, kwargs)
-
-    # LoRA adapters (vLLM's names): load ahead of use, forget, list the loaded ids.
-    async def add_lora(self, lora_request: Any) -> bool:
-        if lora_request is None:
-            raise InvalidArgumentError("add_lora: lora_request must be a LoRARequest, got None", "lora_request")
-        await self.run_input_work(check_lora_request, lora_request, self.config, self.hf_config)
-        return await self._call_utility(
-            "add_lora", lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)
-
-    async def remove_lora(self, lora_id: int) -> bool:
-        return await self._call_utility("remove_lora", lora_id)
-
-    async def list_loras(self) -> set[int]:
-        return set(await self._call_utility("list_loras"))
 
     def shutdown(self) -> None:
         """Stop the engine process; pending consumers get EngineDeadError."""

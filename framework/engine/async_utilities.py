@@ -1,0 +1,93 @@
+"""``AsyncLLM``'s utility calls (vLLM's names): configuration getters, and calls that go to the
+engine core and back (prefix cache, profiler, stats, LoRA adapters, ``collective_rpc``).
+
+A mixin: the host class (``sparrow.engine.async_llm.AsyncLLM``) provides ``config``,
+``model_config``, ``hf_config``, ``tokenizer``, ``engine_core``, ``metrics``, ``run_input_work`` and
+the liveness checks ``_raise_if_dead`` / ``_bind_loop``. A call to a dead engine raises
+``EngineDeadError``; a call from another event loop a ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sparrow.config import EngineConfig
+from sparrow.engine.messages import SchedulerStats
+from sparrow.errors import InvalidArgumentError
+from sparrow.lora.engine import check_lora_request
+
+
+class AsyncEngineUtilities:
+    config: EngineConfig
+    model_config: Any
+    hf_config: Any
+    tokenizer: Any
+    engine_core: Any
+    metrics: Any
+
+    # Provided by the host class.
+    def _raise_if_dead(self) -> None:
+        raise NotImplementedError
+
+    def _bind_loop(self) -> None:
+        raise NotImplementedError
+
+    async def run_input_work(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    # -- configuration ----------------------------------------------------------------------
+    async def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    async def get_model_config(self) -> Any:
+        return self.model_config
+
+    async def get_vllm_config(self) -> EngineConfig:
+        return self.config
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    async def is_tracing_enabled(self) -> bool:
+        return False
+
+    # -- engine-core calls -------------------------------------------------------------------
+    async def _call_utility(self, method: str, *args: Any) -> Any:
+        self._raise_if_dead()
+        self._bind_loop()
+        return await self.engine_core.call_utility_async(method, *args)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call_utility("reset_prefix_cache")
+
+    async def start_profile(self) -> None:
+        await self._call_utility("profile", True)
+
+    async def stop_profile(self) -> list[dict[str, Any]]:
+        return await self._call_utility("profile", False)
+
+    async def get_scheduler_stats(self) -> SchedulerStats:
+        stats = await self._call_utility("get_scheduler_stats")
+        # A snapshot of cumulative counters: the Prometheus counters take what is new in it.
+        self.metrics.record_scheduler_stats(stats)
+        return stats
+
+    async def get_kv_cache_info(self) -> dict[str, int]:
+        return await self._call_utility("get_kv_cache_info")
+
+    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        return await self._call_utility("collective_rpc", method, args, kwargs)
+
+    # LoRA adapters (vLLM's names): load ahead of use, forget, list the loaded ids.
+    async def add_lora(self, lora_request: Any) -> bool:
+        if lora_request is None:
+            raise InvalidArgumentError("add_lora: lora_request must be a LoRARequest, got None", "lora_request")
+        await self.run_input_work(check_lora_request, lora_request, self.config, self.hf_config)
+        return await self._call_utility(
+            "add_lora", lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self._call_utility("remove_lora", lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return set(await self._call_utility("list_loras"))

@@ -342,3 +342,37 @@ class SamplingParams(
     def __repr__(self) -> str:
         fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__)
         return f"SamplingParams({fields})"
+
+
+class BeamSearchParams:
+    """vLLM's ``BeamSearchParams``, for ``LLM.beam_search`` (sparrow.beam_search): keep the
+    ``beam_width`` most likely sequences, extending each by one token ``max_tokens`` times.
+
+    ``length_penalty`` divides a finished sequence's cumulative logprob by its length (prompt
+    included, a final EOS not) to this power when the sequences are ranked; ``temperature`` is the
+    temperature of the one sampled token each step adds to the candidates (0: none beyond the top
+    ``2 * beam_width``); ``include_stop_str_in_output`` keeps a final EOS token's text in ``text``.
+    Invalid values raise ``ValueError`` naming the field.
+    """
+
+    __slots__ = ("beam_width", "max_tokens", "ignore_eos", "temperature", "length_penalty",
+                 "include_stop_str_in_output")
+
+    def __init__(self, beam_width: int, max_tokens: int, ignore_eos: bool = False, temperature: float = 0.0,
+                 length_penalty: float = 1.0, include_stop_str_in_output: bool = False) -> None:
+        try:
+            self.beam_width = _int("beam_width", beam_width, 1)
+            self.max_tokens = _int("max_tokens", max_tokens, 1)
+            self.ignore_eos = _bool("ignore_eos", ignore_eos)
+            self.temperature = _float("temperature", temperature)
+            if self.temperature < 0:
+                _fail("temperature", "must be >= 0", temperature)
+            self.length_penalty = _float("length_penalty", length_penalty)
+            self.include_stop_str_in_output = _bool("include_stop_str_in_output", include_stop_str_in_output)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(str(exc).replace("SamplingParams.", "BeamSearchParams.", 1),
+                                       exc.field) from None
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        return f"BeamSearchParams({fields})"

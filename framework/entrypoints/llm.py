@@ -186,6 +186,16 @@ class LLM:
                 bar.close()
         return [r for r in results if r is not None]
 
+    def beam_search(self, prompts: Any, params: Any, lora_request: Any = None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[Any]:
+        """vLLM's ``LLM.beam_search``: the ``params.beam_width`` most likely continuations of each
+        prompt (a string, ``{"prompt": ...}`` or ``{"prompt_token_ids": [...]}``), as one
+        ``BeamSearchOutput`` per prompt; ``concurrency_limit`` prompts are searched at a time (all
+        when None). See sparrow.beam_search."""
+        from sparrow.beam_search import beam_search
+
+        return beam_search(self, prompts, params, lora_request, use_tqdm, concurrency_limit)
+
     # -- utilities --------------------------------------------------------------------------
     def get_default_sampling_params(self) -> SamplingParams:
         """The parameters ``generate`` and ``chat`` use when given none: the model's generation

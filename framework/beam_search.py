@@ -1,0 +1,174 @@
+"""Beam search for ``LLM.beam_search`` (vLLM's offline beam search, same results and types).
+
+Each step asks the engine for one token of every live beam, with the top ``2 * beam_width``
+logprobs (``SamplingParams(max_tokens=1, logprobs=2 * beam_width)``): a beam's prompt is its
+tokens so far, so the prefix cache serves what earlier steps computed. Every candidate token
+extends its beam; a candidate that is an end-of-sequence token (unless ``ignore_eos``) finishes
+that beam, the others compete, and the ``beam_width`` best by cumulative logprob go on. At the end
+the finished and live beams are ranked by ``cum_logprob / length ** length_penalty`` (length: all
+tokens, prompt included, a final EOS not; vLLM's and HF transformers' score) and the best
+``beam_width`` are returned.
+
+As in vLLM, ``BeamSearchSequence.tokens`` holds the prompt's tokens followed by the generated ones
+and ``text`` decodes all of them. A beam that reaches ``max_model_len`` ends there
+(``finish_reason="length"``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sparrow.errors import InvalidArgumentError
+from sparrow.outputs import Logprob
+from sparrow.sampling_params import BeamSearchParams, SamplingParams
+
+if TYPE_CHECKING:
+    from sparrow.entrypoints.llm import LLM
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: ``tokens`` (prompt then generated), the candidate logprobs of each generated
+    position, and its cumulative logprob."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    lora_request: Any = None
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None  # "stop" (an EOS token) or "length"
+    stop_reason: int | None = None  # the EOS token id that ended it
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best ``beam_width`` sequences of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def beam_search_score(tokens: Sequence[int], cum_logprob: float, eos_token_ids: frozenset[int],
+                      length_penalty: float) -> float:
+    length = len(tokens) - (1 if tokens and tokens[-1] in eos_token_ids else 0)
+    return cum_logprob / (max(length, 1) ** length_penalty)
+
+
+@dataclass
+class _Instance:
+    beams: list[BeamSearchSequence]
+    completed: list[BeamSearchSequence] = field(default_factory=list)
+
+
+def _prompt_token_ids(llm: LLM, index: int, prompt: Any) -> list[int]:
+    processor = llm.llm_engine.input_processor
+    if isinstance(prompt, str):
+        return processor.tokenize(prompt, field=f"prompts[{index}]")
+    if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+        if unknown:
+            raise InvalidArgumentError(f"prompts[{index}]: keys {sorted(unknown)} are not supported; a prompt dict "
+                                       "takes prompt or prompt_token_ids", f"prompts[{index}]")
+        if prompt.get("prompt_token_ids") is not None:
+            return list(prompt["prompt_token_ids"])
+        if isinstance(prompt.get("prompt"), str):
+            return processor.tokenize(prompt["prompt"], field=f"prompts[{index}].prompt")
+    raise InvalidArgumentError(f"prompts[{index}] must be a string or a dict with prompt or prompt_token_ids, got "
+                               f"{type(prompt).__name__}", f"prompts[{index}]")
+
+
+def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams, lora_request: Any = None,
+                use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+    """The body of ``LLM.beam_search``; see the module docstring."""
+    if not isinstance(params, BeamSearchParams):
+        raise InvalidArgumentError(f"params must be a BeamSearchParams, got {type(params).__name__}", "params")
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    engine = llm.llm_engine
+    num_logprobs = 2 * params.beam_width
+    if num_logprobs > engine.input_processor.max_logprobs:
+        raise InvalidArgumentError(
+            f"beam_width={params.beam_width} needs {num_logprobs} logprobs per step, more than max_logprobs="
+            f"{engine.input_processor.max_logprobs}; lower beam_width or raise the engine argument max_logprobs",
+            "beam_width")
+    if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or not isinstance(concurrency_limit, int)
+                                          or concurrency_limit < 1):
+        raise InvalidArgumentError(f"concurrency_limit must be a positive integer or None, got {concurrency_limit!r}",
+                                   "concurrency_limit")
+    from sparrow.lora.engine import lora_requests_per_prompt
+
+    loras = lora_requests_per_prompt(lora_request, len(prompts))
+    instances = [_Instance([BeamSearchSequence(tokens=_prompt_token_ids(llm, index, prompt), lora_request=lora)])
+                 for index, (prompt, lora) in enumerate(zip(prompts, loras))]
+    eos = frozenset(engine.input_processor.eos_token_ids)
+    step_params = SamplingParams(max_tokens=1, logprobs=num_logprobs, temperature=params.temperature,
+                                 detokenize=False)
+    max_model_len = engine.config.model.max_model_len or 0
+    limit = concurrency_limit or max(len(instances), 1)
+    batches = [instances[start:start + limit] for start in range(0, len(instances), limit)]
+    bar = None
+    if use_tqdm:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(batches) * params.max_tokens, desc="Beam search", unit="step")
+    try:
+        for batch in batches:
+            for _ in range(params.max_tokens):
+                extended = _step(llm, batch, step_params, params, eos, max_model_len)
+                if bar is not None:
+                    bar.update()
+                if not extended:
+                    break
+    finally:
+        if bar is not None:
+            bar.close()
+    tokenizer = engine.tokenizer
+    outputs = []
+    for instance in instances:
+        instance.completed.extend(instance.beams)
+        best = sorted(instance.completed, reverse=True,
+                      key=lambda beam: beam_search_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty))
+        for beam in best[:params.beam_width]:
+            if beam.finish_reason is None:
+                beam.finish_reason = "length"
+            shown = beam.tokens
+            if beam.stop_reason is not None and not params.include_stop_str_in_output:
+                shown = shown[:-1]
+            beam.text = tokenizer.decode(shown)
+        outputs.append(BeamSearchOutput(best[:params.beam_width]))
+    return outputs
+
+
+def _step(llm: LLM, batch: list[_Instance], step_params: SamplingParams, params: BeamSearchParams,
+          eos: frozenset[int], max_model_len: int) -> bool:
+    """Extend every live beam of ``batch`` by one token; False when no beam is left to extend."""
+    for instance in batch:  # a beam with no room left under max_model_len ends here
+        full = [beam for beam in instance.beams if len(beam.tokens) >= max_model_len]
+        if full:
+            instance.completed.extend(full)
+            instance.beams = [beam for beam in instance.beams if len(beam.tokens) < max_model_len]
+    live = [(instance, beam) for instance in batch for beam in instance.beams]
+    if not live:
+        return False
+    results = llm._run([{"prompt_token_ids": beam.tokens} for _, beam in live], step_params, use_tqdm=False,
+                       priority=None, lora_request=[beam.lora_request for _, beam in live])
+    candidates: dict[int, list[BeamSearchSequence]] = {id(instance): [] for instance in batch}
+    for (instance, beam), result in zip(live, results):
+        step_logprobs = result.outputs[0].logprobs[0]
+        for token_id, logprob in step_logprobs.items():
+            if math.isinf(logprob.logprob):
+                continue  # a token the model cannot produce
+            extended = BeamSearchSequence(tokens=beam.tokens + [token_id],
+                                          logprobs=beam.logprobs + [step_logprobs], lora_request=beam.lora_request,
+                                          cum_logprob=beam.cum_logprob + logprob.logprob)
+            if token_id in eos and not params.ignore_eos:
+                extended.finish_reason, extended.stop_reason = "stop", token_id
+                instance.completed.append(extended)
+            else:
+                candidates[id(instance)].append(extended)
+    for instance in batch:
+        ranked = sorted(candidates[id(instance)], key=lambda beam: beam.cum_logprob, reverse=True)
+        instance.beams = ranked[:params.beam_width]
+    return True

@@ -170,6 +170,22 @@ def check_hook_result(pm: pluggy.PluginManager, hook_name: str, result: Any,
                       f"its implementations: {plugins}")
 
 
+def check_attention_backend(pm: pluggy.PluginManager, backend: Any) -> type | None:
+    """What ``sparrow_attention_backend`` answered: None, or a subclass of
+    :class:`sparrow.attention.AttentionBackend`; anything else is a PluginError naming the hook's
+    implementations (an instance, a function or a name would fail later, inside a worker)."""
+    if backend is None:
+        return None
+    from sparrow.attention import AttentionBackend
+
+    if isinstance(backend, type) and issubclass(backend, AttentionBackend):
+        return backend
+    plugins = ", ".join(impl.plugin_name for impl in pm.hook.sparrow_attention_backend.get_hookimpls())
+    raise PluginError(f"sparrow_attention_backend returned {type(backend).__name__} {backend!r:.80}, not a subclass "
+                      f"of sparrow.attention.AttentionBackend (the class, not an instance); its implementations: "
+                      f"{plugins}")
+
+
 @dataclass(slots=True)
 class PlatformEntry:
     name: str

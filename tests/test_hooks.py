@@ -416,3 +416,25 @@ def test_cuda_ranks_share_gpus_round_robin_when_there_are_fewer(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     platform = CudaPlatform()
     assert [platform.device_for_rank(r) for r in range(4)] == [torch.device("cuda", i) for i in (0, 1, 0, 1)]
+
+
+def test_sparrow_attention_backend_that_returns_no_class_names_the_plugin():
+    # An instance (or a name, a function) fails where the hook answers, naming the plugin: in the
+    # pre-flight when the backend is named, in the worker at start-up for "auto".
+    from sparrow.engine.setup import finalize_config
+    from sparrow.plugins import PluginError
+    from sparrow_cpu.attention import TorchPagedAttention
+
+    class Confused:
+        @hookimpl(tryfirst=True)
+        def sparrow_attention_backend(self, platform, requested, model_config):
+            return "torch" if requested == "torch" else TorchPagedAttention.__new__(TorchPagedAttention)
+
+    with registered(Confused(), "confused-attention"):
+        with pytest.raises(PluginError, match=r"sparrow_attention_backend returned str 'torch', not a subclass of "
+                                              r"sparrow.attention.AttentionBackend .*confused-attention"):
+            finalize_config(EngineConfig.from_kwargs(device="cpu", attention_backend="torch"))
+        with pytest.raises(PluginError, match=r"returned TorchPagedAttention .*the class, not an instance.*"
+                                              r"confused-attention"):
+            EngineCore(finalize_config(EngineConfig.from_kwargs(device="cpu", max_model_len=256,
+                                                                kv_cache_memory_bytes=4 << 20)), executor=None)

@@ -67,13 +67,14 @@ class ConformanceContext:
 
     def attention_backend_cls(self, num_heads: int, num_kv_heads: int, head_dim: int) -> type:
         """The backend the platform's worker would choose (``attention_backend="auto"``)."""
-        from sparrow.plugins import get_plugin_manager
+        from sparrow.plugins import check_attention_backend, get_plugin_manager
         from sparrow.tiny.model import build_config
 
         model_config = build_config("qwen3", "test", VOCAB_SIZE, num_attention_heads=num_heads,
                                     num_key_value_heads=num_kv_heads, head_dim=head_dim, dtype=self.dtype)
-        backend = get_plugin_manager().hook.sparrow_attention_backend(
-            platform=self.platform, requested="auto", model_config=model_config)
+        pm = get_plugin_manager()
+        backend = check_attention_backend(pm, pm.hook.sparrow_attention_backend(
+            platform=self.platform, requested="auto", model_config=model_config))
         if backend is None:
             raise LookupError(f"no plugin answered sparrow_attention_backend for platform {self.platform.name!r} "
                               f"(requested 'auto')")

@@ -50,7 +50,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from sparrow.config import ConfigError, EngineConfig, _describe
-from sparrow.plugins import Registry, get_plugin_manager, get_registry, import_object
+from sparrow.plugins import Registry, check_attention_backend, get_plugin_manager, get_registry, import_object
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +265,7 @@ def check_platform_settings(config: EngineConfig, platform: Any, hf_config: Any)
     except Exception as exc:  # noqa: BLE001 - see above
         logger.debug("attention backend %r could not be checked before start-up: %r", requested, exc)
         return
+    backend = check_attention_backend(get_plugin_manager(), backend)
     if backend is None:
         raise _error("attention_backend", f"no plugin offers attention backend {requested!r} for platform "
                      f"{getattr(platform, 'name', platform)!r}")

@@ -10,7 +10,7 @@ import torch
 from sparrow.config import EngineConfig
 from sparrow.core.sched.output import SchedulerOutput
 from sparrow.platforms.interface import Platform
-from sparrow.plugins import get_plugin_manager
+from sparrow.plugins import check_attention_backend, get_plugin_manager
 from sparrow.worker.model_runner import DTYPES, ModelRunner
 from sparrow.worker.outputs import ModelRunnerOutput
 from sparrow.worker.profiler import WorkerProfiler
@@ -51,8 +51,9 @@ class WorkerBase:
                                        self.device)
 
     def attention_backend_cls(self, hf_config: Any) -> type:
-        backend = get_plugin_manager().hook.sparrow_attention_backend(
-            platform=self.platform, requested=self.config.device.attention_backend, model_config=hf_config)
+        pm = get_plugin_manager()
+        backend = check_attention_backend(pm, pm.hook.sparrow_attention_backend(
+            platform=self.platform, requested=self.config.device.attention_backend, model_config=hf_config))
         if backend is None:
             raise ValueError(
                 f"no attention backend {self.config.device.attention_backend!r} for platform {self.platform.name!r}"

@@ -284,5 +284,14 @@ def test_a_tokenizer_without_the_end_token_fails_at_start_up_in_one_line(qwen3_d
                             capture_output=True, text=True, timeout=300, cwd=tmp_path)
     errors = [line for line in result.stderr.splitlines() if line.startswith("sparrow: error:")]
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
-    assert "reasoning_parser: this parser needs '</think>' as one token" in errors[0]
+    assert "invalid engine argument 'reasoning_parser': 'qwen3' cannot work with the tokenizer" in errors[0]
+    assert "needs '</think>' as one token" in errors[0]
+
+
+def test_a_tokenizer_without_the_end_token_is_a_config_error_before_the_engine_starts(qwen3_dir):
+    from sparrow.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"'reasoning_parser': 'deepseek_r1' cannot work with the tokenizer .*"
+                                          r"'</think>' as one token"):
+        LLM(qwen3_dir, reasoning_parser="deepseek_r1", max_model_len=256, kv_cache_memory_bytes=16 << 20)
 

@@ -209,6 +209,17 @@ def build_frontend(config: EngineConfig) -> Frontend:
                                                    else config.model.max_logprobs),
                                      logits_processor_classes=processor_classes,
                                      scheduler=None if getattr(scheduler_cls, "uses_priority", False) else scheduler)
+    if config.model.reasoning_parser is not None:
+        # Built once here, before any engine process starts, so that a tokenizer without the
+        # parser's tokens is a ConfigError now rather than a failure of the first request using it.
+        parser_cls = resolve_parser("reasoning_parser", config.model.reasoning_parser,
+                                    get_registry().reasoning_parsers)
+        try:
+            parser_cls(tokenizer)
+        except ValueError as exc:
+            message = str(exc).removeprefix("reasoning_parser: ")
+            raise ConfigError(f"invalid engine argument 'reasoning_parser': {config.model.reasoning_parser!r} "
+                              f"cannot work with the tokenizer of {config.model.tokenizer!r}: {message}") from None
     from sparrow.engine.generation_defaults import generation_defaults
 
     return Frontend(tokenizer, hf_config, input_processor, OutputProcessor(tokenizer),

@@ -198,6 +198,9 @@ class SamplingParams(
     # Per-request arguments for custom logits processors (vLLM's extra_args; the server's
     # vllm_xargs): JSON-like values, str keys.
     extra_args: dict[str, Any] | None = None
+    # Keep only the prompt's last k tokens (-1: as many as max_model_len leaves room for one output
+    # token); applied by the input processor when the request is made. Appended last.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -219,6 +222,10 @@ class SamplingParams(
         if self.max_tokens is not None:
             self.max_tokens = _int("max_tokens", self.max_tokens)
         self.min_tokens = _int("min_tokens", self.min_tokens)
+        if self.truncate_prompt_tokens is not None:
+            self.truncate_prompt_tokens = _int("truncate_prompt_tokens", self.truncate_prompt_tokens, -1)
+            if self.truncate_prompt_tokens == 0:
+                _fail("truncate_prompt_tokens", "must be -1, a positive integer or None", 0)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 setattr(self, name, _int(name, getattr(self, name)))

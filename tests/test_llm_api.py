@@ -204,3 +204,32 @@ def test_cli_generate_prints_the_continuation(qwen3_dir):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Hello")
     assert len(result.stdout.strip()) > len("Hello")
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(qwen3_dir, llm):
+    # vLLM's SamplingParams.truncate_prompt_tokens: the reference is HF greedy on the kept tokens.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
+    prompt = random_prompts(1, seed=9)[0]["prompt_token_ids"]
+    assert len(prompt) > 12
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(truncate_prompt_tokens=12, temperature=0.0, max_tokens=5), use_tqdm=False)[0]
+    assert out.prompt_token_ids == prompt[-12:]
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt[-12:]]), max_new_tokens=5, do_sample=False)[0, 12:].tolist()
+    assert list(out.outputs[0].token_ids) == expected
+    max_model_len = llm.llm_engine.config.model.max_model_len
+    too_long = (prompt * (max_model_len // len(prompt) + 2))[:max_model_len + 5]
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate({"prompt_token_ids": too_long}, SamplingParams(max_tokens=1), use_tqdm=False)
+    kept = llm.generate({"prompt_token_ids": too_long}, SamplingParams(max_tokens=1, truncate_prompt_tokens=-1),
+                        use_tqdm=False)[0]
+    assert kept.prompt_token_ids == too_long[-(max_model_len - 1):]
+    for value in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens") as info:
+            SamplingParams(truncate_prompt_tokens=value)
+        assert info.value.field == "truncate_prompt_tokens"
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or between 1 and max_model_len"):
+        llm.generate("hello", SamplingParams(truncate_prompt_tokens=max_model_len + 1), use_tqdm=False)

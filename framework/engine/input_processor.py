@@ -281,6 +281,8 @@ class InputProcessor:
                                        "priority; start the engine with scheduler='priority' (or a policy that "
                                        "uses priorities) or leave priority at 0", "priority")
         text, token_ids = self.tokenize_prompt(request_id, prompt)
+        if params.truncate_prompt_tokens is not None:  # vLLM's: the prompt's last k tokens
+            token_ids = self.truncate(token_ids, params.truncate_prompt_tokens)
         name = describe_prompt(request_id, text, token_ids)
         self._validate_prompt(name, token_ids)
         params = self._resolve_params(name, len(token_ids), params)

@@ -233,3 +233,10 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(qwen3_dir, llm):
         assert info.value.field == "truncate_prompt_tokens"
     with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or between 1 and max_model_len"):
         llm.generate("hello", SamplingParams(truncate_prompt_tokens=max_model_len + 1), use_tqdm=False)
+
+
+def test_pooling_entry_points_are_refused_by_name(llm):
+    for method in ("encode", "embed", "classify", "score", "reward"):
+        with pytest.raises(ValueError, match=rf"LLM.{method}\(\) needs a pooling .*generative models only"):
+            getattr(llm, method)(["hello"])
+    assert llm.generate("hello", SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids

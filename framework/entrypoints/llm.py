@@ -10,12 +10,18 @@ from typing import Any
 
 from sparrow.config import EngineConfig
 from sparrow.engine.llm_engine import LLMEngine
+from sparrow.errors import InvalidArgumentError
 from sparrow.outputs import RequestOutput
 from sparrow.sampling_params import SamplingParams
 
 ChatMessages = Sequence[Mapping[str, Any]]
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _pooling_refused(method: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"LLM.{method}() needs a pooling (embedding, classification, scoring or reward) "
+                                "model, and Sparrow serves generative models only; use generate() or chat()", method)
 
 
 def _check_priority(index: int, value: Any) -> int:
@@ -197,6 +203,22 @@ class LLM:
         return beam_search(self, prompts, params, lora_request, use_tqdm, concurrency_limit)
 
     # -- utilities --------------------------------------------------------------------------
+    # vLLM's pooling entry points: Sparrow serves generative models, so each is refused by name.
+    def encode(self, *args: Any, **kwargs: Any) -> list[Any]:
+        raise _pooling_refused("encode")
+
+    def embed(self, *args: Any, **kwargs: Any) -> list[Any]:
+        raise _pooling_refused("embed")
+
+    def classify(self, *args: Any, **kwargs: Any) -> list[Any]:
+        raise _pooling_refused("classify")
+
+    def score(self, *args: Any, **kwargs: Any) -> list[Any]:
+        raise _pooling_refused("score")
+
+    def reward(self, *args: Any, **kwargs: Any) -> list[Any]:
+        raise _pooling_refused("reward")
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The parameters ``generate`` and ``chat`` use when given none: the model's generation
         config (``generation_config.json``, or the ``generation_config`` engine argument) over

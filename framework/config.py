@@ -91,6 +91,11 @@ class ModelConfig(_Section):
         False, description="Let transformers run the Python code a model or tokenizer directory ships for its config "
         "or tokenizer class (auto_map in config.json / tokenizer_config.json); only for directories you trust. The "
         "model itself always runs Sparrow's implementation of its architecture.")
+    hf_overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Values that replace the model's config.json fields, e.g. "
+        "'{\"max_position_embeddings\": 131072, \"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+        "\"original_max_position_embeddings\": 32768}}'; a dict value is merged into the field's dict (rope_scaling "
+        "into rope_parameters, keeping rope_theta).")
     tokenizer_mode: Literal["auto", "slow"] = Field(
         "auto", description="auto: the fast (Rust) tokenizer when the directory has one; slow: the Python "
         "tokenizer class, where the directory has one (its own code's slow class, with trust_remote_code, or a "

@@ -31,15 +31,43 @@ class WeightFileError(FileNotFoundError):
     """A weight file is missing or does not hold the tensors its index promises."""
 
 
-def get_hf_config(model_dir: str | Path, trust_remote_code: bool = False) -> Any:
+def get_hf_config(model_dir: str | Path, trust_remote_code: bool = False, overrides: dict[str, Any] | None = None
+                  ) -> Any:
     """The transformers config of a local model directory (never touches the network).
 
     ``trust_remote_code`` (the engine argument) lets transformers import the config class the
     directory ships (``auto_map`` in config.json); without it such a directory raises a
-    :class:`~sparrow.config.ConfigError` naming the argument."""
+    :class:`~sparrow.config.ConfigError` naming the argument. ``overrides`` (the engine argument
+    ``hf_overrides``) replace fields after loading (see :func:`apply_hf_overrides`)."""
+    config = _load_hf_config(Path(model_dir), trust_remote_code)
+    if overrides:
+        apply_hf_overrides(config, overrides)
+    return config
+
+
+def model_hf_config(model: Any) -> Any:
+    """The transformers config of the engine's model section (``config.model``), with its
+    ``trust_remote_code`` and ``hf_overrides``."""
+    return get_hf_config(model.model, model.trust_remote_code, model.hf_overrides)
+
+
+def apply_hf_overrides(config: Any, overrides: dict[str, Any]) -> None:
+    """Set each field of ``overrides`` on ``config`` (vLLM's hf_overrides). A dict value is merged
+    into the field's current dict; ``rope_scaling`` goes into ``rope_parameters`` where the config
+    keeps its RoPE settings there (transformers 5), so that ``rope_theta`` and the rest survive."""
+    for key, value in overrides.items():
+        target = key
+        if key == "rope_scaling" and isinstance(getattr(config, "rope_parameters", None), dict):
+            target = "rope_parameters"
+        current = getattr(config, target, None)
+        if isinstance(current, dict) and isinstance(value, dict):
+            value = {**current, **value}
+        setattr(config, target, value)
+
+
+def _load_hf_config(model_dir: Path, trust_remote_code: bool) -> Any:
     from transformers import AutoConfig
 
-    model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"model directory {str(model_dir)!r} has no config.json")
     try:
@@ -174,7 +202,8 @@ def load_model(
     from sparrow.models.registry import resolve_model_class
 
     model_dir = Path(model_dir)
-    hf_config = get_hf_config(model_dir, config.model.trust_remote_code if config is not None else False)
+    hf_config = get_hf_config(model_dir, config.model.trust_remote_code, config.model.hf_overrides) \
+        if config is not None else get_hf_config(model_dir)
     model_cls = resolve_model_class(hf_config, _architectures(registry))
     loader = get_model_loader(config, registry)
     from sparrow.quantization import get_quantization_method, quantization_scope

@@ -193,13 +193,15 @@ def run_engine(model_path: str, workload, args, engine_args: dict) -> dict[str, 
 
 def run_hf(model_path: str, workload, device: str = "cpu", dtype_name: str = "float32",
            temperature: float = 0.0, batch_size: int | None = None, *,
-           trust_remote_code: bool = False) -> dict[str, Any]:
+           trust_remote_code: bool = False, hf_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """HF transformers ``generate`` on the workload in this process: left-padded batches of
     ``batch_size`` prompts (default: one batch of all), one after another, timed together.
-    ``trust_remote_code``: the engine argument's value (a model directory that ships its own code)."""
+    ``trust_remote_code``, ``hf_overrides``: the engine arguments' values, so that HF runs the same model."""
     import torch
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+    from sparrow.model_loader import get_hf_config
 
     class CountSteps(StoppingCriteria):
         """Advances the progress bar once per decode step; never stops anything."""
@@ -208,8 +210,9 @@ def run_hf(model_path: str, workload, device: str = "cpu", dtype_name: str = "fl
             bar.update(1)
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
+    extra = {"config": get_hf_config(model_path, trust_remote_code, hf_overrides)} if hf_overrides else {}
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype_name), local_files_only=True,
-                                                 trust_remote_code=trust_remote_code).to(device)
+                                                 trust_remote_code=trust_remote_code, **extra).to(device)
     model.eval()
     batch_size = batch_size or len(workload)
     batches = [workload[start:start + batch_size] for start in range(0, len(workload), batch_size)]
@@ -257,7 +260,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model_path = str(build_qwen3_0_6b(cache_root() / "qwen3-0.6b-random"))
     else:
         model_path = resolve_model_path(args.model)
-    hf_config = get_hf_config(model_path, bool(engine_args.get("trust_remote_code", False)))
+    hf_config = get_hf_config(model_path, bool(engine_args.get("trust_remote_code", False)),
+                              engine_args.get("hf_overrides"))
     workload = make_workload(args, min(hf_config.vocab_size, 4096))
     num_prompt_tokens = sum(len(p) for p, _ in workload)
     # This VM's sustained FLOP/s drifts (noisy neighbours): measure before and after the run and
@@ -299,7 +303,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["profile"] = engine["profile"]  # one summary per rank (sparrow.worker.profiler)
     if args.compare_hf:
         result.update(compare_hf(model_path, workload, args, result["engine_output_tok_s"],
-                                 trust_remote_code=bool(engine_args.get("trust_remote_code", False))))
+                                 trust_remote_code=bool(engine_args.get("trust_remote_code", False)),
+                                 hf_overrides=engine_args.get("hf_overrides")))
     print_table(result)
     if args.result_file:
         from pathlib import Path
@@ -311,7 +316,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def compare_hf(model_path: str, workload, args: argparse.Namespace, engine_output_tok_s: float, *,
-               trust_remote_code: bool = False) -> dict[str, Any]:
+               trust_remote_code: bool = False, hf_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """HF's figures on the workload, or on its first ``--hf-num-prompts`` prompts. The speed-up is
     stored only when HF ran every prompt: a subset's throughput is a different measurement (a
     smaller batch), and dividing by it once printed 100x where the same workload gave 6x.
@@ -321,9 +326,10 @@ def compare_hf(model_path: str, workload, args: argparse.Namespace, engine_outpu
     same = len(hf_workload) == len(workload)
     if args.preset == "gpu":
         hf = run_hf(model_path, hf_workload, "cuda", "bfloat16", args.temperature, args.hf_batch_size,
-                    trust_remote_code=trust_remote_code)
+                    trust_remote_code=trust_remote_code, hf_overrides=hf_overrides)
     else:
-        hf = run_hf(model_path, hf_workload, batch_size=args.hf_batch_size, trust_remote_code=trust_remote_code)
+        hf = run_hf(model_path, hf_workload, batch_size=args.hf_batch_size, trust_remote_code=trust_remote_code,
+                    hf_overrides=hf_overrides)
     hf_total = sum(len(p) for p, _ in hf_workload) + hf["output_tokens"]
     figures = {
         "hf_num_prompts": len(hf_workload),

@@ -277,9 +277,9 @@ class EngineCore:
     def lora_hf_config(self) -> Any:
         """The model's config, read once, to check adapters' tensor shapes before a worker loads them."""
         if getattr(self, "_lora_hf_config", None) is None:
-            from sparrow.model_loader import get_hf_config
+            from sparrow.model_loader import model_hf_config
 
-            self._lora_hf_config = get_hf_config(self.config.model.model, self.config.model.trust_remote_code)
+            self._lora_hf_config = model_hf_config(self.config.model)
         return self._lora_hf_config
 
     def remove_lora(self, lora_int_id: int) -> bool:

@@ -359,9 +359,9 @@ def check_engine_config(config: EngineConfig, hf_config: Any = None, platform: A
     check_model_files(model, config.model.tokenizer, config.load.load_format, registry)
     check_tokenizer_mode(config)
     if hf_config is None:
-        from sparrow.model_loader import get_hf_config
+        from sparrow.model_loader import model_hf_config
 
-        hf_config = get_hf_config(model, config.model.trust_remote_code)
+        hf_config = model_hf_config(config.model)
     if platform is None:
         platform = resolve_configured_platform(config.device.device, registry)
     check_platform_settings(config, platform, hf_config)

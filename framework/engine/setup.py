@@ -37,11 +37,12 @@ def resolve_model_path(model: str | None) -> str:
     return str(path.resolve())
 
 
-def _model_limits(model_path: str, trust_remote_code: bool = False) -> tuple[Any, int]:
+def _model_limits(model_path: str, trust_remote_code: bool = False,
+                  hf_overrides: dict[str, Any] | None = None) -> tuple[Any, int]:
     from sparrow.model_loader import get_hf_config, get_max_model_len
 
     try:
-        hf_config = get_hf_config(model_path, trust_remote_code)
+        hf_config = get_hf_config(model_path, trust_remote_code, hf_overrides)
         return hf_config, get_max_model_len(hf_config)
     except ConfigError:  # names its own argument (trust_remote_code)
         raise
@@ -74,7 +75,7 @@ def finalize_config(config: EngineConfig) -> EngineConfig:
     every configuration error is a ConfigError raised here, before any engine process starts. The
     caller's ``config`` is not changed."""
     model_path = resolve_model_path(config.model.model)
-    hf_config, model_max = _model_limits(model_path, config.model.trust_remote_code)
+    hf_config, model_max = _model_limits(model_path, config.model.trust_remote_code, config.model.hf_overrides)
     max_model_len = config.model.max_model_len
     if max_model_len is None:
         max_model_len = model_max
@@ -98,7 +99,8 @@ def finalize_config(config: EngineConfig) -> EngineConfig:
     finalized = apply_platform_config(finalized, platform)
     if finalized.model.model != model_path:  # the platform pointed at other weights
         finalized.model.model = resolve_model_path(finalized.model.model)
-        hf_config, model_max = _model_limits(finalized.model.model, finalized.model.trust_remote_code)
+        hf_config, model_max = _model_limits(finalized.model.model, finalized.model.trust_remote_code,
+                                            finalized.model.hf_overrides)
     _check_max_model_len(finalized.model.max_model_len or 0, model_max)
     if finalized.scheduler.max_num_batched_tokens is None:
         finalized.scheduler.max_num_batched_tokens = platform.default_max_num_batched_tokens
@@ -189,11 +191,11 @@ class Frontend:
 def build_frontend(config: EngineConfig) -> Frontend:
     from sparrow.engine.input_processor import InputProcessor
     from sparrow.engine.output_processor import OutputProcessor
-    from sparrow.model_loader import get_hf_config
+    from sparrow.model_loader import model_hf_config
 
     model_dir = config.model.model
     tokenizer = load_tokenizer(config.model.tokenizer, config.model.trust_remote_code, config.model.tokenizer_mode)
-    hf_config = get_hf_config(model_dir, config.model.trust_remote_code)
+    hf_config = model_hf_config(config.model)
     processor_classes = []
     if config.model.logits_processors:  # checked by the pre-flight; the built-ins need no validation
         from sparrow.sample.logits_processor.load import enabled_classes

@@ -2,8 +2,9 @@
 
 The rotation is the "neox" layout Hugging Face Llama/Qwen checkpoints use: the first and second
 halves of the rotated dimensions form the pairs. Scaling types: ``default``, ``linear``,
-``llama3`` (Llama 3.1's frequency-dependent interpolation) and ``longrope`` (Phi-3's per-frequency
-factors, formerly ``su``). ``dynamic`` NTK is not offered: its frequencies depend on the whole
+``llama3`` (Llama 3.1's frequency-dependent interpolation), ``longrope`` (Phi-3's per-frequency
+factors, formerly ``su``) and ``yarn`` (Qwen's long-context setting: YaRN, Peng et al. 2023).
+``dynamic`` NTK is not offered: its frequencies depend on the whole
 sequence length, which a paged cache of already-rotated keys cannot follow. For the same reason
 ``longrope`` picks its factors by position, as vLLM does: the short factors below
 ``original_max_position_embeddings``, the long ones from there on (transformers switches every
@@ -23,7 +24,7 @@ import torch
 
 from sparrow.ops.base import CustomOp
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
@@ -97,6 +98,44 @@ def longrope_inv_freqs(rotary_dim: int, params: dict[str, Any], hf_config: Any
     return inv_freqs[0], inv_freqs[1], int(original), float(scaling)
 
 
+def yarn_inv_freq(rotary_dim: int, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
+    """YaRN: frequencies that turn fewer than ``beta_slow`` times over the original context are
+    divided by ``factor`` (interpolated), those that turn more than ``beta_fast`` times are kept,
+    and the dimensions between blend linearly; every cos and sin is scaled by the attention factor
+    (``0.1 * ln(factor) + 1`` unless given). Returns the frequencies and that factor."""
+    base = float(params["rope_theta"])
+    original = params.get("original_max_position_embeddings") or max_position
+    factor = params.get("factor")
+    if factor is None:  # DeepSeek-V3 style: the ratio of the extended to the original context
+        factor = max_position / original
+    factor = float(factor)
+
+    def mscale(scale: float, weight: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        weight, weight_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = mscale(factor, weight) / mscale(factor, weight_all) if weight and weight_all \
+            else mscale(factor)
+
+    def dimension_of(rotations: float) -> float:  # the dimension whose wavelength fits `rotations` turns
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension_of(params.get("beta_fast") or 32), dimension_of(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
+    wavelength_scale = base ** exponents
+    kept, interpolated = 1.0 / wavelength_scale, 1.0 / (factor * wavelength_scale)
+    keep = 1 - ramp
+    return interpolated * (1 - keep) + kept * keep, float(attention_factor)
+
+
 def _require(params: dict[str, Any], key: str) -> Any:
     if params.get(key) is None:
         raise ValueError(f"rope_scaling of type {params['rope_type']!r} needs the field {key!r}")
@@ -168,6 +207,9 @@ def get_rope(hf_config: Any, head_dim: int, max_position: int | None = None,
         short, long, original, scaling = longrope_inv_freqs(rotary_dim, params, hf_config)
         return RotaryEmbedding(head_dim, rotary_dim, short, max_position, long_inv_freq=long,
                                long_from=original, attention_scaling=scaling)
+    if rope_type == "yarn":
+        inv_freq, scaling = yarn_inv_freq(rotary_dim, params, config_max_position)
+        return RotaryEmbedding(head_dim, rotary_dim, inv_freq, max_position, attention_scaling=scaling)
     inv_freq = default_inv_freq(rotary_dim, float(params["rope_theta"]))
     if rope_type == "linear":
         inv_freq = inv_freq / _require(params, "factor")

@@ -152,9 +152,9 @@ def get_quantization_method(config: EngineConfig, hf_config: Any = None,
         return None
     cls = quantization_method_class(name, registry)
     if hf_config is None and config.model.model is not None:
-        from sparrow.model_loader import get_hf_config
+        from sparrow.model_loader import model_hf_config
 
-        hf_config = get_hf_config(config.model.model, config.model.trust_remote_code)
+        hf_config = model_hf_config(config.model)
     method = cls(hf_quant_config(hf_config))
     method.hf_config = hf_config
     return method

@@ -130,7 +130,7 @@ def sim_engine_config(model: str | None = None, *, sim_gpu: str = "h100", seed: 
     additional = {"sim_gpu": sim_gpu, **dict(engine_args.pop("additional_config", None) or {})}
     config = EngineConfig.from_kwargs(device="sim", seed=seed, additional_config=additional, **engine_args)
     model_path = resolve_model_path(model)
-    hf_config = get_hf_config(model_path, config.model.trust_remote_code)
+    hf_config = get_hf_config(model_path, config.model.trust_remote_code, config.model.hf_overrides)
     model_max = get_max_model_len(hf_config)
     max_model_len = config.model.max_model_len or model_max
     if max_model_len > model_max:

@@ -14,7 +14,7 @@ from typing import Any
 
 from sparrow.config import EngineConfig
 from sparrow.core.sched.output import SchedulerOutput
-from sparrow.model_loader import get_hf_config
+from sparrow.model_loader import model_hf_config
 from sparrow.sim.cost import DTYPE_BYTES, NON_TORCH_BYTES, QUANTIZED_WEIGHT_BYTES, CostModel, ModelShape, StepCost
 from sparrow.sim.platform import sim_settings
 from sparrow.wire import ModelRunnerOutput
@@ -65,7 +65,7 @@ class SimWorker:
     def load_model(self) -> None:
         """Read the model's shapes from its config.json; no weights exist on this device."""
         model = self.config.model
-        self.shape = ModelShape.from_hf_config(get_hf_config(model.model, model.trust_remote_code))
+        self.shape = ModelShape.from_hf_config(model_hf_config(model))
         quantization = self.config.model.quantization
         weight_bytes = QUANTIZED_WEIGHT_BYTES.get(quantization, DTYPE_BYTES[self.dtype]) if quantization \
             else DTYPE_BYTES[self.dtype]

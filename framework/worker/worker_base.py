@@ -61,11 +61,11 @@ class WorkerBase:
         return backend
 
     def load_model(self) -> None:
-        from sparrow.model_loader import get_hf_config, load_model
+        from sparrow.model_loader import load_model, model_hf_config
 
         model_dir = self.config.model.model
         assert model_dir is not None, "the engine's setup fills the model directory"
-        hf_config = get_hf_config(model_dir, self.config.model.trust_remote_code)
+        hf_config = model_hf_config(self.config.model)
         model = load_model(model_dir, self.attention_backend_cls(hf_config), self.dtype, self.device, tp=self.tp,
                            config=self.config)
         self.bind_ops(model, hf_config)

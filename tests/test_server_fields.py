@@ -124,7 +124,7 @@ COMPLETION_REFUSED = [
     ({"vllm_xargs": {"a": {"b": 1}}}, "vllm_xargs", "vllm_xargs"),
     ({"best_of": 3}, "best_of", "not supported yet"),
     ({"suffix": "The end."}, "suffix", "not supported yet"),
-    ({"use_beam_search": True}, "use_beam_search", "not supported yet"),
+    ({"length_penalty": 0.5}, "length_penalty", "use_beam_search"),
     ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, "stream_options", "stream"),
 ]
 CHAT_REFUSED = [

@@ -1,5 +1,6 @@
-"""``AsyncLLM``'s utility calls (vLLM's names): configuration getters, and calls that go to the
-engine core and back (prefix cache, profiler, stats, LoRA adapters, ``collective_rpc``).
+"""``AsyncLLM``'s utility calls (vLLM's names): configuration getters, calls that go to the
+engine core and back (prefix cache, profiler, stats, LoRA adapters, ``collective_rpc``), and
+``beam_search`` (sparrow.engine.async_beam_search).
 
 A mixin: the host class (``sparrow.engine.async_llm.AsyncLLM``) provides ``config``,
 ``model_config``, ``hf_config``, ``tokenizer``, ``engine_core``, ``metrics``, ``run_input_work`` and
@@ -9,12 +10,14 @@ the liveness checks ``_raise_if_dead`` / ``_bind_loop``. A call to a dead engine
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from sparrow.config import EngineConfig
 from sparrow.engine.messages import SchedulerStats
 from sparrow.errors import InvalidArgumentError
 from sparrow.lora.engine import check_lora_request
+from sparrow.outputs import RequestOutput
 
 
 class AsyncEngineUtilities:
@@ -50,6 +53,17 @@ class AsyncEngineUtilities:
 
     async def is_tracing_enabled(self) -> bool:
         return False
+
+    # -- beam search ------------------------------------------------------------------------
+    def beam_search(self, prompt: Any, request_id: str, params: Any, lora_request: Any = None, *,
+                    priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+        """vLLM's ``EngineClient.beam_search``: an async generator of one final ``RequestOutput``
+        whose ``outputs`` are the ``params.beam_width`` best beams (a ``BeamSearchParams``), best
+        first. See sparrow.engine.async_beam_search."""
+        from sparrow.engine.async_beam_search import async_beam_search
+
+        return async_beam_search(self, prompt, request_id, params, lora_request,  # type: ignore[arg-type]
+                                 priority=priority)
 
     # -- engine-core calls -------------------------------------------------------------------
     async def _call_utility(self, method: str, *args: Any) -> Any:

@@ -144,6 +144,12 @@ class SamplingFields(RequestModel):
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = Field(
         None, description="vLLM's: per-request arguments for the engine's custom logits processors "
         "(SamplingParams.extra_args).")
+    use_beam_search: bool = Field(
+        False, description="vLLM's: beam search with n beams; the choices are the n most likely sequences, best "
+        "first (temperature defaults to 0; sampling filters, penalties and stop strings are refused).")
+    length_penalty: float | None = Field(
+        None, description="vLLM's, with use_beam_search: beams are ranked by cum_logprob / length ** "
+        "length_penalty (default 1.0; length counts the prompt, not a final EOS).")
 
 
 # -- completions ------------------------------------------------------------------------------

@@ -3,8 +3,10 @@
 A client that asks for JSON output or a tool call and silently gets free text is worse off than
 one told "not supported". So, beyond the fields the endpoints implement:
 
-- fields of features not built yet (tool calling's deprecated forms, beam search, ...) are a 400
-  saying "not supported yet" (structured outputs are checked in ``structured_outputs.py``);
+- fields of features not built yet (tool calling's deprecated forms, ...) are a 400 saying "not
+  supported yet" (structured outputs are checked in ``structured_outputs.py``);
+- with ``use_beam_search``, the fields beam search cannot honour are a 400 naming them
+  (``check_beam_search``);
 - any other unknown field, at any depth (content parts too), is a 400 saying "unknown field";
 - a few fields that common clients send and that change nothing a client can see here are
   accepted and ignored (``IGNORED_FIELDS``; on messages, ``IGNORED_MESSAGE_FIELDS`` when empty);
@@ -40,8 +42,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "functions": "function calling (the deprecated form of tools)",
     "function_call": "function calling (the deprecated form of tool_choice)",
     "logits_processors": "custom logits processors",
-    "use_beam_search": "beam search",
-    "length_penalty": "beam search",
     "prompt_embeds": "prompt embeddings",
     "documents": "documents for the chat template",
     "reasoning_effort": "reasoning_effort",
@@ -165,3 +165,55 @@ def _check_nested(value: Any, path: str) -> None:
     elif isinstance(value, list) and value and isinstance(value[0], BaseModel):
         for index, item in enumerate(value):
             _check_nested(item, f"{path}[{index}]")
+
+
+# Fields beam search cannot honour (its candidates are each beam's most likely tokens, unfiltered),
+# with the values that ask for nothing; an empty value (None, "", [], {}, false) asks for nothing.
+_BEAM_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
+    "repetition_penalty": (1.0,), "min_tokens": (0,),
+}
+_BEAM_EMPTY = ("stop", "stop_token_ids", "allowed_token_ids", "logit_bias", "bad_words", "vllm_xargs",
+               "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+               "tools", "prompt_logprobs")
+
+
+def check_beam_search(request: BaseModel, max_logprobs: int) -> None:
+    """Refuse ``length_penalty`` without ``use_beam_search``, and with it every field beam search
+    cannot honour (vLLM's ``to_beam_search_params`` takes n as the beam width, max_tokens,
+    ignore_eos, temperature, length_penalty and include_stop_str_in_output): sampling filters and
+    penalties, stop conditions, structured outputs, tools, a completion's echo and
+    prompt_logprobs, a seed with temperature > 0, and a beam width (``n``) or logprobs beyond what
+    a step computes (``2 * n`` logprobs, at most ``max_logprobs``)."""
+    if not getattr(request, "use_beam_search", False):
+        if getattr(request, "length_penalty", None) is not None:
+            raise RequestFieldError("length_penalty: applies only to beam search; set use_beam_search to true",
+                                    "length_penalty")
+        return
+
+    def refuse(field: str, why: str = "") -> RequestFieldError:
+        return RequestFieldError(f"{field}: not supported with use_beam_search{why}", field, code="unsupported")
+
+    for name, neutral in _BEAM_NEUTRAL.items():
+        value = getattr(request, name)
+        if value is not None and value not in neutral:
+            raise refuse(name, " (the beams are ranked by the model's own logprobs; leave it at its default)")
+    for name in _BEAM_EMPTY:
+        if getattr(request, name, None):
+            raise refuse(name)
+    if getattr(request, "echo", False) and hasattr(request, "prompt"):
+        raise refuse("echo")
+    response_format = getattr(request, "response_format", None)
+    if response_format is not None and response_format.type != "text":
+        raise refuse("response_format")
+    if request.seed is not None and request.temperature:  # type: ignore[attr-defined]
+        raise refuse("seed", " and temperature > 0 (the token each step samples is not seeded)")
+    n = request.n  # type: ignore[attr-defined]
+    if 2 * n > max_logprobs:
+        raise RequestFieldError(f"n: beam search with n={n} beams needs {2 * n} logprobs per step, more than the "
+                                f"server's max_logprobs={max_logprobs}; lower n (at most {max_logprobs // 2})", "n")
+    name = "logprobs" if hasattr(request, "prompt") else "top_logprobs"
+    logprobs = getattr(request, name)
+    if logprobs is not None and logprobs > 2 * n:
+        raise RequestFieldError(f"{name}: beam search computes {2 * n} logprobs per token (2 * n); {name}={logprobs} "
+                                f"is more", name)

@@ -190,11 +190,15 @@ class OpenAIServingChat(OpenAIServing):
         prompt = await self.off_loop(render_prompt, self.engine.input_processor, request, default_param="messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        params = self.sampling_params(request, max_tokens=max_tokens, logprobs=logprobs, stream=bool(request.stream),
-                                      longest_prompt=len(prompt["prompt_token_ids"]),
-                                      structured_outputs=structured_outputs)
         request_id = self.new_request_id()
-        streams = await self.submit(request_id, [prompt], params, request.priority, self.lora_request_of(request.model))
+        if request.use_beam_search:  # check_common refused tools and structured outputs
+            streams = await self.beam_searches(request_id, [prompt], request, max_tokens, logprobs)
+        else:
+            params = self.sampling_params(request, max_tokens=max_tokens, logprobs=logprobs,
+                                          stream=bool(request.stream), longest_prompt=len(prompt["prompt_token_ids"]),
+                                          structured_outputs=structured_outputs)
+            streams = await self.submit(request_id, [prompt], params, request.priority,
+                                        self.lora_request_of(request.model))
         reply = Reply.of(request, len(prompt["prompt_token_ids"]))
         parsers = ReplyParsers(request, tool_choice, prompt["prompt_token_ids"], self.engine.tokenizer,
                                self.reasoner, self.tool_parser_cls)

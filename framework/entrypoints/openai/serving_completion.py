@@ -183,12 +183,16 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs = request.prompt_logprobs
         if echo and request.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = request.logprobs  # echoed prompt tokens carry their logprobs too
-        params = self.sampling_params(request, max_tokens=1 if echo_only else request.max_tokens,
-                                      logprobs=request.logprobs, stream=bool(request.stream),
-                                      longest_prompt=max(len(prompt["prompt_token_ids"]) for prompt in prompts),
-                                      prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs)
         request_id = self.new_request_id()
-        streams = await self.submit(request_id, prompts, params, request.priority, self.lora_request_of(request.model))
+        if request.use_beam_search:  # check_common refused echo, prompt_logprobs and structured outputs
+            streams = await self.beam_searches(request_id, prompts, request, request.max_tokens, request.logprobs)
+        else:
+            params = self.sampling_params(request, max_tokens=1 if echo_only else request.max_tokens,
+                                          logprobs=request.logprobs, stream=bool(request.stream),
+                                          longest_prompt=max(len(prompt["prompt_token_ids"]) for prompt in prompts),
+                                          prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs)
+            streams = await self.submit(request_id, prompts, params, request.priority,
+                                        self.lora_request_of(request.model))
         n = request.n
         shape = Echo(echo, echo_only, request.logprobs is not None, request.prompt_logprobs is not None)
         if request.stream:

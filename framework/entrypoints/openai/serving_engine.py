@@ -1,10 +1,11 @@
 """What the completion and chat endpoints share: errors in OpenAI's shape, model and field checks,
-SamplingParams from a request, work off the event loop, submitting prompts, merging streams,
-logprob token labels, and client disconnects."""
+SamplingParams from a request, work off the event loop, submitting prompts (or beam searches),
+merging streams, logprob token labels, and client disconnects."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import uuid
@@ -18,11 +19,11 @@ from sparrow.engine.exceptions import EngineDeadError, EngineShutdownError
 from sparrow.engine.generation_defaults import server_max_tokens_cap
 from sparrow.engine.text_checks import check_text
 from sparrow.entrypoints.openai.protocol import SamplingFields, UsageInfo
-from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_fields, param_of
+from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_beam_search, check_fields, param_of
 from sparrow.entrypoints.openai.structured_outputs import GUIDED_FIELDS, structured_outputs_of
 from sparrow.errors import InvalidArgumentError
-from sparrow.outputs import RequestOutput
-from sparrow.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from sparrow.outputs import Logprob, RequestOutput, SampleLogprobs
+from sparrow.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -174,11 +175,12 @@ class OpenAIServing:
     def new_request_id(self) -> str:
         return f"{self.request_id_prefix}-{uuid.uuid4().hex}"
 
-    @staticmethod
-    def check_common(request: SamplingFields) -> None:
-        """Refuse what no endpoint honours (unknown and not-yet-supported fields) before any work."""
+    def check_common(self, request: SamplingFields) -> None:
+        """Refuse what no endpoint honours (unknown and not-yet-supported fields, what beam search
+        cannot honour) before any work."""
         try:
             check_fields(request)
+            check_beam_search(request, self.engine.input_processor.max_logprobs)
         except RequestFieldError as exc:
             raise field_error(exc) from None
         if request.stream_options is not None and not request.stream:
@@ -216,12 +218,7 @@ class OpenAIServing:
             value = getattr(request, name)
             return defaults.get(name, neutral) if value is None else value
 
-        if max_tokens is None and "max_tokens" in defaults:
-            # A default, unlike a requested max_tokens, is cut to the room the prompt leaves (as vLLM's is).
-            room = (self.engine.model_config.max_model_len or 0) - longest_prompt
-            max_tokens = max(1, min(defaults["max_tokens"], room))
-        if self.max_tokens_cap is not None and (max_tokens is None or max_tokens > self.max_tokens_cap):
-            max_tokens = self.max_tokens_cap
+        max_tokens = self.resolve_max_tokens(max_tokens, longest_prompt)
         try:
             return SamplingParams(
                 n=request.n,
@@ -254,6 +251,65 @@ class OpenAIServing:
         except ValueError as exc:
             raise bad_request(exc) from None
 
+    def resolve_max_tokens(self, max_tokens: int | None, longest_prompt: int) -> int | None:
+        """A request's max_tokens (None: unset) after the generation config's default and cap;
+        None still means all the room the prompt leaves."""
+        defaults = self.default_sampling_params
+        if max_tokens is None and "max_tokens" in defaults:
+            # A default, unlike a requested max_tokens, is cut to the room the prompt leaves (as vLLM's is).
+            room = (self.engine.model_config.max_model_len or 0) - longest_prompt
+            max_tokens = max(1, min(defaults["max_tokens"], room))
+        if self.max_tokens_cap is not None and (max_tokens is None or max_tokens > self.max_tokens_cap):
+            max_tokens = self.max_tokens_cap
+        return max_tokens
+
+    async def beam_searches(self, request_id: str, prompts: list[dict[str, Any]], request: Any,
+                            max_tokens: int | None, logprobs: int | None) -> list[AsyncGenerator[RequestOutput, None]]:
+        """``use_beam_search``: one beam search per prompt (vLLM's ``to_beam_search_params``: n beams,
+        temperature 0 unless set), as streams of one final output each. Every prompt is checked
+        first as an ordinary request would be (its length, ``max_tokens`` under max_model_len,
+        ``priority``), so that an invalid one is a 400 before anything runs. ``logprobs``: the top
+        logprobs each choice shows (None: none)."""
+        temperature = request.temperature if request.temperature is not None else 0.0
+        max_tokens = self.resolve_max_tokens(max_tokens, max(len(prompt["prompt_token_ids"]) for prompt in prompts))
+        check = SamplingParams(max_tokens=max_tokens, temperature=temperature, detokenize=False)
+        streams = []
+        for index, prompt in enumerate(prompts):
+            sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+            _, checked = await self.off_loop(functools.partial(
+                self.engine.input_processor.process_inputs, sub_id, prompt, check, priority=request.priority),
+                default_param="prompt")
+            try:
+                params = BeamSearchParams(
+                    beam_width=request.n, max_tokens=checked.max_tokens, ignore_eos=request.ignore_eos,
+                    temperature=temperature, include_stop_str_in_output=request.include_stop_str_in_output,
+                    length_penalty=1.0 if request.length_penalty is None else request.length_penalty)
+            except ValueError as exc:
+                raise bad_request(exc) from None
+            streams.append(self._beam_search(sub_id, prompt, params, request, logprobs))
+        return streams
+
+    async def _beam_search(self, request_id: str, prompt: dict[str, Any], params: BeamSearchParams, request: Any,
+                           logprobs: int | None) -> AsyncGenerator[RequestOutput, None]:
+        """One prompt's beam search, its choices shaped as an ordinary request's: the text decoded
+        as the request asks (``skip_special_tokens``...), the top ``logprobs`` of each token."""
+        engine = self.engine
+        async for output in engine.beam_search(prompt, request_id, params, self.lora_request_of(request.model),
+                                               priority=request.priority):
+            def decode_all(output: RequestOutput = output) -> list[str]:
+                return [engine.tokenizer.decode(
+                    completion.token_ids[:-1] if completion.stop_reason is not None
+                    and not params.include_stop_str_in_output else completion.token_ids,
+                    skip_special_tokens=request.skip_special_tokens,
+                    spaces_between_special_tokens=request.spaces_between_special_tokens)
+                    for completion in output.outputs]
+
+            for completion, text in zip(output.outputs, await engine.run_input_work(decode_all)):
+                completion.text = text
+                completion.logprobs = None if logprobs is None or completion.logprobs is None else \
+                    top_logprobs(completion.token_ids, completion.logprobs, logprobs)
+            yield output
+
     async def submit(self, request_id: str, prompts: list[Any], params: SamplingParams,
                      priority: int, lora_request: Any = None) -> list[AsyncGenerator[RequestOutput, None]]:
         """Validate and submit every prompt before any response is sent, so that an invalid one
@@ -274,6 +330,18 @@ class OpenAIServing:
         except EngineDeadError as exc:
             raise engine_dead(exc) from None
         return streams
+
+
+def top_logprobs(token_ids: list[int], logprobs: SampleLogprobs, k: int) -> SampleLogprobs:
+    """Each position's chosen token and its ``k`` most likely ones (a beam search step keeps
+    ``2 * n`` candidates)."""
+    kept = []
+    for token_id, position in zip(token_ids, logprobs):
+        entries: dict[int, Logprob] = {token_id: position[token_id]} if token_id in position else {}
+        for other_id, entry in sorted(position.items(), key=lambda item: -item[1].logprob)[:k]:
+            entries.setdefault(other_id, entry)
+        kept.append(entries)
+    return kept
 
 
 async def merge_streams(streams: list[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:

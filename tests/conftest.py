@@ -42,6 +42,18 @@ def _sparrow_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture(autouse=True)
+def _restore_sparrow_environment():
+    """Tests that run the CLI in this process (``cli.main([...])``) set SPARROW_* variables, such
+    as SPARROW_LOGGING_LEVEL, for the processes a command starts; restore them after every test,
+    so that a later test's subprocess (a server) does not inherit another test's settings."""
+    saved = {name: value for name, value in os.environ.items() if name.startswith("SPARROW_")}
+    yield
+    for name in [name for name in os.environ if name.startswith("SPARROW_") and name not in saved]:
+        del os.environ[name]
+    os.environ.update(saved)
+
+
 # arch -> build_model_dir overrides. Llama covers GQA with unequal head counts, untied embeddings
 # and llama3 rope scaling; Qwen2 adds QKV bias; Qwen3 q/k norms.
 PARITY_MODELS = {

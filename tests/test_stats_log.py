@@ -213,7 +213,9 @@ def model_dir(tmp_path_factory) -> str:
 def test_sparrow_serve_logs_the_line_unless_disabled(model_dir, tmp_path, disabled):
     from tests.test_server_lifecycle import MODEL_NAME, ServerProcess
 
-    flags = ["--log-stats-interval", "0.5"] + (["--disable-log-stats"] if disabled else [])
+    # --log-level: the line is INFO, whatever SPARROW_LOGGING_LEVEL the environment holds.
+    # --log-level: the line is INFO, whatever SPARROW_LOGGING_LEVEL the environment holds.
+    flags = ["--log-level", "INFO", "--log-stats-interval", "0.5"] + (["--disable-log-stats"] if disabled else [])
     server = ServerProcess(model_dir, tmp_path / "server.log", *flags)
     try:
         response = httpx.post(server.url + "/v1/completions", timeout=WAIT_S, json={

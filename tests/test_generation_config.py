@@ -221,3 +221,14 @@ def test_max_logprobs_bounds_the_server(server, capped_server):
         assert refused.status_code == 400, (path, refused.text)
         assert refused.json()["error"]["param"] in ("top_logprobs", "logprobs", "prompt_logprobs")
         assert "30" in refused.json()["error"]["message"]
+
+
+def test_offline_default_max_tokens_is_cut_to_the_context(llm):
+    # max_model_len 256: a 250-token prompt leaves 6 tokens, fewer than the file's 12. A default is
+    # cut to fit (as the server and vLLM do); the same max_tokens asked for explicitly is refused.
+    prompt = {"prompt_token_ids": [5] * 250}
+    output = llm.generate(prompt, use_tqdm=False)[0].outputs[0]
+    assert 1 <= len(output.token_ids) <= 6
+    assert len(output.token_ids) == 6 or output.finish_reason == "stop"
+    with pytest.raises(ValueError, match="max_tokens=12 is too large"):
+        llm.generate(prompt, SamplingParams(max_tokens=12), use_tqdm=False)

@@ -259,6 +259,7 @@ class AsyncLLM(AsyncEngineUtilities):
             request_id, prompt, arrival_time, priority, trace_headers, tokenization_kwargs, data_parallel_rank,
             self.config.parallel.data_parallel_size)
         self._check_request_id_free(request_id)
+        defaults = params is None  # a max_tokens from the generation config is then cut to fit
         if params is None:
             params = SamplingParams(**self.default_sampling_params)
         elif isinstance(params, SamplingParams):
@@ -272,7 +273,7 @@ class AsyncLLM(AsyncEngineUtilities):
             await self.run_input_work(check_lora_request, lora_request, self.config, self.hf_config)
         text, request = await self.run_input_work(
             self.input_processor.process_inputs, request_id, prompt, params, priority=priority,
-            arrival_time=arrival_time, lora_request=lora_request)
+            arrival_time=arrival_time, lora_request=lora_request, default_max_tokens=defaults)
         # While the prompt was processed the engine may have died, or another caller taken the id.
         self._raise_if_dead()
         self._check_request_id_free(request_id)

@@ -267,10 +267,13 @@ class InputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
         lora_request: Any = None,
+        default_max_tokens: bool = False,
     ) -> tuple[str | None, EngineCoreRequest]:
         """Validate and tokenize one prompt; return its text (None for token prompts) and the
         request for the engine core. ``params`` is not modified: the request carries a copy
-        with ``max_tokens`` and ``all_stop_token_ids`` resolved."""
+        with ``max_tokens`` and ``all_stop_token_ids`` resolved. ``default_max_tokens``: the
+        caller did not choose ``params.max_tokens`` (the model's generation config did), so it is
+        cut to the room the prompt leaves instead of refused, as vLLM does with a default."""
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError(
                 f"sampling_params of request {request_id!r} must be SamplingParams, got {type(params).__name__}",
@@ -285,6 +288,9 @@ class InputProcessor:
             token_ids = self.truncate(token_ids, params.truncate_prompt_tokens)
         name = describe_prompt(request_id, text, token_ids)
         self._validate_prompt(name, token_ids)
+        if default_max_tokens and params.max_tokens is not None \
+                and len(token_ids) + params.max_tokens > self.max_model_len:
+            params = params.clone(max_tokens=max(self.max_model_len - len(token_ids), 1))
         params = self._resolve_params(name, len(token_ids), params)
         request = EngineCoreRequest(
             request_id=request_id,

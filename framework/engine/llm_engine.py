@@ -55,7 +55,7 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
-                        lora_request: Any = None):
+                        lora_request: Any = None, default_max_tokens: bool = False):
         """Validate and tokenize; raises ValueError naming the prompt (or ``lora_request``).
         Touches no engine state."""
         if lora_request is not None:
@@ -63,7 +63,8 @@ class LLMEngine:
 
             check_lora_request(lora_request, self.config, self.hf_config)
         text, request = self.input_processor.process_inputs(request_id, prompt, params, priority=priority,
-                                                            lora_request=lora_request)
+                                                            lora_request=lora_request,
+                                                            default_max_tokens=default_max_tokens)
         needed = min(len(request.prompt_token_ids) + (request.max_tokens or 0), self.config.model.max_model_len)
         if needed > self.kv_cache_capacity_tokens:
             # Blame max_tokens when the prompt alone (and one output token) would fit.

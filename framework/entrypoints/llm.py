@@ -117,6 +117,7 @@ class LLM:
 
     def _run(self, prompts: list[Any], sampling_params: Any, use_tqdm: bool,
              priority: Sequence[int] | None, lora_request: Any = None) -> list[RequestOutput]:
+        defaults = sampling_params is None  # then a max_tokens from the generation config is cut to fit
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -139,7 +140,7 @@ class LLM:
             request_id = str(next(self._request_counter))
             request_priority = _check_priority(index, priority[index]) if priority else 0
             processed.append(engine.process_request(request_id, prompt, params, priority=request_priority,
-                                                    lora_request=lora_requests[index]))
+                                                    lora_request=lora_requests[index], default_max_tokens=defaults))
         order = {request.request_id: index for index, (_, request) in enumerate(processed)}
         # All or nothing: if one request cannot be sent, the ones sent before it are aborted, so
         # that no half of a batch stays registered to surface in a later call.

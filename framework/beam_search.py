@@ -172,10 +172,15 @@ def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams, lora
     from sparrow.lora.engine import lora_requests_per_prompt
 
     loras = lora_requests_per_prompt(lora_request, len(prompts))
-    states = [BeamSearchState([BeamSearchSequence(tokens=_prompt_token_ids(llm, index, prompt), lora_request=lora)])
-              for index, (prompt, lora) in enumerate(zip(prompts, loras))]
-    eos = frozenset(engine.input_processor.eos_token_ids)
     step_params = step_sampling_params(params, num_logprobs)
+    states = []
+    for index, (prompt, lora) in enumerate(zip(prompts, loras)):
+        token_ids = _prompt_token_ids(llm, index, prompt)
+        # Each prompt is checked as generate() checks one (empty, outside the vocabulary, no room
+        # under max_model_len), before any search starts; so is AsyncLLM.beam_search's.
+        engine.input_processor.process_inputs(f"prompts[{index}]", {"prompt_token_ids": token_ids}, step_params)
+        states.append(BeamSearchState([BeamSearchSequence(tokens=token_ids, lora_request=lora)]))
+    eos = frozenset(engine.input_processor.eos_token_ids)
     max_model_len = engine.config.model.max_model_len or 0
     limit = concurrency_limit or max(len(states), 1)
     batches = [states[start:start + limit] for start in range(0, len(states), limit)]

@@ -154,6 +154,11 @@ def test_invalid_arguments_name_the_field(llm):
         with pytest.raises(ValueError) as info:
             call()
         assert info.value.field == field
+    # A prompt is checked as generate() checks one: no room under max_model_len, empty.
+    for prompt in ([7] * MAX_MODEL_LEN, []):
+        with pytest.raises(ValueError, match="prompts\\[1\\]") as info:
+            llm.beam_search(["hi", {"prompt_token_ids": prompt}], params)
+        assert info.value.field == "prompt"
     # The engine still serves after the refusals.
     assert llm.beam_search("hi", params)[0].sequences
 

@@ -168,3 +168,43 @@ def test_max_logprobs_allows_wider_beams(model_dir):
         output = llm.beam_search(["hello"], BeamSearchParams(beam_width=15, max_tokens=2))[0]
         assert len(output.sequences) == 15
         assert len({tuple(seq.tokens) for seq in output.sequences}) == 15
+
+
+def test_async_llm_beam_search_equals_hf_and_cancelling_it_aborts_the_beams(model_dir, hf):
+    import asyncio
+
+    from sparrow import AsyncLLM
+
+    model, tokenizer = hf
+    ids = tokenizer(PROMPTS[1]).input_ids
+
+    async def run() -> tuple[list, int, int]:
+        engine = AsyncLLM.from_engine_args(model=model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN,
+                                           kv_cache_memory_bytes=8 << 20)
+        try:
+            outputs = [out async for out in engine.beam_search({"prompt_token_ids": ids}, "beams",
+                                                                 BeamSearchParams(beam_width=3, max_tokens=6))]
+            # A consumer cancelled in the middle of a long search leaves no beam request behind.
+            task = asyncio.create_task(anext(engine.beam_search(
+                {"prompt_token_ids": ids}, "cancelled", BeamSearchParams(beam_width=3, max_tokens=50))))
+            await asyncio.sleep(0.3)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(100):
+                stats = await engine.get_scheduler_stats()
+                if stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return outputs, stats.num_running_reqs + stats.num_waiting_reqs, len(engine._collectors)
+        finally:
+            engine.shutdown()
+
+    outputs, unfinished, collectors = asyncio.run(run())
+    assert len(outputs) == 1 and outputs[0].finished
+    with torch.no_grad():
+        reference = model.generate(torch.tensor([ids]), num_beams=3, num_return_sequences=3, do_sample=False,
+                                   max_new_tokens=6)
+    assert [list(choice.token_ids) for choice in outputs[0].outputs] == [row[len(ids):].tolist() for row in reference]
+    assert [choice.index for choice in outputs[0].outputs] == [0, 1, 2]
+    assert unfinished == 0 and collectors == 0

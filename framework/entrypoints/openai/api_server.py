@@ -59,6 +59,7 @@ from sparrow.entrypoints.openai.protocol import (
     CompletionResponse,
     ErrorResponse,
 )
+from sparrow.entrypoints.openai.request_logger import request_logger_from_args
 from sparrow.entrypoints.openai.serving_chat import OpenAIServingChat
 from sparrow.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from sparrow.entrypoints.openai.serving_engine import APIError, engine_dead
@@ -120,8 +121,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine``. ``args`` may carry ``api_key``, ``max_request_body_bytes``
-    and the CORS flags; missing attributes take their defaults."""
+    """The FastAPI app serving ``engine``. ``args`` may carry ``api_key``, ``max_request_body_bytes``,
+    the CORS flags, ``chat_template``, ``response_role``, ``enable_log_requests`` and
+    ``max_log_len``; missing attributes take their defaults. (``root_path`` is uvicorn's: see
+    ``run_server``.)"""
     from sparrow import __version__
 
     api_key = getattr(args, "api_key", None) or os.environ.get(ENV_API_KEY) or None
@@ -139,12 +142,16 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
                        allow_credentials=bool(getattr(args, "allow_credentials", False)))
     _install_error_handlers(app)
     app.state.engine = engine
+    chat_template = getattr(args, "chat_template", None)
     completions = OpenAIServingCompletion(engine, model_names)
-    chat = OpenAIServingChat(engine, model_names, **chat_parsers(engine, args))
-    tokenization = OpenAIServingTokenization(engine, model_names)
+    chat = OpenAIServingChat(engine, model_names, **chat_parsers(engine, args), chat_template=chat_template,
+                             response_role=getattr(args, "response_role", None) or "assistant")
+    tokenization = OpenAIServingTokenization(engine, model_names, chat_template=chat_template)
     lora_modules = lora_modules_from_args(engine, args)
+    request_logger = request_logger_from_args(args)
     for handler in (completions, chat, tokenization):
         handler.lora_modules = lora_modules
+        handler.request_logger = request_logger
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
@@ -259,6 +266,7 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         tracker = RequestTracker(build_app(engine, args))
         config = uvicorn.Config(tracker, log_level=args.uvicorn_log_level, access_log=not args.disable_access_log,
+                                root_path=getattr(args, "root_path", "") or "",
                                 # A backstop only: requests are ended before uvicorn shuts down.
                                 timeout_graceful_shutdown=5)
         server = Server(config, engine, tracker, args.shutdown_timeout)

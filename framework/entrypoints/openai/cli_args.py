@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 10 * 1024 * 1024
@@ -70,6 +71,69 @@ def _json_list(value: str) -> list[str]:
     return parsed
 
 
+def _chat_template(value: str) -> str:
+    """The template text of ``--chat-template``: the file the value names, else the value itself
+    when it looks like a template (it has ``{{`` or ``{%``); compiled now, so that a syntax error
+    is reported at start-up rather than on every request."""
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as file:
+                template = file.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise argparse.ArgumentTypeError(f"cannot read {value!r}: {exc}") from None
+    elif "{{" in value or "{%" in value:
+        template = value
+    else:
+        raise argparse.ArgumentTypeError(f"no such file: {value!r} (and not an inline template: no '{{{{' or "
+                                         "'{%')")
+    problem = chat_template_error(template)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"not a valid Jinja template: {problem}")
+    return template
+
+
+def chat_template_error(template: str) -> str | None:
+    """Why ``template`` does not compile as transformers compiles chat templates; None when it does."""
+    import jinja2
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # another transformers: the same environment, less its {% generation %} tag
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def _compile_jinja_template(text: str) -> Any:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                               extensions=["jinja2.ext.loopcontrols"])
+            return env.from_string(text)
+    try:
+        _compile_jinja_template(template)
+    except jinja2.TemplateSyntaxError as exc:
+        return f"line {exc.lineno}: {exc.message}"
+    return None
+
+
+def _max_log_len(value: str) -> int:
+    try:
+        length = int(value)
+    except ValueError:
+        length = -1
+    if length < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of characters (and token ids) >= 0, got {value!r}")
+    return length
+
+
+def _nonempty(value: str) -> str:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return value
+
+
+def _root_path(value: str) -> str:
+    if value and not value.startswith("/"):
+        raise argparse.ArgumentTypeError(f"must start with '/' (or be empty), got {value!r}")
+    return value
+
+
 def _lora_module(value: str) -> dict[str, Any]:
     # serving_models needs the server stack: imported only when --lora-modules is given.
     from sparrow.entrypoints.openai.serving_models import parse_lora_module
@@ -129,6 +193,22 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "\"base_model_name\": ...}; a request selects one by its model name (needs "
                              f"--enable-lora; {ENV_RUNTIME_LORA}=true also enables /v1/load_lora_adapter and "
                              "/v1/unload_lora_adapter) (default: none)")
+    server.add_argument("--chat-template", type=_chat_template, default=None, metavar="TEMPLATE",
+                        help="the chat template for /v1/chat/completions and /tokenize with messages, instead of "
+                             "the tokenizer's: a Jinja file, or the template itself; a request's chat_template "
+                             "still wins (default: the tokenizer's)")
+    server.add_argument("--response-role", type=_nonempty, default="assistant", metavar="ROLE",
+                        help="the role of the reply message when the request's add_generation_prompt is true "
+                             "(default: assistant)")
+    server.add_argument("--enable-log-requests", action="store_true",
+                        help="log each request's id, prompt, prompt token ids, sampling parameters and LoRA "
+                             "adapter at INFO (default: off)")
+    server.add_argument("--max-log-len", type=_max_log_len, default=None, metavar="N",
+                        help="with --enable-log-requests, log at most N characters of the prompt and N of its "
+                             "token ids (default: unlimited)")
+    server.add_argument("--root-path", type=_root_path, default="", metavar="PATH",
+                        help="the path prefix a proxy serves the API under (uvicorn's --root-path): the "
+                             "OpenAPI schema and /docs name it; requests still arrive without it (default: none)")
     add_engine_args(parser)
     parser.set_defaults(func=_run_server)
     return parser

@@ -25,6 +25,16 @@ from sparrow.entrypoints.openai.serving_engine import APIError
 _GUARDED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 
 
+def route_path(scope: Scope) -> str:
+    """The path the app routes by: without the root path (--root-path) that uvicorn puts in front
+    of it (as Starlette's routing strips it)."""
+    path: str = scope["path"]
+    root = scope.get("root_path") or ""
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):]
+    return path
+
+
 def error_response(status_code: int, message: str, err_type: str, param: str | None = None,
                    code: str | None = None) -> JSONResponse:
     return JSONResponse(APIError(status_code, message, err_type, param, code).body(), status_code=status_code)
@@ -54,7 +64,8 @@ class RequestLimitsMiddleware:
             await self.app(scope, receive, send)
             return
         headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
-        guarded = scope["path"].startswith("/v1") or scope["path"] in _GUARDED_PATHS
+        path = route_path(scope)
+        guarded = path.startswith("/v1") or path in _GUARDED_PATHS
         if self.api_key is not None and guarded and not self._authorized(headers):
             response = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                                       "AuthenticationError", code="invalid_api_key")

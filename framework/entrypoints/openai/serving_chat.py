@@ -96,10 +96,12 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return rendered
 
 
-def render_prompt(input_processor: Any, request: ChatCompletionRequest) -> dict[str, Any]:
+def render_prompt(input_processor: Any, request: ChatCompletionRequest,
+                  default_template: str | None = None) -> dict[str, Any]:
     """The request's prompt, ``{"prompt": text, "prompt_token_ids": [...]}``: every string checked,
-    the messages rendered and tokenized, cut to ``truncate_prompt_tokens``. Blocking: the endpoint
-    runs it in a worker thread."""
+    the messages rendered (with the request's chat_template, else ``default_template``, the
+    server's --chat-template, else the tokenizer's) and tokenized, cut to
+    ``truncate_prompt_tokens``. Blocking: the endpoint runs it in a worker thread."""
     check_unicode(request)
     messages = template_messages(request.messages)
     try:
@@ -107,7 +109,7 @@ def render_prompt(input_processor: Any, request: ChatCompletionRequest) -> dict[
             messages,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
-            chat_template=request.chat_template,
+            chat_template=request.chat_template if request.chat_template is not None else default_template,
             tools=[tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None,
             chat_template_kwargs=request.chat_template_kwargs,
         )
@@ -143,10 +145,11 @@ class Reply:
     prompt_tokens: int
 
     @classmethod
-    def of(cls, request: ChatCompletionRequest, prompt_tokens: int) -> Reply:
+    def of(cls, request: ChatCompletionRequest, prompt_tokens: int, response_role: str = "assistant") -> Reply:
         last = request.messages[-1]
-        # A new turn is the assistant's; continuing a message keeps its role (vLLM's rule).
-        role = "assistant" if request.add_generation_prompt else last.role
+        # A new turn is the server's --response-role (the assistant's); continuing a message keeps
+        # its role (vLLM's rule).
+        role = response_role if request.add_generation_prompt else last.role
         echo = message_text(len(request.messages) - 1, last.content) if request.echo and last.role == role else ""
         options = request.stream_options
         include_usage = bool(options and options.include_usage)
@@ -158,13 +161,17 @@ class Reply:
 class OpenAIServingChat(OpenAIServing):
     """``tool_parser_cls``: the --tool-call-parser's class; ``enable_auto_tools``: the server runs
     with --enable-auto-tool-choice (tool_choice "auto" needs both); ``reasoner``: the reasoning
-    parser (the engine's reasoning_parser), built with the tokenizer."""
+    parser (the engine's reasoning_parser), built with the tokenizer; ``chat_template``: the
+    --chat-template (None: the tokenizer's); ``response_role``: the --response-role."""
 
     request_id_prefix = "chatcmpl"
 
     def __init__(self, engine: Any, served_model_names: list[str], *, tool_parser_cls: type | None = None,
-                 enable_auto_tools: bool = False, reasoner: Any = None) -> None:
+                 enable_auto_tools: bool = False, reasoner: Any = None, chat_template: str | None = None,
+                 response_role: str = "assistant") -> None:
         super().__init__(engine, served_model_names)
+        self.chat_template = chat_template
+        self.response_role = response_role
         self.tool_parser_cls = tool_parser_cls
         self.enable_auto_tools = enable_auto_tools and tool_parser_cls is not None
         self.reasoner = reasoner
@@ -187,7 +194,8 @@ class OpenAIServingChat(OpenAIServing):
             structured_outputs = await self.off_loop(tool_structured_outputs, request, tool_choice)
         else:
             structured_outputs = await self.structured_outputs(request)
-        prompt = await self.off_loop(render_prompt, self.engine.input_processor, request, default_param="messages")
+        prompt = await self.off_loop(render_prompt, self.engine.input_processor, request, self.chat_template,
+                                     default_param="messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         request_id = self.new_request_id()
@@ -199,7 +207,7 @@ class OpenAIServingChat(OpenAIServing):
                                           structured_outputs=structured_outputs)
             streams = await self.submit(request_id, [prompt], params, request.priority,
                                         self.lora_request_of(request.model))
-        reply = Reply.of(request, len(prompt["prompt_token_ids"]))
+        reply = Reply.of(request, len(prompt["prompt_token_ids"]), self.response_role)
         parsers = ReplyParsers(request, tool_choice, prompt["prompt_token_ids"], self.engine.tokenizer,
                                self.reasoner, self.tool_parser_cls)
         if request.stream:

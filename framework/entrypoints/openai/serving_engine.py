@@ -150,6 +150,8 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         # The LoRA adapters served under their own names (serving_models.LoRAModules), or None.
         self.lora_modules: Any = None
+        # --enable-log-requests: a request_logger.RequestLogger, or None.
+        self.request_logger: Any = None
         # A parameter a request leaves unset takes the model's generation-config default (vLLM's
         # default_sampling_params); a max_new_tokens override caps every request's max_tokens.
         self.default_sampling_params: dict[str, Any] = dict(engine.default_sampling_params)
@@ -286,6 +288,7 @@ class OpenAIServing:
                     length_penalty=1.0 if request.length_penalty is None else request.length_penalty)
             except ValueError as exc:
                 raise bad_request(exc) from None
+            self.log_inputs(sub_id, prompt, params, self.lora_request_of(request.model))
             streams.append(self._beam_search(sub_id, prompt, params, request, logprobs))
         return streams
 
@@ -310,6 +313,13 @@ class OpenAIServing:
                     top_logprobs(completion.token_ids, completion.logprobs, logprobs)
             yield output
 
+    def log_inputs(self, request_id: str, prompt: Any, params: Any, lora_request: Any) -> None:
+        """--enable-log-requests: log what is about to reach the engine."""
+        if self.request_logger is not None:
+            fields = prompt if isinstance(prompt, dict) else {}
+            self.request_logger.log_inputs(request_id, fields.get("prompt"), fields.get("prompt_token_ids"), params,
+                                           lora_request)
+
     async def submit(self, request_id: str, prompts: list[Any], params: SamplingParams,
                      priority: int, lora_request: Any = None) -> list[AsyncGenerator[RequestOutput, None]]:
         """Validate and submit every prompt before any response is sent, so that an invalid one
@@ -320,6 +330,7 @@ class OpenAIServing:
         try:
             for index, prompt in enumerate(prompts):
                 sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+                self.log_inputs(sub_id, prompt, params, lora_request)
                 collector = await engine.add_request(sub_id, prompt, params, priority=priority,
                                                      lora_request=lora_request)
                 submitted.append(sub_id)

@@ -92,11 +92,12 @@ def parse_tokenize_request(body: Any) -> TokenizeCompletionRequest | TokenizeCha
 # -- work done on the engine's input thread ---------------------------------------------------------
 
 
-def tokenize(input_processor: Any, request: TokenizeCompletionRequest | TokenizeChatRequest
-             ) -> tuple[list[int], list[str] | None]:
-    """The request's token ids, and their spellings when asked for."""
+def tokenize(input_processor: Any, request: TokenizeCompletionRequest | TokenizeChatRequest,
+             chat_template: str | None = None) -> tuple[list[int], list[str] | None]:
+    """The request's token ids, and their spellings when asked for; ``chat_template``: the
+    server's --chat-template."""
     if isinstance(request, TokenizeChatRequest):
-        token_ids = tokenize_chat(input_processor, request)
+        token_ids = tokenize_chat(input_processor, request, chat_template)
     else:
         check_unicode(request)
         token_ids = input_processor.tokenize(request.prompt, add_special_tokens=request.add_special_tokens)
@@ -104,7 +105,7 @@ def tokenize(input_processor: Any, request: TokenizeCompletionRequest | Tokenize
     return token_ids, token_strs
 
 
-def tokenize_chat(input_processor: Any, request: TokenizeChatRequest) -> list[int]:
+def tokenize_chat(input_processor: Any, request: TokenizeChatRequest, chat_template: str | None = None) -> list[int]:
     """The token ids /v1/chat/completions would send the engine for these messages: the chat
     endpoint's ``render_prompt`` (which checks every string) on a chat request holding the same
     rendering fields."""
@@ -112,7 +113,7 @@ def tokenize_chat(input_processor: Any, request: TokenizeChatRequest) -> list[in
         messages=request.messages, add_generation_prompt=request.add_generation_prompt,
         continue_final_message=request.continue_final_message, add_special_tokens=request.add_special_tokens,
         chat_template=request.chat_template, chat_template_kwargs=request.chat_template_kwargs, tools=request.tools)
-    return render_prompt(input_processor, chat_request)["prompt_token_ids"]
+    return render_prompt(input_processor, chat_request, chat_template)["prompt_token_ids"]
 
 
 def detokenize(input_processor: Any, token_ids: list[int]) -> str:
@@ -143,15 +144,17 @@ def _jsonable(value: Any) -> Any:
     return content if isinstance(content, str) else str(value)
 
 
-def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
+def tokenizer_info(tokenizer: Any, chat_template: str | None = None) -> dict[str, Any]:
     """tokenizer_config.json's fields as the loaded tokenizer holds them (vLLM's /tokenizer_info),
-    with the special tokens and the chat template always present (clients test for them)."""
+    with the special tokens and the chat template (the server's --chat-template when given, as
+    vLLM reports it) always present (clients test for them)."""
     config = {key: value for key, value in (getattr(tokenizer, "init_kwargs", None) or {}).items()
               if key not in _LOCAL_KEYS}
     info = _jsonable(config)
     for name in _SPECIAL_TOKENS:
         info[name] = _jsonable(getattr(tokenizer, name, None))
-    info["chat_template"] = _jsonable(getattr(tokenizer, "chat_template", None))
+    info["chat_template"] = _jsonable(chat_template if chat_template is not None
+                                      else getattr(tokenizer, "chat_template", None))
     info["model_max_length"] = _jsonable(getattr(tokenizer, "model_max_length", info.get("model_max_length")))
     info["tokenizer_class"] = type(tokenizer).__name__
     return info
@@ -161,10 +164,13 @@ def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
 
 
 class OpenAIServingTokenization(OpenAIServing):
+    """``chat_template``: the server's --chat-template (None: the tokenizer's)."""
+
     request_id_prefix = "tok"
 
-    def __init__(self, engine: Any, served_model_names: list[str]) -> None:
+    def __init__(self, engine: Any, served_model_names: list[str], chat_template: str | None = None) -> None:
         super().__init__(engine, served_model_names)
+        self.chat_template = chat_template
         self._tokenizer_info: TokenizerInfoResponse | None = None
 
     def _input_processor(self) -> Any:
@@ -185,7 +191,7 @@ class OpenAIServingTokenization(OpenAIServing):
         self.check_model(request.model)
         self._check_fields(request)
         default_param = "messages" if isinstance(request, TokenizeChatRequest) else "prompt"
-        token_ids, token_strs = await self.off_loop(tokenize, self._input_processor(), request,
+        token_ids, token_strs = await self.off_loop(tokenize, self._input_processor(), request, self.chat_template,
                                                     default_param=default_param)
         return TokenizeResponse(count=len(token_ids), max_model_len=self.engine.model_config.max_model_len,
                                 tokens=token_ids, token_strs=token_strs)
@@ -200,5 +206,6 @@ class OpenAIServingTokenization(OpenAIServing):
     async def get_tokenizer_info(self) -> TokenizerInfoResponse:
         if self._tokenizer_info is None:  # the tokenizer never changes: built once
             tokenizer = self._input_processor().tokenizer
-            self._tokenizer_info = TokenizerInfoResponse(**await self.off_loop(tokenizer_info, tokenizer))
+            self._tokenizer_info = TokenizerInfoResponse(**await self.off_loop(tokenizer_info, tokenizer,
+                                                                                self.chat_template))
         return self._tokenizer_info

@@ -1,0 +1,178 @@
+"""`sparrow serve --chat-template / --response-role / --enable-log-requests / --max-log-len /
+--root-path`: one real server on 127.0.0.1 with all of them, the real `openai` client, and
+references computed independently (jinja2 renders the template, the Hugging Face tokenizer
+tokenizes it). Wrong values are refused at start-up: subprocesses that never load the model."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import httpx
+import jinja2
+import openai
+import pytest
+
+from tests.test_server import API_KEY, MODEL_NAME, Server, serve_for_module
+
+# Writes a marker before each turn: nothing like the tokenizer's own template.
+TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}<<USER>>{% else %}<<{{ m['role'] | upper }}>>"
+            "{% endif %}{{ m['content'] }}|{% endfor %}{% if add_generation_prompt %}<<BOT>>{% endif %}")
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a small bird."}]
+MAX_LOG_LEN = 20
+ROOT_PATH = "/proxy"
+
+
+class FlagsServer(Server):
+    def _engine_pid(self) -> None:
+        return None  # never signalled here
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from sparrow.tiny.model import build_model_dir
+
+    return str(build_model_dir(tmp_path_factory.mktemp("flags-model"), "qwen3", "test", seed=5))
+
+
+@pytest.fixture(scope="module")
+def template_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("template") / "chat.jinja"
+    path.write_text(TEMPLATE)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, template_file, tmp_path_factory):
+    yield from serve_for_module(model_dir, tmp_path_factory, "flags-logs", "--chat-template", template_file,
+                                "--response-role", "bot", "--enable-log-requests", "--max-log-len", str(MAX_LOG_LEN),
+                                "--root-path", ROOT_PATH, server_cls=FlagsServer)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def render(template: str, messages=MESSAGES, add_generation_prompt: bool = True) -> str:
+    return jinja2.Environment().from_string(template).render(messages=messages,
+                                                             add_generation_prompt=add_generation_prompt)
+
+
+def chat(client: openai.OpenAI, messages=MESSAGES, **extra):
+    return client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0.0,
+                                          max_completion_tokens=3, extra_body={"ignore_eos": True, **extra})
+
+
+# -- --chat-template ------------------------------------------------------------------------------
+def test_chat_template_file_renders_the_prompt(server, client, http, hf_tokenizer, template_file):
+    text = render(TEMPLATE)
+    assert text.startswith("<<SYSTEM>>Be brief.|<<USER>>Name a small bird.|<<BOT>>")
+    expected = hf_tokenizer.encode(text, add_special_tokens=False)
+    tokenized = http.post("/tokenize", json={"model": MODEL_NAME, "messages": MESSAGES})
+    assert tokenized.status_code == 200, tokenized.text
+    assert tokenized.json()["tokens"] == expected
+    reply = chat(client)
+    assert reply.usage.prompt_tokens == len(expected)
+    # Without a generation prompt: the template's other branch.
+    continued = http.post("/tokenize", json={"model": MODEL_NAME, "messages": MESSAGES,
+                                             "add_generation_prompt": False}).json()
+    assert continued["tokens"] == hf_tokenizer.encode(render(TEMPLATE, add_generation_prompt=False),
+                                                      add_special_tokens=False)
+    # /tokenizer_info reports the template in use, as vLLM's does.
+    assert http.get("/tokenizer_info").json()["chat_template"] == open(template_file).read()
+
+
+def test_a_requests_own_chat_template_wins(client, http, hf_tokenizer):
+    own = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    expected = hf_tokenizer.encode(render(own), add_special_tokens=False)
+    tokenized = http.post("/tokenize", json={"model": MODEL_NAME, "messages": MESSAGES, "chat_template": own})
+    assert tokenized.json()["tokens"] == expected
+    assert chat(client, chat_template=own).usage.prompt_tokens == len(expected)
+
+
+def test_chat_template_flag_inline_or_file(template_file):
+    from sparrow.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    inline = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert parser.parse_args(["serve", "--chat-template", inline]).chat_template == inline
+    assert parser.parse_args(["serve", "--chat-template", template_file]).chat_template == TEMPLATE
+    args = parser.parse_args(["serve"])
+    assert args.chat_template is None and args.response_role == "assistant" and args.root_path == ""
+    assert not args.enable_log_requests and args.max_log_len is None
+
+
+# -- --response-role ------------------------------------------------------------------------------
+def test_response_role(client):
+    assert chat(client).choices[0].message.role == "bot"
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=2,
+                                            stream=True, extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    assert first.choices[0].delta.role == "bot"
+    stream.close()
+    # Continuing a conversation without a new turn keeps the last message's role (vLLM's rule).
+    assert chat(client, add_generation_prompt=False).choices[0].message.role == "user"
+
+
+# -- --enable-log-requests / --max-log-len -----------------------------------------------------------
+def test_requests_are_logged_cut_to_max_log_len(server, client, hf_tokenizer):
+    reply = chat(client)
+    text = render(TEMPLATE)
+    ids = hf_tokenizer.encode(text, add_special_tokens=False)
+    lines = [line for line in server.log().splitlines() if f"Received request {reply.id}:" in line]
+    assert len(lines) == 1, server.log()
+    line = lines[0]
+    assert line.startswith("INFO sparrow.entrypoints.openai.request_logger:")
+    assert f"prompt: {text[:MAX_LOG_LEN]!r}," in line
+    assert f"prompt_token_ids: {ids[:MAX_LOG_LEN]}," in line
+    assert "max_tokens=3" in line and "lora_request: None" in line
+
+
+def test_request_logging_is_off_by_default():
+    from sparrow.entrypoints.openai.request_logger import request_logger_from_args
+
+    assert request_logger_from_args(argparse.Namespace(enable_log_requests=False, max_log_len=5)) is None
+    assert request_logger_from_args(None) is None
+
+
+# -- --root-path -----------------------------------------------------------------------------------
+def test_root_path(server, client, http):
+    assert [model.id for model in client.models.list()] == [MODEL_NAME]  # the usual paths still serve
+    schema = http.get("/openapi.json").json()
+    assert schema["servers"][0]["url"] == ROOT_PATH
+    assert f"{ROOT_PATH}/openapi.json" in http.get("/docs").text
+    # The API key is still required behind the root path.
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "hi"}).status_code == 401
+
+
+# -- wrong values: exit 2 before the model loads --------------------------------------------------------
+@pytest.mark.parametrize(("flag", "value", "phrase"), [
+    ("--chat-template", "/nonexistent/chat.jinja", "no such file"),
+    ("--chat-template", "{% for m in messages %}{{ m.content }}", "not a valid Jinja template"),
+    ("--root-path", "proxy", "must start with '/'"),
+    ("--max-log-len", "-1", ">= 0"),
+    ("--response-role", "", "must not be empty"),
+])
+def test_wrong_values_fail_at_start_up(flag, value, phrase):
+    # A model directory that does not exist: the flag is refused before anything would load it.
+    result = subprocess.run([sys.executable, "-m", "sparrow.entrypoints.cli", "serve", "/nonexistent-model",
+                             flag, value], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"sparrow: error: argument {flag}:") and phrase in last, result.stderr

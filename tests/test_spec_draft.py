@@ -4,6 +4,7 @@ prefix caching and preemption forced)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import shutil
 
@@ -64,9 +65,12 @@ def spec_counts(llm, before: SchedulerStats) -> tuple[int, int]:
 
 def assert_no_block_leak(llm) -> None:
     proposer = runner_of(llm).proposer
-    held = [block for req in proposer.requests.values() for block in req.block_ids]
-    assert len(set(held)) == len(held)
-    assert len(held) + len(proposer.cache.free) == proposer.cache.kv_caches[0].shape[1]
+    pool = proposer.pool
+    held = collections.Counter(block for req in proposer.requests.values() for block in req.block_ids)
+    assert dict(held) == pool.refs  # every hold counted, nothing else
+    assert all(block in pool.key_of for block, count in held.items() if count > 1)  # only indexed blocks are shared
+    assert set(pool.cached) <= set(pool.key_of) and not set(pool.cached) & set(held)
+    assert len(held) + len(pool.cached) + len(proposer.cache.free) == proposer.cache.kv_caches[0].shape[1]
     assert set(proposer.requests) <= set(runner_of(llm).batch.req_id_to_row)
 
 
@@ -150,17 +154,50 @@ def test_greedy_output_is_identical_with_a_draft_model(engines):
             assert 0 < accepted < drafted
 
 
-def test_shared_prefixes_evict_draft_kv_and_stay_exact(engines):
-    """Ten copies of one prompt share the target's prefix-cached blocks; the draft keeps a copy
-    each, so its cache (as many blocks as the target's) runs out: some rows go without drafts
-    for a step, and the output stays exact."""
+def test_shared_prefixes_share_draft_blocks_and_stay_exact(engines):
+    """Ten copies of one prompt share the target's prefix-cached blocks, and the draft's too: each
+    new request starts from the draft's cached blocks of the prompt (whole blocks before its last
+    token) instead of computing and holding a copy of its own; the output stays exact."""
     base, same, _ = engines
+    prompt_ids = same.get_tokenizer().encode(PROMPTS[0])
     expected = token_ids(base.generate([PROMPTS[0]], GREEDY)) * 10
     proposer = runner_of(same).proposer
-    without_room = proposer.num_rows_without_room
-    before = same.llm_engine.last_stats or SchedulerStats()
-    assert token_ids(same.generate([PROMPTS[0]] * 10, GREEDY)) == expected
-    assert proposer.num_rows_without_room > without_room
+    adopted: list[int] = []
+    match = proposer.pool.match
+    proposer.pool.match = lambda keys: adopted.append(len(keys)) or match(keys)
+    try:
+        before = same.llm_engine.last_stats or SchedulerStats()
+        assert token_ids(same.generate([PROMPTS[0]] * 10, GREEDY)) == expected
+    finally:
+        del proposer.pool.match
+    # The first copy computes the prompt's blocks, the others share them; a copy coming back
+    # after a preemption also finds the blocks of its own output so far.
+    prompt_blocks = (len(prompt_ids) - 1) // runner_of(same).block_size
+    assert len(adopted) >= 10 and sum(1 for count in adopted if count >= prompt_blocks) >= 9, adopted
+    drafted, accepted = spec_counts(same, before)
+    assert accepted >= 0.95 * drafted > 0
+    assert_no_block_leak(same)
+
+
+def test_rows_without_draft_blocks_go_without_drafts_and_stay_exact(engines):
+    """With every draft block taken, rows get no drafts (counted in num_rows_without_room) and the
+    output is the target's own; once the blocks are back, drafting resumes."""
+    base, same, _ = engines
+    expected = token_ids(base.generate(PROMPTS[:3], GREEDY))
+    proposer = runner_of(same).proposer
+    for req_id in list(proposer.requests):  # rows of the last call, released by the next propose
+        proposer._release(req_id)
+    taken = [proposer.pool.take() for _ in range(proposer.pool.num_available())]
+    try:
+        without_room = proposer.num_rows_without_room
+        before = same.llm_engine.last_stats or SchedulerStats()
+        assert token_ids(same.generate(PROMPTS[:3], GREEDY)) == expected
+        assert proposer.num_rows_without_room > without_room
+        assert spec_counts(same, before) == (0, 0)
+    finally:
+        proposer.pool.release(taken)
+    before = same.llm_engine.last_stats
+    assert token_ids(same.generate(PROMPTS[:3], GREEDY)) == expected
     drafted, accepted = spec_counts(same, before)
     assert accepted >= 0.95 * drafted > 0
     assert_no_block_leak(same)
@@ -222,8 +259,13 @@ def test_draft_cache_shares_the_kv_budget(engines):
     for llm in (same, small):
         runner = runner_of(llm)
         proposer = runner.proposer
-        # Sized like the target's cache, and counted in the bytes per block the worker budgets.
-        assert proposer.cache.kv_caches[0].shape[1] == runner.kv_caches[0].shape[1] == ENGINE["num_kv_blocks"]
+        # Sized like the target's cache plus the blocks each request's fed drafts may need past the
+        # target's slots, and counted in the bytes the worker budgets.
+        assert runner.kv_caches[0].shape[1] == ENGINE["num_kv_blocks"]
+        ahead = -(-proposer.num_speculative_tokens // runner.block_size)
+        assert proposer.cache.kv_caches[0].shape[1] == ENGINE["num_kv_blocks"] + min(
+            runner.max_num_reqs, ENGINE["num_kv_blocks"]) * ahead
+        assert runner.kv_cache_fixed_bytes() == proposer.cache.bytes_per_block * runner.max_num_reqs * ahead
         assert runner.kv_cache_bytes_per_block() == (runner_of(base).kv_cache_bytes_per_block()
                                                      + proposer.cache.bytes_per_block)
         assert len(proposer.cache.kv_caches) == proposer.model.kv_cache_spec()[0]

@@ -194,10 +194,10 @@ def record_scheduled_drafts(llm: LLM, seen: list) -> None:
 def test_grammar_requests_speculate_and_keep_their_greedy_tokens(method, qwen3_dir, base, expected_grammar):
     # draft_model: the target as its own draft proposes its unconstrained argmax, which the grammar
     # often rejects: the cut and the per-position masks are exercised on every step. Only the free
-    # text of TEXT (last in the batch) lets such drafts through, and the draft's own cache (as many
-    # blocks as the target's, without its prefix sharing) runs short here: the requests holding
-    # draft blocks keep them, so TEXT goes first. The grammars are compiled beforehand (one token
-    # each), so the schedule does not depend on when their compiles finish in the child processes.
+    # text of TEXT lets such drafts through, so TEXT must get draft blocks in this small cache
+    # (it once did not, when the draft's cache neither shared prefixes nor had room for the fed
+    # drafts). The grammars are compiled beforehand (one token each), so the schedule does not
+    # depend on when their compiles finish in the child processes.
     config = NGRAM if method == "ngram" else {"method": "draft_model", "model": qwen3_dir, "num_speculative_tokens": 3}
     llm = LLM(qwen3_dir, speculative_config=config, **ENGINE)
     try:
@@ -206,7 +206,7 @@ def test_grammar_requests_speculate_and_keep_their_greedy_tokens(method, qwen3_d
         prompts, params = grammar_batch()
         llm.generate(prompts, [param.clone(max_tokens=1) for param in params], use_tqdm=False)
         before = llm.llm_engine.last_stats or SchedulerStats()
-        outputs = llm.generate(prompts[::-1], params[::-1], use_tqdm=False)[::-1]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
         assert token_ids(outputs) == expected_grammar
         check_valid([output.outputs[0].text for output in outputs])
         drafted, accepted = spec_counts(llm, before)

@@ -8,20 +8,26 @@ target's device and in its dtype, its layers bound to the platform's ops, and at
 platform's attention backend through metadata built by the model runner's own
 ``attention_metadata``. It keeps a paged KV cache of its own:
 
-* **Size.** As many blocks as the target's cache (``kv_cache_bytes_per_block`` adds the draft's
-  bytes to the target's, so the worker's KV budget holds both and the target gets fewer blocks).
-  A request needs no more draft blocks than target blocks, except where the target shares
-  prefix-cached blocks between requests: a request that then finds no free draft block gets no
-  drafts in that step (nothing else depends on them: the output is unchanged) and tries again
-  in the next. (Only requests in the batch hold draft blocks, so there is nothing to evict.)
+* **Size.** As many blocks as the target's cache, plus ``ceil(k / block_size)`` per request the
+  batch can hold (``max_num_seqs``): the draft writes its k - 1 fed drafts past the tokens the
+  target has slots for so far. ``kv_cache_bytes_per_block`` adds the draft's bytes per block to
+  the target's and ``kv_cache_fixed_bytes`` the extra blocks, so the worker's KV budget holds
+  both (the target gets fewer blocks than without a draft).
+* **Sharing.** Full blocks of verified tokens are shared between requests and stay cached after
+  their requests leave, as in the target's prefix cache (``sparrow.spec_decode.draft_blocks``):
+  requests with a common prefix hold one copy of it, and a request coming back (preempted, or
+  the same prompt again) starts from the cached blocks. A request that still finds too few
+  blocks gets no drafts in that step (nothing else depends on them: the output is unchanged)
+  and tries again in the next.
 * **Bookkeeping.** Per request: its blocks, how many of its tokens the draft's KV holds
   (``num_computed``), and the drafts it fed after them. Each ``propose`` first keeps the fed
   drafts the target accepted (they match the request's tokens) and drops the rest, so rejected
   drafts' KV is overwritten; then one batched forward catches every row up to its current tokens
   (split by ``max_num_batched_tokens`` when rows arrive with long prompts), its last position's
   argmax is the first draft, and k - 1 batched single-token steps give the others (greedy).
-  A request's blocks are freed by the first ``propose`` after its row leaves the batch
-  (finished, preempted or not scheduled); a request back in the batch catches up from scratch.
+  A request's blocks are released by the first ``propose`` after its row leaves the batch
+  (finished, preempted or not scheduled); a request back in the batch catches up from its
+  longest cached prefix.
 
 Drafts are point drafts, so the verification (``sparrow.spec_decode.rejection_sampler``) keeps the
 target's distribution exactly, greedy or sampled.
@@ -36,6 +42,7 @@ import numpy as np
 import torch
 
 from sparrow.spec_decode.config import SpeculativeConfig
+from sparrow.spec_decode.draft_blocks import DraftBlockPool, chain_key
 from sparrow.spec_decode.proposer import ProposerForward, SpecProposer
 
 
@@ -122,13 +129,14 @@ def greedy(model: Any, hidden_states: torch.Tensor, last: torch.Tensor) -> list[
 
 
 class _DraftRequest:
-    __slots__ = ("state", "block_ids", "num_computed", "fed")
+    __slots__ = ("state", "block_ids", "num_computed", "fed", "keys")
 
     def __init__(self, state: Any) -> None:
         self.state = state  # the runner's CachedRequestState: a resumed request gets a new one
         self.block_ids: list[int] = []
         self.num_computed = 0  # leading tokens of the request whose KV the draft holds
         self.fed: list[int] = []  # drafts fed after them last time (their KV is speculative)
+        self.keys: list[bytes] = []  # index keys of block_ids[: len(keys)], full of verified tokens
 
 
 class _Plan:
@@ -155,6 +163,9 @@ class DraftModelProposer(SpecProposer):
         num_layers, num_kv_heads, head_dim = model.kv_cache_spec()
         self.cache = PagedDraftCache(num_layers, num_kv_heads, head_dim, self.block_size, model_runner.dtype,
                                      model_runner.device)
+        self.pool = DraftBlockPool(self.cache)
+        # Blocks beyond the target's: each request may hold ceil(k / block_size) more (see Size).
+        self.blocks_per_request_ahead = -(-self.num_speculative_tokens // self.block_size)
         self.requests: dict[str, _DraftRequest] = {}
         self.max_num_tokens = model_runner.config.max_num_batched_tokens
         self.num_rows_without_room = 0  # rows that got no drafts for want of draft blocks
@@ -167,24 +178,54 @@ class DraftModelProposer(SpecProposer):
     def kv_cache_bytes_per_block(self) -> int:
         return self.cache.bytes_per_block
 
+    def kv_cache_fixed_bytes(self) -> int:
+        return self.cache.bytes_per_block * self.model_runner.max_num_reqs * self.blocks_per_request_ahead
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.cache.allocate(num_blocks)
+        ahead = min(self.model_runner.max_num_reqs, num_blocks) * self.blocks_per_request_ahead
+        self.cache.allocate(num_blocks + ahead)
+        self.pool.reset()
+        self.requests.clear()
 
     def graph_forwards(self) -> list[ProposerForward]:
         return [self._forward]
 
     def _release(self, req_id: str) -> None:
-        req = self.requests.pop(req_id)
-        self.cache.free.extend(reversed(req.block_ids))
+        self.pool.release(self.requests.pop(req_id).block_ids)
 
     def _grow(self, req: _DraftRequest, num_blocks: int) -> bool:
-        """Give ``req`` ``num_blocks`` blocks in all; False when too few are free."""
+        """Give ``req`` ``num_blocks`` blocks in all; False when too few are available."""
         missing = num_blocks - len(req.block_ids)
-        if missing > len(self.cache.free):
+        if missing > self.pool.num_available():
             return False
         for _ in range(max(missing, 0)):
-            req.block_ids.append(self.cache.free.pop())
+            req.block_ids.append(self.pool.take())
         return True
+
+    def _adopt_prefix(self, req: _DraftRequest, tokens: np.ndarray, length: int) -> None:
+        """Start a new request from the cached blocks of its longest indexed prefix (whole blocks
+        before its last token, which is recomputed for its logits)."""
+        block_size, keys, parent = self.block_size, [], None
+        for index in range((length - 1) // block_size):
+            parent = chain_key(parent, tokens[index * block_size : (index + 1) * block_size])
+            if parent not in self.pool.index:
+                break
+            keys.append(parent)
+        req.block_ids = self.pool.match(keys)
+        req.keys = keys
+        req.num_computed = len(keys) * block_size
+
+    def _index_blocks(self, plans: list[_Plan], token_ids: np.ndarray) -> None:
+        """Index the blocks the catch-up filled with verified tokens (before each row's last token,
+        whose position a later step may write again)."""
+        block_size = self.block_size
+        for plan in plans:
+            req = plan.req
+            for index in range(len(req.keys), min(req.num_computed, plan.length - 1) // block_size):
+                key = chain_key(req.keys[-1] if req.keys else None,
+                                token_ids[plan.row, index * block_size : (index + 1) * block_size])
+                self.pool.register(req.block_ids[index], key)
+                req.keys.append(key)
 
     # -- proposing --------------------------------------------------------------------------
     def propose(self, rows: Sequence[int], token_ids: np.ndarray, num_tokens: np.ndarray,
@@ -192,7 +233,7 @@ class DraftModelProposer(SpecProposer):
         runner = self.model_runner
         batch = runner.batch
         if not self.cache.ready:  # a runner that never sized its cache: as many blocks as the target's
-            self.cache.allocate(runner.kv_caches[0].shape[1])
+            self.initialize_kv_cache(runner.kv_caches[0].shape[1])
         for req_id, req in list(self.requests.items()):
             row = batch.req_id_to_row.get(req_id)
             if row is None or batch.states[row] is not req.state:
@@ -203,6 +244,7 @@ class DraftModelProposer(SpecProposer):
             return out
         for plan, token in zip(plans, self._catch_up(plans, token_ids)):
             out[plan.out].append(token)
+        self._index_blocks(plans, token_ids)
         self._decode(plans, out)
         return out
 
@@ -217,6 +259,7 @@ class DraftModelProposer(SpecProposer):
             req = self.requests.get(state.req_id)
             if req is None:
                 req = self.requests[state.req_id] = _DraftRequest(state)
+                self._adopt_prefix(req, token_ids[row], length)
             elif req.fed:
                 # Keep the KV of the fed drafts that became the request's tokens; the rest is overwritten.
                 start = req.num_computed

@@ -51,6 +51,11 @@ class SpecProposer:
         draft model's layers; 0: none). The worker sizes the target's cache so both fit."""
         return 0
 
+    def kv_cache_fixed_bytes(self) -> int:
+        """Bytes of KV cache of its own this proposer keeps whatever the target's block count
+        (0: none); the worker takes them out of the KV budget before sizing the target's cache."""
+        return 0
+
     def initialize_kv_cache(self, num_blocks: int) -> None:  # noqa: B027 - optional hook
         """Called once the target's cache has ``num_blocks`` blocks (allocate one's own here)."""
 

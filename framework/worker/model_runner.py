@@ -121,6 +121,10 @@ class ModelRunner(SamplingStep):
         # A draft model keeps as many blocks of its own (sparrow.spec_decode.draft_model): the budget holds both.
         return per_block + (self.proposer.kv_cache_bytes_per_block() if self.proposer is not None else 0)
 
+    def kv_cache_fixed_bytes(self) -> int:
+        """KV bytes that do not scale with the target's block count (a draft model's extra blocks)."""
+        return self.proposer.kv_cache_fixed_bytes() if self.proposer is not None else 0
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
         # each: [2, num_blocks, block_size, num_kv_heads, head_dim]

@@ -93,11 +93,14 @@ class WorkerBase:
         if self.config.cache.num_kv_blocks is not None:
             return self.config.cache.num_kv_blocks
         per_block = self.model_runner.kv_cache_bytes_per_block()
-        num_blocks = self.available_kv_cache_bytes() // per_block
+        available = self.available_kv_cache_bytes()
+        fixed = self.model_runner.kv_cache_fixed_bytes()
+        num_blocks = (available - fixed) // per_block
         if num_blocks < 1:
+            besides = f" besides {fixed} bytes of draft-model blocks" if fixed else ""
             raise ValueError(
-                f"the KV cache budget ({self.available_kv_cache_bytes()} bytes) holds no block of "
-                f"{per_block} bytes; raise kv_cache_memory_bytes / gpu_memory_utilization"
+                f"the KV cache budget ({available} bytes) holds no block of {per_block} bytes{besides}; "
+                "raise kv_cache_memory_bytes / gpu_memory_utilization"
             )
         return int(num_blocks)
 

@@ -6,6 +6,8 @@ tokenizes it). Wrong values are refused at start-up: subprocesses that never loa
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import subprocess
 import sys
 
@@ -14,7 +16,7 @@ import jinja2
 import openai
 import pytest
 
-from tests.test_server import API_KEY, MODEL_NAME, Server, serve_for_module
+from tests.test_server import API_KEY, MODEL_NAME, Server, serve_for_module, wait_until
 
 # Writes a marker before each turn: nothing like the tokenizer's own template.
 TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}<<USER>>{% else %}<<{{ m['role'] | upper }}>>"
@@ -46,7 +48,8 @@ def template_file(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def server(model_dir, template_file, tmp_path_factory):
     yield from serve_for_module(model_dir, tmp_path_factory, "flags-logs", "--chat-template", template_file,
-                                "--response-role", "bot", "--enable-log-requests", "--max-log-len", str(MAX_LOG_LEN),
+                                "--response-role", "bot", "--enable-log-requests", "--enable-log-outputs",
+                                "--max-log-len", str(MAX_LOG_LEN),
                                 "--root-path", ROOT_PATH, server_cls=FlagsServer)
 
 
@@ -143,6 +146,39 @@ def test_requests_are_logged_cut_to_max_log_len(server, client, hf_tokenizer):
     assert "max_tokens=3" in line and "lora_request: None" in line
 
 
+def generated_lines(server, request_id: str) -> dict[int, str]:
+    """The --enable-log-outputs lines of one request (its choices), by choice index."""
+    found = {}
+    for line in server.log().splitlines():
+        match = re.search(rf"Generated response {re.escape(request_id)}(?:-\d+)? \(choice (\d+)\): (.*)$", line)
+        if match:
+            found[int(match.group(1))] = match.group(2)
+    return found
+
+
+def test_outputs_are_logged_whole_when_they_finish(server, client, http):
+    # Full response, two choices: each choice's text (cut to --max-log-len) and finish reason.
+    reply = client.completions.create(model=MODEL_NAME, prompt="once upon a time", n=2, max_tokens=12,
+                                      temperature=1.0, seed=3)
+    lines = wait_until(lambda: generated_lines(server, reply.id) if len(generated_lines(server, reply.id)) == 2
+                       else None, what="two output lines")
+    for choice in reply.choices:
+        line = lines[choice.index]
+        assert line.startswith(f"output: {choice.text[:MAX_LOG_LEN]!r}, output_token_ids: ["), line
+        assert line.endswith(f"finish_reason: {choice.finish_reason}."), line
+        ids = json.loads(line.split("output_token_ids: ", 1)[1].split("]", 1)[0] + "]")
+        assert 0 < len(ids) <= MAX_LOG_LEN
+    # Streamed: the deltas put together, as the whole reply would be.
+    text, request_id = "", None
+    for chunk in client.completions.create(model=MODEL_NAME, prompt="the quick brown fox", max_tokens=12,
+                                           temperature=0, stream=True):
+        request_id = chunk.id
+        text += chunk.choices[0].text if chunk.choices else ""
+    assert request_id is not None
+    line = wait_until(lambda: generated_lines(server, request_id).get(0), what="the streamed request's line")
+    assert line.startswith(f"output: {text[:MAX_LOG_LEN]!r}, "), (line, text)
+
+
 def test_request_logging_is_off_by_default():
     from sparrow.entrypoints.openai.request_logger import request_logger_from_args
 
@@ -176,3 +212,11 @@ def test_wrong_values_fail_at_start_up(flag, value, phrase):
     assert result.returncode == 2, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"sparrow: error: argument {flag}:") and phrase in last, result.stderr
+
+
+@pytest.mark.parametrize("flags", [["--enable-log-outputs"], ["--max-log-len", "10"]])
+def test_log_flags_without_enable_log_requests_are_refused(flags):
+    result = subprocess.run([sys.executable, "-m", "sparrow.entrypoints.cli", "serve", "/nonexistent-model", *flags],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == f"sparrow: error: {flags[0]} needs --enable-log-requests"

@@ -3,6 +3,7 @@
     generate() -> InputProcessor -> OutputProcessor.add_request -> AsyncMPClient -> engine core
     output handler task: engine core outputs -> OutputProcessor -> per-request collectors
                          -> generate() yields RequestOutputs to its consumer
+                         (sparrow.engine.async_output)
 
 The engine core always runs in its own process here (an in-process core would block the event
 loop during every forward pass). A consumer that stops early (its task is cancelled, or it
@@ -22,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -30,16 +30,17 @@ from typing import Any, TypeVar
 from sparrow.config import EngineConfig
 from sparrow.core.kv_cache_utils import request_capacity_tokens
 from sparrow.engine.async_inputs import AsyncEngineArgs, check_request_fields
+from sparrow.engine.async_output import AsyncOutputHandling
 from sparrow.engine.async_utilities import AsyncEngineUtilities
 from sparrow.engine.exceptions import EngineDeadError
 from sparrow.engine.input_processor import PromptType
-from sparrow.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from sparrow.engine.messages import EngineCoreRequest, SchedulerStats
 from sparrow.engine.metrics import EngineMetrics
 from sparrow.engine.mp_client import AsyncMPClient
 from sparrow.engine.output_collector import RequestOutputCollector
 from sparrow.engine.setup import build_frontend, finalize_config
 from sparrow.engine.stats_log import StatsLogger
-from sparrow.errors import InvalidArgumentError, error_from_engine
+from sparrow.errors import InvalidArgumentError
 from sparrow.lora.engine import check_lora_request
 from sparrow.outputs import RequestOutput
 from sparrow.sampling_params import SamplingParams
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-class AsyncLLM(AsyncEngineUtilities):
+class AsyncLLM(AsyncOutputHandling, AsyncEngineUtilities):
     """An asyncio engine. ``AsyncLLM.from_engine_args(model=..., max_model_len=...)`` takes the
     same keywords as ``LLM`` (or, as in vLLM, one ``AsyncEngineArgs``); ``AsyncLLM(config)`` and
     ``AsyncLLM.from_vllm_config(config)`` take an ``EngineConfig``. ``executor_factory``
@@ -336,94 +337,6 @@ class AsyncLLM(AsyncEngineUtilities):
                 self.engine_core.abort_requests(engine_ids)
             except EngineDeadError:
                 pass  # nothing left to free
-
-    def _engine_request_done(self, engine_id: str, finish_reason: str) -> None:
-        self.metrics.request_finished(engine_id, finish_reason)
-        self._external_ids.pop(engine_id, None)
-        self._prompt_lens.pop(engine_id, None)
-
-    # -- the output handler -----------------------------------------------------------------
-    def _ensure_output_handler(self) -> None:
-        if self._output_handler is None:
-            self._output_handler = asyncio.get_running_loop().create_task(
-                self._run_output_handler(), name="AsyncLLM.output_handler")
-
-    async def _run_output_handler(self) -> None:
-        stat_logger = self.stat_logger
-        stats_task = None
-        if stat_logger is not None:
-            # The first interval starts with the first request; a line also comes while no output
-            # arrives (an engine gone idle). The task ends with this one (shutdown cancels it).
-            stat_logger.start(time.monotonic())
-            stats_task = asyncio.get_running_loop().create_task(
-                self._log_stats_periodically(stat_logger), name="AsyncLLM.stats_logger")
-        try:
-            while True:
-                outputs = await self.engine_core.get_output_async()
-                now = time.monotonic()
-                if outputs.scheduler_stats is not None:
-                    self.last_stats = outputs.scheduler_stats
-                    self.metrics.record_scheduler_stats(outputs.scheduler_stats)
-                    if stat_logger is not None:
-                        stat_logger.record_scheduler_stats(outputs.scheduler_stats)
-                if outputs.outputs:
-                    if stat_logger is not None:  # before _process_outputs forgets finished requests
-                        stat_logger.record_outputs(outputs.outputs, self._prompt_lens)
-                    self._process_outputs(outputs.outputs, now)
-        except EngineDeadError as exc:
-            self._set_dead(exc)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a broken handler must fail callers, not hang them
-            logger.exception("AsyncLLM output handler failed")
-            self._set_dead(EngineDeadError(f"the output handler failed: {type(exc).__name__}: {exc}"))
-        finally:
-            if stats_task is not None:
-                stats_task.cancel()
-
-    @staticmethod
-    async def _log_stats_periodically(stat_logger: StatsLogger) -> None:
-        while True:
-            await asyncio.sleep(stat_logger.seconds_until_due(time.monotonic()))
-            stat_logger.maybe_log(time.monotonic())
-
-    def _process_outputs(self, core_outputs: list[EngineCoreOutput], now: float) -> None:
-        if any(output.error_message is not None for output in core_outputs):
-            core_outputs = self._fail_rejected(core_outputs)
-        self.metrics.record_outputs(core_outputs, self._prompt_lens, now)
-        processed = self.output_processor.process_outputs(core_outputs, now)
-        for output in core_outputs:
-            if output.finish_reason is not None:
-                self._engine_request_done(output.request_id, str(output.finish_reason))
-        if processed.reqs_to_abort:
-            # Stop strings are found here, not in the engine core: tell it to stop generating.
-            for engine_id in processed.reqs_to_abort:
-                self._engine_request_done(engine_id, "stop")
-            self.engine_core.abort_requests(processed.reqs_to_abort)
-
-    def _fail_rejected(self, core_outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
-        """Raise the engine core's rejection to the request's consumer; drop those outputs."""
-        kept = []
-        for output in core_outputs:
-            if output.error_message is None:
-                kept.append(output)
-                continue
-            external_id = self._external_ids.get(output.request_id)
-            collector = self._collectors.get(external_id) if external_id is not None else None
-            if collector is not None:
-                collector.put(error_from_engine(output.error_message, output.error_field))
-            self._engine_request_done(output.request_id, "error")
-            if external_id is not None:
-                # The other samples of an n > 1 request cannot complete it any more.
-                self._abort_now([external_id])
-        return kept
-
-    def _set_dead(self, error: EngineDeadError) -> None:
-        if self._dead_error is None:
-            self._dead_error = error
-        for collector in self._collectors.values():
-            collector.put(error)
-        self._dead_event.set()
 
     def shutdown(self) -> None:
         """Stop the engine process; pending consumers get EngineDeadError."""

@@ -122,8 +122,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``. ``args`` may carry ``api_key``, ``max_request_body_bytes``,
-    the CORS flags, ``chat_template``, ``response_role``, ``enable_log_requests`` and
-    ``max_log_len``; missing attributes take their defaults. (``root_path`` is uvicorn's: see
+    the CORS flags, ``chat_template``, ``response_role``, ``enable_log_requests``,
+    ``enable_log_outputs`` and ``max_log_len``; missing attributes take their defaults. (``root_path`` is uvicorn's: see
     ``run_server``.)"""
     from sparrow import __version__
 
@@ -248,6 +248,9 @@ def run_server(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     if getattr(args, "lora_modules", None) and not kwargs.get("enable_lora"):
         raise SystemExit("sparrow serve: --lora-modules needs --enable-lora")
+    for flag in ("enable_log_outputs", "max_log_len"):
+        if getattr(args, flag, None) not in (None, False) and not getattr(args, "enable_log_requests", False):
+            raise ValueError(f"--{flag.replace('_', '-')} needs --enable-log-requests")
     model_pos = getattr(args, "model_pos", None)
     if model_pos is not None:
         if kwargs.get("model") not in (None, model_pos):

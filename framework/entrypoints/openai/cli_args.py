@@ -203,6 +203,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's id, prompt, prompt token ids, sampling parameters and LoRA "
                              "adapter at INFO (default: off)")
+    server.add_argument("--enable-log-outputs", action="store_true",
+                        help="with --enable-log-requests, also log each finished request's output text, token "
+                             "ids and finish reason at INFO (default: off)")
     server.add_argument("--max-log-len", type=_max_log_len, default=None, metavar="N",
                         help="with --enable-log-requests, log at most N characters of the prompt and N of its "
                              "token ids (default: unlimited)")

@@ -39,14 +39,13 @@ from sparrow.entrypoints.openai.serving_engine import (
     APIError,
     OpenAIServing,
     bad_request,
-    cancel_on_disconnect,
     clamp_logprob,
     engine_dead,
     field_error,
-    merge_streams,
     token_label,
     usage,
 )
+from sparrow.entrypoints.openai.streams import cancel_on_disconnect, merge_streams
 from sparrow.entrypoints.openai.tool_calling import resolve_tool_choice, tool_structured_outputs
 from sparrow.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 

@@ -26,14 +26,13 @@ from sparrow.entrypoints.openai.serving_engine import (
     APIError,
     OpenAIServing,
     bad_request,
-    cancel_on_disconnect,
     clamp_logprob,
     engine_dead,
     field_error,
-    merge_streams,
     token_label,
     usage,
 )
+from sparrow.entrypoints.openai.streams import cancel_on_disconnect, merge_streams
 from sparrow.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 
 logger = logging.getLogger(__name__)

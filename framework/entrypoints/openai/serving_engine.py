@@ -1,18 +1,15 @@
 """What the completion and chat endpoints share: errors in OpenAI's shape, model and field checks,
 SamplingParams from a request, work off the event loop, submitting prompts (or beam searches),
-merging streams, logprob token labels, and client disconnects."""
+logprob token labels. Merging streams and client disconnects: ``sparrow.entrypoints.openai.streams``."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import re
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator
 from typing import Any, Callable, TypeVar
-
-from fastapi import Request
 
 from sparrow.engine.async_llm import AsyncLLM
 from sparrow.engine.exceptions import EngineDeadError, EngineShutdownError
@@ -289,7 +286,8 @@ class OpenAIServing:
             except ValueError as exc:
                 raise bad_request(exc) from None
             self.log_inputs(sub_id, prompt, params, self.lora_request_of(request.model))
-            streams.append(self._beam_search(sub_id, prompt, params, request, logprobs))
+            streams.append(self.logged(sub_id, self._beam_search(sub_id, prompt, params, request, logprobs),
+                                       RequestOutputKind.FINAL_ONLY))
         return streams
 
     async def _beam_search(self, request_id: str, prompt: dict[str, Any], params: BeamSearchParams, request: Any,
@@ -320,6 +318,14 @@ class OpenAIServing:
             self.request_logger.log_inputs(request_id, fields.get("prompt"), fields.get("prompt_token_ids"), params,
                                            lora_request)
 
+    def logged(self, request_id: str, stream: AsyncGenerator[RequestOutput, None],
+               output_kind: RequestOutputKind) -> AsyncGenerator[RequestOutput, None]:
+        """--enable-log-outputs: ``stream``, logging its outputs when the request finishes."""
+        logger_ = self.request_logger
+        if logger_ is None or not logger_.log_outputs:
+            return stream
+        return logger_.logged(request_id, stream, output_kind)
+
     async def submit(self, request_id: str, prompts: list[Any], params: SamplingParams,
                      priority: int, lora_request: Any = None) -> list[AsyncGenerator[RequestOutput, None]]:
         """Validate and submit every prompt before any response is sent, so that an invalid one
@@ -334,7 +340,7 @@ class OpenAIServing:
                 collector = await engine.add_request(sub_id, prompt, params, priority=priority,
                                                      lora_request=lora_request)
                 submitted.append(sub_id)
-                streams.append(engine.stream_outputs(sub_id, collector))
+                streams.append(self.logged(sub_id, engine.stream_outputs(sub_id, collector), params.output_kind))
         except ValueError as exc:
             await engine.abort(submitted)
             raise bad_request(exc, default_param="prompt") from None
@@ -353,72 +359,3 @@ def top_logprobs(token_ids: list[int], logprobs: SampleLogprobs, k: int) -> Samp
             entries.setdefault(other_id, entry)
         kept.append(entries)
     return kept
-
-
-async def merge_streams(streams: list[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:
-    """Items of several async generators as they come, tagged with the generator's index.
-
-    Leaving early (an error, a cancelled consumer) closes every stream, which aborts its request.
-    """
-    if len(streams) == 1:
-        try:
-            async for item in streams[0]:
-                yield 0, item
-        finally:
-            await streams[0].aclose()
-        return
-    queue: asyncio.Queue[tuple[int, Any] | tuple[int, BaseException] | None] = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
-        try:
-            async for item in stream:
-                await queue.put((index, item))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer
-            await queue.put((index, exc))
-        finally:
-            await stream.aclose()
-            await queue.put(None)
-
-    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            entry = await queue.get()
-            if entry is None:
-                remaining -= 1
-                continue
-            index, item = entry
-            if isinstance(item, BaseException):
-                raise item
-            yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def cancel_on_disconnect(raw_request: Request, work: Awaitable[T]) -> T | None:
-    """Run ``work`` unless the client disconnects first; then cancel it (aborting its requests)
-    and return None. Streaming responses get this from Starlette; full responses need it."""
-    work_task = asyncio.ensure_future(work)
-
-    async def wait_for_disconnect() -> None:
-        while True:
-            message = await raw_request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    listener = asyncio.create_task(wait_for_disconnect())
-    try:
-        done, _ = await asyncio.wait({work_task, listener}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        work_task.cancel()
-        raise
-    finally:
-        listener.cancel()
-    if work_task in done:
-        return work_task.result()
-    logger.info("client disconnected; aborting its request")
-    work_task.cancel()
-    await asyncio.gather(work_task, return_exceptions=True)
-    return None

@@ -156,4 +156,39 @@ def test_a_grammar_too_slow_to_compile_is_refused_and_the_others_are_served(serv
     error = info.value.body
     assert "did not compile within 5 s" in error["message"], error
     assert "structured_outputs_compile_timeout" in error["message"], error
+    # The engine core's failure names the field the client wrote the grammar in.
+    assert error["param"] == "guided_regex" and error["message"].startswith("guided_regex: "), error
     assert "was killed" in server.log()
+
+
+def test_engine_side_grammar_failures_name_the_requests_field():
+    from types import SimpleNamespace
+
+    from sparrow.entrypoints.openai.protocol import ResponseFormat
+    from sparrow.entrypoints.openai.request_checks import RequestFieldError
+    from sparrow.entrypoints.openai.structured_outputs import in_request_words
+    from sparrow.errors import InvalidArgumentError, error_from_engine
+
+    def failure(kind: str) -> ValueError:  # as the engine core sends it (sparrow.engine.core)
+        field = f"structured_outputs.{kind}"
+        return error_from_engine(f"{field}: the grammar did not compile within 5 s", field)
+
+    def request(**fields):
+        return SimpleNamespace(**{"response_format": None, "structured_outputs": None, "guided_json": None,
+                                  "guided_regex": None, "guided_choice": None, "guided_grammar": None, **fields})
+
+    cases = [
+        (request(guided_regex="a+"), "regex", "guided_regex", "guided_regex: the grammar"),
+        (request(structured_outputs={"regex": "a+"}), "regex", "structured_outputs",
+         "structured_outputs.regex: the grammar"),
+        (request(response_format=ResponseFormat.model_validate(json_schema_format(PET_SCHEMA))), "json",
+         "response_format", "response_format.json_schema.schema: the grammar"),
+        (request(), "json", "tool_choice", "tool_choice: structured_outputs.json: the grammar"),
+    ]
+    for api_request, kind, param, start in cases:
+        error = in_request_words(failure(kind), api_request)
+        assert isinstance(error, RequestFieldError) and error.param == param, (error, param)
+        assert str(error).startswith(start), str(error)
+    other = InvalidArgumentError("max_tokens: too many", "max_tokens")
+    assert in_request_words(other, request(guided_regex="a+")) is other
+    assert in_request_words(ValueError("boom"), request(guided_regex="a+")).args == ("boom",)

@@ -205,7 +205,7 @@ class OpenAIServingChat(OpenAIServing):
                                           stream=bool(request.stream), longest_prompt=len(prompt["prompt_token_ids"]),
                                           structured_outputs=structured_outputs)
             streams = await self.submit(request_id, [prompt], params, request.priority,
-                                        self.lora_request_of(request.model))
+                                        self.lora_request_of(request.model), request=request)
         reply = Reply.of(request, len(prompt["prompt_token_ids"]), self.response_role)
         parsers = ReplyParsers(request, tool_choice, prompt["prompt_token_ids"], self.engine.tokenizer,
                                self.reasoner, self.tool_parser_cls)

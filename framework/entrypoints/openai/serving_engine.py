@@ -17,7 +17,7 @@ from sparrow.engine.generation_defaults import server_max_tokens_cap
 from sparrow.engine.text_checks import check_text
 from sparrow.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_beam_search, check_fields, param_of
-from sparrow.entrypoints.openai.structured_outputs import GUIDED_FIELDS, structured_outputs_of
+from sparrow.entrypoints.openai.structured_outputs import GUIDED_FIELDS, in_request_words, structured_outputs_of
 from sparrow.errors import InvalidArgumentError
 from sparrow.outputs import Logprob, RequestOutput, SampleLogprobs
 from sparrow.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -327,9 +327,11 @@ class OpenAIServing:
         return logger_.logged(request_id, stream, output_kind)
 
     async def submit(self, request_id: str, prompts: list[Any], params: SamplingParams,
-                     priority: int, lora_request: Any = None) -> list[AsyncGenerator[RequestOutput, None]]:
+                     priority: int, lora_request: Any = None, request: Any = None
+                     ) -> list[AsyncGenerator[RequestOutput, None]]:
         """Validate and submit every prompt before any response is sent, so that an invalid one
-        is a 400 and costs the others nothing; one stream of outputs per prompt."""
+        is a 400 and costs the others nothing; one stream of outputs per prompt. ``request``: the
+        API request, whose grammar field an engine-side grammar failure then names."""
         engine = self.engine
         submitted: list[str] = []
         streams = []
@@ -340,7 +342,10 @@ class OpenAIServing:
                 collector = await engine.add_request(sub_id, prompt, params, priority=priority,
                                                      lora_request=lora_request)
                 submitted.append(sub_id)
-                streams.append(self.logged(sub_id, engine.stream_outputs(sub_id, collector), params.output_kind))
+                stream = engine.stream_outputs(sub_id, collector)
+                if params.structured_outputs is not None and request is not None:
+                    stream = grammar_errors_named(stream, request)
+                streams.append(self.logged(sub_id, stream, params.output_kind))
         except ValueError as exc:
             await engine.abort(submitted)
             raise bad_request(exc, default_param="prompt") from None
@@ -359,3 +364,15 @@ def top_logprobs(token_ids: list[int], logprobs: SampleLogprobs, k: int) -> Samp
             entries.setdefault(other_id, entry)
         kept.append(entries)
     return kept
+
+
+async def grammar_errors_named(stream: AsyncGenerator[RequestOutput, None], request: Any
+                               ) -> AsyncGenerator[RequestOutput, None]:
+    """``stream``, with an engine-side grammar failure naming the request's own field."""
+    try:
+        async for output in stream:
+            yield output
+    except InvalidArgumentError as exc:
+        raise in_request_words(exc, request) from None
+    finally:
+        await stream.aclose()

@@ -18,6 +18,7 @@ from typing import Any
 
 from sparrow.entrypoints.openai.protocol import ResponseFormat
 from sparrow.entrypoints.openai.request_checks import RequestFieldError, not_supported
+from sparrow.errors import InvalidArgumentError
 from sparrow.sampling_params import STRUCTURED_OUTPUT_KINDS, StructuredOutputsParams
 
 # response_format types: "text" is no constraint; the others are structured outputs.
@@ -67,11 +68,9 @@ def _client_words(message: str, field: str, fields: dict[str, Any]) -> str:
     return message if message.startswith(field) else f"{field}: {message}"
 
 
-def structured_outputs_of(request: Any) -> StructuredOutputsParams | None:
-    """The request's structured outputs, checked and parsed; None when it asks for none."""
-    from sparrow.structured_output.grammar import check_structured_outputs
-
-    # (request field, StructuredOutputsParams fields, where the client wrote them)
+def _sources(request: Any) -> list[tuple[str, dict[str, Any], str]]:
+    """Every structured output the request asks for: (request field, StructuredOutputsParams
+    fields, where the client wrote them)."""
     sources: list[tuple[str, dict[str, Any], str]] = []
     response_format = getattr(request, "response_format", None)
     check_response_format(response_format)
@@ -94,6 +93,14 @@ def structured_outputs_of(request: Any) -> StructuredOutputsParams | None:
         value = getattr(request, name, None)
         if value is not None:
             sources.append((name, {kind: value}, name))
+    return sources
+
+
+def structured_outputs_of(request: Any) -> StructuredOutputsParams | None:
+    """The request's structured outputs, checked and parsed; None when it asks for none."""
+    from sparrow.structured_output.grammar import check_structured_outputs
+
+    sources = _sources(request)
     if not sources:
         return None
     if len(sources) > 1:
@@ -107,3 +114,21 @@ def structured_outputs_of(request: Any) -> StructuredOutputsParams | None:
     except (TypeError, ValueError) as exc:
         raise RequestFieldError(_client_words(str(exc), where, fields), param) from None
     return params
+
+
+def in_request_words(exc: ValueError, request: Any) -> ValueError:
+    """An engine-side failure of the request's grammar (its compile, its timeout, its masks'
+    cost: an InvalidArgumentError naming ``structured_outputs.KIND``) as a RequestFieldError naming
+    the field the client wrote the grammar in (``guided_regex``, ``response_format``, ...; a grammar
+    built from the tools is ``tool_choice``'s). Any other error is returned unchanged."""
+    field = getattr(exc, "field", None)
+    if not isinstance(exc, InvalidArgumentError) or not field or not field.startswith("structured_outputs"):
+        return exc
+    try:
+        sources = _sources(request)
+    except ValueError:  # checked before the request was submitted; cannot fail here
+        sources = []
+    if not sources:
+        return RequestFieldError(_client_words(str(exc), "tool_choice", {}), "tool_choice")
+    param, fields, where = sources[0]
+    return RequestFieldError(_client_words(str(exc), where, fields), param)

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
 # Tests must never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Remote-code directories (tests/test_remote_code.py) are copied into transformers' module cache:
+# a directory of this run, removed at exit, not ~/.cache/huggingface/modules. Set before anything
+# imports transformers, which reads it once; engine processes inherit it.
+if "HF_MODULES_CACHE" not in os.environ:
+    os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="sparrow-test-hf-modules-")
+    atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], ignore_errors=True)
 # A 0.25 GiB CPU KV cache (16k tokens of sparrow-tiny, far more of the test models) instead of the
 # default 1 GiB, which every engine start fills with zeros (~0.5 s CPU, over a hundred starts).
 # Set in os.environ so that engine processes, `sparrow` subprocesses and docs examples inherit it;

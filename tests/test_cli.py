@@ -215,6 +215,7 @@ def test_a_lora_start_up_failure_is_quiet_but_for_its_one_line(qwen3_dir, tmp_pa
 # Every benchmark that writes a report, with the flag naming it.
 BENCH_OUTPUTS = [
     (["bench", "throughput"], "--result-file"),
+    (["bench", "latency"], "--result-file"),
     (["bench", "serve", "--base-url", "http://127.0.0.1:9"], "--result-file"),
     (["bench", "sim"], "--result-file"),
     (["bench", "ablate"], "--output-dir"),
@@ -269,7 +270,7 @@ def test_every_bench_output_flag_is_checked_and_documented():
                 assert option.dest in OUTPUTS, (name, option.dest)
                 assert RULE in option.help, (name, option.option_strings)
                 seen.add(name)
-    assert seen == {"throughput", "serve", "sim", "ablate", "trace"}
+    assert seen == {"throughput", "latency", "serve", "sim", "ablate", "trace"}
 
 
 def test_debug_shows_the_traceback(qwen3_dir):
@@ -280,7 +281,8 @@ def test_debug_shows_the_traceback(qwen3_dir):
 
 
 # -- help and version ---------------------------------------------------------------------------
-HELP_COMMANDS = [["generate"], ["serve"], ["bench", "throughput"], ["bench", "serve"], ["bench", "ablate"]]
+HELP_COMMANDS = [["generate"], ["serve"], ["bench", "throughput"], ["bench", "latency"], ["bench", "serve"],
+                 ["bench", "ablate"]]
 
 
 def _subparser(parser, *names):

@@ -265,11 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_check_arguments(plugins)
     plugins.set_defaults(func=cmd_plugins)
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, ablate, trace, sim")
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, ablate, trace, sim")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
-    from sparrow.bench import synthetic, throughput
+    from sparrow.bench import latency, synthetic, throughput
 
     throughput.add_parser(bench_sub)
+    latency.add_parser(bench_sub)
     synthetic.add_parser(bench_sub)
     _optional_parsers(sub, bench_sub)
     # Long-running services log their start-up by default; one-shot commands keep stdout clean.

@@ -44,6 +44,7 @@ def test_latency_report_as_vllm_prints_it(qwen3_dir, tmp_path, beam):
     (["--n", "0"], "--n must be at least 1, got 0"),
     (["--num-iters-warmup", "-1"], "--num-iters-warmup must be at least 0, got -1"),
     (["--engine-args", "[1]"], "--engine-args must be a JSON object"),
+    (["--engine-args", '{"seed": 1}'], "--engine-args sets seed; use --seed"),
 ])
 def test_bad_flags_are_refused_before_anything_loads(flags, message):
     result = bench("/nonexistent-model", *flags)

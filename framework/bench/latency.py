@@ -19,6 +19,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
+from sparrow.bench.ablate_checks import parse_engine_args
 from sparrow.bench.outputs import RULE as OUTPUT_RULE
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -55,12 +56,7 @@ def check_args(args: argparse.Namespace) -> dict[str, Any]:
                         ("num_iters_warmup", 0)):
         if getattr(args, flag) < least:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least {least}, got {getattr(args, flag)}")
-    try:
-        engine_args = json.loads(args.engine_args)
-    except ValueError as exc:
-        raise ValueError(f"--engine-args is not valid JSON ({exc}): {args.engine_args!r}") from None
-    if not isinstance(engine_args, dict):
-        raise ValueError(f"--engine-args must be a JSON object, got {args.engine_args!r}")
+    engine_args = parse_engine_args(args.engine_args)
     return engine_args
 
 

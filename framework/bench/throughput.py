@@ -23,6 +23,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
+from sparrow.bench.ablate_checks import parse_engine_args
 from sparrow.bench.outputs import RULE as OUTPUT_RULE
 
 logger = logging.getLogger(__name__)
@@ -101,12 +102,7 @@ def check_args(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
-    try:
-        engine_args = json.loads(args.engine_args)
-    except ValueError as exc:
-        raise ValueError(f"--engine-args is not valid JSON ({exc}): {args.engine_args!r}") from None
-    if not isinstance(engine_args, dict):
-        raise ValueError(f"--engine-args must be a JSON object, got {args.engine_args!r}")
+    engine_args = parse_engine_args(args.engine_args)
     if getattr(args, "quantization", None) is not None:
         engine_args["quantization"] = args.quantization
     return engine_args

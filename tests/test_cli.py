@@ -136,6 +136,9 @@ PARSER_MISTAKES = {
     "empty-served-name": (["serve", "--served-model-name", ""], ["--served-model-name", "empty"]),
     "blank-scheduler": (["generate", "--scheduler", " "], ["--scheduler", "empty"]),
     "throughput-int": (["bench", "throughput", "--num-prompts", "many"], ["--num-prompts"]),
+    "throughput-len-and-range": (["bench", "throughput", "--input-len", "8", "--input-len-min", "4"],
+                                 ["--input-len", "--input-len-min"]),
+    "throughput-len-zero": (["bench", "throughput", "--output-len", "0"], ["--output-len", "at least 1"]),
     "bench-serve-float": (["bench", "serve", "--request-rate", "fast"], ["--request-rate"]),
     "ablate-empty-value": (["bench", "ablate", "--schedulers", "fcfs,,sjf"], ["--schedulers", "fcfs,,sjf"]),
     "ablate-trailing-comma": (["bench", "ablate", "--block-size", "16,"], ["--block-size"]),
@@ -484,3 +487,17 @@ def test_a_reduced_hf_run_is_never_a_speed_up(qwen3_dir, tmp_path):
     assert report["hf_num_prompts"] == 1 and report["hf_same_workload"] is False
     assert "speedup_vs_hf" not in report
     assert "HF generate" in result.stderr  # its progress bar
+
+
+def test_throughput_takes_vllms_fixed_lengths_and_prints_its_line(qwen3_dir, tmp_path):
+    result_file = tmp_path / "throughput.json"
+    result = run_sparrow("bench", "throughput", qwen3_dir, "--num-prompts", "3", "--input-len", "9",
+                         "--output-len", "4", "--result-file", str(result_file),
+                         "--engine-args", json.dumps({"num_kv_blocks": 64, "max_model_len": 256}))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result_file.read_text())
+    assert (report["prompt_tokens"], report["output_tokens"]) == (3 * 9, 3 * 4)
+    line = next(line for line in result.stdout.splitlines() if line.startswith("Throughput: "))
+    numbers = [float(value) for value in re.findall(r"[\d.]+", line)]
+    assert numbers == pytest.approx([3 / report["engine_elapsed_s"], report["engine_total_tok_s"],
+                                     report["engine_output_tok_s"]], rel=1e-2)

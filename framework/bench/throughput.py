@@ -35,10 +35,18 @@ def add_parser(subparsers: Any) -> None:
                                           "(docs/benchmarks.md), optionally against HF transformers.")
     p.add_argument("model", nargs="?", default=None, help="local model directory (default: built-in sparrow-tiny)")
     p.add_argument("--num-prompts", type=int, default=64, help="requests in the workload")
-    p.add_argument("--input-len-min", type=int, default=16, help="shortest prompt, in tokens")
-    p.add_argument("--input-len-max", type=int, default=400, help="prompt lengths are below this")
-    p.add_argument("--output-len-min", type=int, default=16, help="smallest max_tokens of a request")
-    p.add_argument("--output-len-max", type=int, default=200, help="max_tokens values are below this")
+    p.add_argument("--input-len-min", type=int, default=None,
+                   help="shortest prompt, in tokens (default: 16; 100 with --preset gpu)")
+    p.add_argument("--input-len-max", type=int, default=None,
+                   help="prompt lengths are below this (default: 400; 1025 with --preset gpu)")
+    p.add_argument("--output-len-min", type=int, default=None,
+                   help="smallest max_tokens of a request (default: 16; 100 with --preset gpu)")
+    p.add_argument("--output-len-max", type=int, default=None,
+                   help="max_tokens values are below this (default: 200; 1025 with --preset gpu)")
+    p.add_argument("--input-len", type=int, default=None,
+                   help="every prompt this long, as vLLM's --input-len (instead of --input-len-min/-max)")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="every request's max_tokens, as vLLM's --output-len (instead of --output-len-min/-max)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and of the engine")
     p.add_argument("--compare-hf", action="store_true",
@@ -73,15 +81,38 @@ GPU_PRESET = dict(num_prompts=256, input_len_min=100, input_len_max=1025, output
                   output_len_max=1025, temperature=0.6)
 
 
+CPU_LENGTHS = dict(input_len_min=16, input_len_max=400, output_len_min=16, output_len_max=200)
+
+
+def apply_lengths(args: argparse.Namespace) -> None:
+    """--input-len / --output-len (vLLM's fixed lengths) or the ranges, else the preset's ranges."""
+    for kind in ("input", "output"):
+        fixed = getattr(args, f"{kind}_len", None)
+        if fixed is None:
+            continue
+        if getattr(args, f"{kind}_len_min") is not None or getattr(args, f"{kind}_len_max") is not None:
+            raise ValueError(f"--{kind}-len sets every length: give it or --{kind}-len-min/--{kind}-len-max, "
+                             "not both")
+        if fixed < 1:
+            raise ValueError(f"--{kind}-len must be at least 1, got {fixed}")
+        setattr(args, f"{kind}_len_min", fixed)
+        setattr(args, f"{kind}_len_max", fixed + 1)
+    lengths = {name: GPU_PRESET[name] for name in CPU_LENGTHS} if args.preset == "gpu" else CPU_LENGTHS
+    for name, value in lengths.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def apply_preset(args: argparse.Namespace) -> dict:
-    """Fill the GPU workload's defaults; returns extra engine arguments."""
+    """Fill the workload's defaults (the GPU preset's with --preset gpu); returns extra engine
+    arguments."""
+    apply_lengths(args)
     if args.preset != "gpu":
         return {}
-    defaults = {"num_prompts": 64, "input_len_min": 16, "input_len_max": 400, "output_len_min": 16,
-                "output_len_max": 200, "temperature": 0.0}
-    for name, value in GPU_PRESET.items():
-        if getattr(args, name) == defaults[name]:
-            setattr(args, name, value)
+    defaults = {"num_prompts": 64, "temperature": 0.0}
+    for name, value in defaults.items():
+        if getattr(args, name) == value:
+            setattr(args, name, GPU_PRESET[name])
     # HF's single left-padded batch of 256 prompts of up to 2,048 tokens would not fit the card's
     # memory: the same prompts run as sequential batches instead.
     if args.hf_batch_size is None:
@@ -389,3 +420,6 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"machine: {result['machine']} {result.get('device_name', '')}  torch {result['torch']}  {result['date']}")
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
+    # vLLM's summary line, for scripts that read it.
+    print(f"Throughput: {result['num_prompts'] / result['engine_elapsed_s']:.2f} requests/s, "
+          f"{result['engine_total_tok_s']:.2f} total tokens/s, {result['engine_output_tok_s']:.2f} output tokens/s")

@@ -325,6 +325,58 @@ def test_bench_serve_reports_vllm_metrics(server, tmp_path):
         assert result[key] > 0, key
 
 
+def test_bench_serve_takes_vllms_flags(server, tmp_path):
+    """vllm bench serve's --host/--port, --dataset-name random and --random-input-len/-output-len:
+    every prompt and every output has exactly the asked length."""
+    import argparse
+
+    from sparrow.bench.serve import add_bench_serve_parser
+
+    parser = argparse.ArgumentParser()
+    add_bench_serve_parser(parser.add_subparsers())
+    result_file = tmp_path / "serve.json"
+    args = parser.parse_args([
+        "serve", "--host", "127.0.0.1", "--port", str(server.port), "--api-key", API_KEY, "--dataset-name", "random",
+        "--random-input-len", "7", "--random-output-len", "3", "--num-prompts", "4", "--max-concurrency", "2",
+        "--result-file", str(result_file)])
+    assert args.func(args) == 0
+    result = json.loads(result_file.read_text())
+    assert result["completed"] == 4 and result["base_url"] == server.url
+    assert (result["total_input_tokens"], result["total_output_tokens"]) == (4 * 7, 4 * 3)
+
+
+def test_bench_serve_flags_are_checked_by_name():
+    import argparse
+
+    from sparrow.bench.serve import add_bench_serve_parser, resolve_workload_flags
+
+    parser = argparse.ArgumentParser()
+    add_bench_serve_parser(parser.add_subparsers())
+
+    def resolved(*flags):
+        args = parser.parse_args(["serve", *flags])
+        resolve_workload_flags(args)
+        return args
+
+    args = resolved("--random-input-len", "100", "--random-output-len", "10", "--random-range-ratio", "0.5")
+    assert (args.input_len_min, args.input_len_max, args.output_len_min, args.output_len_max) == (50, 151, 5, 16)
+    assert args.base_url == "http://127.0.0.1:8000"
+    assert resolved("--port", "9001").base_url == "http://127.0.0.1:9001"
+    for flags, words in [
+        (["--base-url", "http://x:1", "--port", "2"], "--base-url names the server already"),
+        (["--random-input-len", "8", "--input-len-min", "4"], "--random-input-len sets the lengths"),
+        (["--random-range-ratio", "0.2"], "--random-range-ratio applies to --random-input-len"),
+        (["--random-input-len", "8", "--random-range-ratio", "1.5"], "--random-range-ratio must be in [0, 1)"),
+        (["--input-len-min", "50", "--input-len-max", "10"], "--input-len-max (10) must be greater"),
+        (["--max-concurrency", "0"], "--max-concurrency must be at least 1"),
+        (["--request-rate", "0"], "--request-rate must be > 0"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            resolved(*flags)
+    with pytest.raises(SystemExit):  # argparse: only the random dataset is built in
+        parser.parse_args(["serve", "--dataset-name", "sharegpt"])
+
+
 def test_logit_bias_forces_and_bans_tokens(server, model_dir):
     from transformers import AutoTokenizer
 

@@ -59,9 +59,6 @@ class ModelRunner(Protocol):
     def kv_cache_bytes_per_block(self) -> int:
         ...
 
-    def kv_cache_fixed_bytes(self) -> int:
-        ...
-
     def initialize_kv_cache(self, num_blocks: int) -> None:
         ...
 

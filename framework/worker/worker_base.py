@@ -94,7 +94,8 @@ class WorkerBase:
             return self.config.cache.num_kv_blocks
         per_block = self.model_runner.kv_cache_bytes_per_block()
         available = self.available_kv_cache_bytes()
-        fixed = self.model_runner.kv_cache_fixed_bytes()
+        # Optional (sparrow.worker.model_runner.ModelRunner has it): a runner written before it keeps working.
+        fixed = getattr(self.model_runner, "kv_cache_fixed_bytes", lambda: 0)()
         num_blocks = (available - fixed) // per_block
         if num_blocks < 1:
             besides = f" besides {fixed} bytes of draft-model blocks" if fixed else ""

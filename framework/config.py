@@ -186,6 +186,9 @@ class CacheConfig(_Section):
 class SchedulerConfig(_Section):
     scheduler: str = Field("fcfs", description="Scheduling policy: fcfs, priority, sjf, lpm, or a plugin's "
                            "(`sparrow plugins` lists them).")
+    scheduling_policy: Literal["fcfs", "priority"] | None = Field(
+        None, description="vLLM's name for its two policies: sets scheduler to fcfs or priority (with "
+        "scheduler, both must agree).")
     max_num_seqs: int = Field(256, gt=0, description="Most requests running in one step.")
     max_num_batched_tokens: int | None = Field(None, gt=0, description="Token budget per step, prompt and output "
                                                "tokens together (default: the platform's, CPU 2048, CUDA 8192).")
@@ -197,6 +200,16 @@ class SchedulerConfig(_Section):
                                           "step n+1 while step n runs; not with speculative decoding or a KV "
                                           "connector (default: the platform's; off on the built-in CPU and CUDA "
                                           "platforms).")
+
+    @model_validator(mode="after")
+    def _scheduling_policy(self) -> SchedulerConfig:
+        policy = self.scheduling_policy
+        if policy is not None and policy != self.scheduler:
+            if "scheduler" in self.model_fields_set:
+                raise ValueError(f"scheduling_policy={policy!r} and scheduler={self.scheduler!r} disagree; "
+                                 "give one of them")
+            object.__setattr__(self, "scheduler", policy)  # not an assignment: that would validate again
+        return self
 
 
 class ParallelConfig(_Section):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparrow.config import EngineConfig
+from sparrow.config import ConfigError, EngineConfig
 from sparrow.engine.core import EngineCore
 from sparrow.engine.messages import EngineCoreRequest
 from sparrow.sampling_params import SamplingParams
@@ -101,6 +101,31 @@ def test_priority_policy_admits_by_priority():
     engine.add_request(make_request("urgent", 4, max_tokens=1, priority=1))
     run_to_completion(engine)
     assert [r.req_id for so in executor.history for r in so.scheduled_new_reqs] == ["urgent", "later"]
+
+
+def test_vllms_scheduling_policy_picks_the_scheduler(qwen3_dir):
+    """scheduling_policy="priority" (vLLM's argument) runs the priority scheduler: the same
+    admission order as scheduler="priority"; with a disagreeing scheduler it is refused by name."""
+    engine, executor = make_engine(scheduling_policy="priority", max_num_seqs=1)
+    engine.add_request(make_request("later", 4, max_tokens=1, priority=3))
+    engine.add_request(make_request("urgent", 4, max_tokens=1, priority=1))
+    run_to_completion(engine)
+    assert [r.req_id for so in executor.history for r in so.scheduled_new_reqs] == ["urgent", "later"]
+    assert EngineConfig.from_kwargs(scheduling_policy="fcfs").scheduler.scheduler == "fcfs"
+    with pytest.raises(ConfigError, match="scheduling_policy='priority' and scheduler='sjf' disagree"):
+        EngineConfig.from_kwargs(scheduling_policy="priority", scheduler="sjf")
+    with pytest.raises(ConfigError, match="'scheduling_policy'"):
+        EngineConfig.from_kwargs(scheduling_policy="sjf")  # vLLM has only fcfs and priority
+    # Offline, as a vLLM user writes it: priorities are honoured instead of refused.
+    from sparrow import LLM, SamplingParams
+
+    llm = LLM(qwen3_dir, scheduling_policy="priority", multiprocess=False, max_model_len=128)
+    try:
+        outputs = llm.generate(["a b c", "d e f"], SamplingParams(max_tokens=2, temperature=0), priority=[1, 0],
+                               use_tqdm=False)
+        assert [len(output.outputs[0].token_ids) for output in outputs] == [2, 2]
+    finally:
+        llm.shutdown()
 
 
 def test_abort_waiting_running_and_preempted_frees_everything():

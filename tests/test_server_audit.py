@@ -29,7 +29,7 @@ INT64_MIN = -(2**63)
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir, tmp_path_factory):
-    yield from serve_for_module(qwen3_dir, tmp_path_factory, "audit-logs")
+    yield from serve_for_module(qwen3_dir, tmp_path_factory, "audit-logs", "--disable-fastapi-docs")
 
 
 @pytest.fixture(scope="module")
@@ -332,3 +332,10 @@ def test_negative_seeds_reproduce_a_sample(server, client):
     assert sample(INT64_MIN) == sample(INT64_MIN)
     refused(server, COMPLETIONS, {"seed": INT64_MIN - 1}, "seed")
     refused(server, COMPLETIONS, {"seed": 2**63}, "seed")
+
+
+def test_disable_fastapi_docs_serves_no_schema_pages(server):
+    # This module's server runs with --disable-fastapi-docs (vLLM's flag); the API still answers.
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(server.url + path, timeout=30).status_code == 404, path
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200

@@ -49,6 +49,7 @@ def template_file(tmp_path_factory) -> str:
 def server(model_dir, template_file, tmp_path_factory):
     yield from serve_for_module(model_dir, tmp_path_factory, "flags-logs", "--chat-template", template_file,
                                 "--response-role", "bot", "--enable-log-requests", "--enable-log-outputs",
+                                "--return-tokens-as-token-ids",
                                 "--max-log-len", str(MAX_LOG_LEN),
                                 "--root-path", ROOT_PATH, server_cls=FlagsServer)
 
@@ -220,3 +221,27 @@ def test_log_flags_without_enable_log_requests_are_refused(flags):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1] == f"sparrow: error: {flags[0]} needs --enable-log-requests"
+
+
+def test_return_tokens_as_token_ids_for_every_request(server, client, hf_tokenizer):
+    # --return-tokens-as-token-ids: a request that does not ask still gets 'token_id:N' labels,
+    # and N is the sampled token (checked against the tokenizer's decoding of the text).
+    reply = client.completions.create(model=MODEL_NAME, prompt="the quick brown fox", max_tokens=4, temperature=0,
+                                      logprobs=2)
+    logprobs = reply.choices[0].logprobs
+    ids = [int(token.removeprefix("token_id:")) for token in logprobs.tokens]
+    assert all(token.startswith("token_id:") for token in logprobs.tokens)
+    assert hf_tokenizer.decode(ids) == reply.choices[0].text
+    assert all(key.startswith("token_id:") for top in logprobs.top_logprobs for key in top)
+    chat_reply = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=3, logprobs=True, top_logprobs=1)
+    assert all(entry.token.startswith("token_id:") for entry in chat_reply.choices[0].logprobs.content)
+
+
+def test_vllms_access_log_flag_is_the_same_switch():
+    # The test servers all run with --disable-access-log; vLLM's name must set the same switch.
+    from sparrow.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "m", "--disable-uvicorn-access-log"]).disable_access_log is True
+    assert parser.parse_args(["serve", "m"]).disable_access_log is False

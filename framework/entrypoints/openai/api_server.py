@@ -130,7 +130,9 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     api_key = getattr(args, "api_key", None) or os.environ.get(ENV_API_KEY) or None
     max_body = getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_REQUEST_BODY_BYTES
     model_names = [engine.served_model_name]
-    app = FastAPI(title="Sparrow OpenAI-compatible API", version=__version__)
+    docs = not getattr(args, "disable_fastapi_docs", False)
+    app = FastAPI(title="Sparrow OpenAI-compatible API", version=__version__, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.router.route_class = JSONBodyRoute  # before any route is added
     app.add_middleware(RequestLimitsMiddleware, api_key=api_key, max_body_bytes=max_body)
     # Added last, so outermost: preflights are answered before auth, and every response (a 401
@@ -152,6 +154,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     for handler in (completions, chat, tokenization):
         handler.lora_modules = lora_modules
         handler.request_logger = request_logger
+        handler.return_tokens_as_token_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:

@@ -180,8 +180,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="log level of the HTTP server's own messages (default: info)")
-    server.add_argument("--disable-access-log", action="store_true",
+    server.add_argument("--disable-access-log", "--disable-uvicorn-access-log", action="store_true",
+                        dest="disable_access_log",
                         help="do not log one line per HTTP request (default: off, every request is logged)")
+    server.add_argument("--disable-fastapi-docs", action="store_true",
+                        help="serve no /docs, /redoc or /openapi.json (default: off, they are served)")
+    server.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="every request's logprob tokens as 'token_id:N', as if each asked for it with "
+                             "return_tokens_as_token_ids (default: off)")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="answer tool_choice \"auto\" (the default when a request has tools) by parsing the "
                              "model's tool calls with --tool-call-parser (default: off, such requests are a 400)")

@@ -149,6 +149,8 @@ class OpenAIServing:
         self.lora_modules: Any = None
         # --enable-log-requests: a request_logger.RequestLogger, or None.
         self.request_logger: Any = None
+        # --return-tokens-as-token-ids: every request's logprob tokens as 'token_id:N'.
+        self.return_tokens_as_token_ids = False
         # A parameter a request leaves unset takes the model's generation-config default (vLLM's
         # default_sampling_params); a max_new_tokens override caps every request's max_tokens.
         self.default_sampling_params: dict[str, Any] = dict(engine.default_sampling_params)
@@ -185,6 +187,8 @@ class OpenAIServing:
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "BadRequestError",
                            param="stream_options", code="invalid_value")
+        if self.return_tokens_as_token_ids:  # the server's default; a request can only turn it on
+            request.return_tokens_as_token_ids = True
 
     async def off_loop(self, work: Callable[..., T], *args: Any, default_param: str | None = None) -> T:
         """Run ``work`` (tokenizing, templating, checking every string) in a worker thread, so

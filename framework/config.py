@@ -58,6 +58,9 @@ class ModelConfig(_Section):
     model: str | None = Field(None, description="Local Hugging Face model directory (config.json, *.safetensors, "
                               "tokenizer files); never downloaded (default: the built-in sparrow-tiny).")
     tokenizer: str | None = Field(None, description="Tokenizer directory (default: the model directory).")
+    runner: str = Field("auto", description="vLLM's model runner kind: auto or generate (Sparrow runs generative "
+                        "models only; pooling is refused).")
+    task: str = Field("auto", description="vLLM's older name for runner: auto or generate.")
     dtype: str = Field("auto", description="Weight and activation dtype: auto, float32, bfloat16 or float16; "
                        "auto is the platform's choice (CPU float32, CUDA bfloat16).")
     max_model_len: int | None = Field(None, gt=0, description="Longest context, prompt plus output, in tokens "
@@ -153,6 +156,14 @@ class ModelConfig(_Section):
             raise ValueError(f"must be one of {', '.join(DTYPES)}")
         return value
 
+    @field_validator("runner", "task")
+    @classmethod
+    def _generative_only(cls, value: str) -> str:
+        if value not in ("auto", "generate"):
+            raise ValueError("Sparrow runs generative models only: auto or generate (pooling, embedding and "
+                             "scoring models are not supported)")
+        return value
+
 
 class CacheConfig(_Section):
     block_size: int | None = Field(None, gt=0, le=1024, description="Tokens per KV cache block "
@@ -214,6 +225,11 @@ class SchedulerConfig(_Section):
 
 class ParallelConfig(_Section):
     tensor_parallel_size: int = Field(1, gt=0, description="Ranks (processes or devices) that shard the model.")
+    pipeline_parallel_size: int = Field(1, description="vLLM's pipeline stages: only 1 (Sparrow shards a model "
+                                        "with tensor_parallel_size).")
+    disable_custom_all_reduce: bool = Field(False, description="vLLM's switch off its custom all-reduce kernel; "
+                                            "Sparrow has none (every all-reduce is its platform communicator's), "
+                                            "so either value runs the same.")
     data_parallel_size: int = Field(1, gt=0, description="Engine cores behind one frontend, each with a whole "
                                     "copy of the model.")
     data_parallel_rank: int = Field(0, ge=0, description="This engine core's index under data parallelism "
@@ -228,6 +244,14 @@ class ParallelConfig(_Section):
                                     "other nodes (default: MASTER_ADDR).")
     master_port: int | None = Field(None, gt=0, lt=65536, description="A free port on node 0 for "
                                     "torch.distributed's store (default: MASTER_PORT).")
+
+    @field_validator("pipeline_parallel_size")
+    @classmethod
+    def _no_pipeline_stages(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("pipeline parallelism is not implemented: only 1; shard the model with "
+                             "tensor_parallel_size (across machines too, see docs/distributed.md)")
+        return value
 
     @field_validator("nnodes")
     @classmethod

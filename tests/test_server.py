@@ -325,6 +325,14 @@ def test_bench_serve_reports_vllm_metrics(server, tmp_path):
         assert result[key] > 0, key
 
 
+def test_prompt_tokens_details_are_off_by_default(server):
+    # Without --enable-prompt-tokens-details, vLLM's shape: the key is there, null.
+    body = {"model": MODEL_NAME, "prompt": "hello there", "max_tokens": 1}
+    response = httpx.post(server.url + "/v1/completions", json=body,
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert response.status_code == 200 and response.json()["usage"]["prompt_tokens_details"] is None
+
+
 def test_bench_serve_takes_vllms_flags(server, tmp_path):
     """vllm bench serve's --host/--port, --dataset-name random and --random-input-len/-output-len:
     every prompt and every output has exactly the asked length."""

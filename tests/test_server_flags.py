@@ -49,7 +49,7 @@ def template_file(tmp_path_factory) -> str:
 def server(model_dir, template_file, tmp_path_factory):
     yield from serve_for_module(model_dir, tmp_path_factory, "flags-logs", "--chat-template", template_file,
                                 "--response-role", "bot", "--enable-log-requests", "--enable-log-outputs",
-                                "--return-tokens-as-token-ids",
+                                "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
                                 "--max-log-len", str(MAX_LOG_LEN),
                                 "--root-path", ROOT_PATH, server_cls=FlagsServer)
 
@@ -245,3 +245,25 @@ def test_vllms_access_log_flag_is_the_same_switch():
     parser = build_parser()
     assert parser.parse_args(["serve", "m", "--disable-uvicorn-access-log"]).disable_access_log is True
     assert parser.parse_args(["serve", "m"]).disable_access_log is False
+
+
+def test_prompt_tokens_details_count_the_prefix_cache_hits(client):
+    # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens, whole and streamed,
+    # on both endpoints. A prompt no earlier test sent: nothing cached the first time; the same
+    # prompt again finds its whole blocks (16 tokens each) in the prefix cache.
+    prompt = " ".join(f"word{index}" for index in range(40))
+    first = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < again.usage.prompt_tokens and cached % 16 == 0, again.usage
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    messages = [{"role": "user", "content": prompt}]
+    client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2)
+    assert chat.usage.prompt_tokens_details.cached_tokens >= 16
+    streamed = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2, stream=True,
+                                                   stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == chat.usage.prompt_tokens_details.cached_tokens

@@ -185,6 +185,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="do not log one line per HTTP request (default: off, every request is logged)")
     server.add_argument("--disable-fastapi-docs", action="store_true",
                         help="serve no /docs, /redoc or /openapi.json (default: off, they are served)")
+    server.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="report usage.prompt_tokens_details.cached_tokens, the prompt tokens the prefix "
+                             "cache held, in every response (default: off, prompt_tokens_details is null)")
     server.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help="every request's logprob tokens as 'token_id:N', as if each asked for it with "
                              "return_tokens_as_token_ids (default: off)")

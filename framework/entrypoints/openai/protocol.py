@@ -71,10 +71,15 @@ class StreamOptions(RequestModel):
         False, description="vLLM's: with include_usage, every chunk carries the usage so far.")
 
 
+class PromptTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (computed by an earlier request)
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details
 
 
 class JsonSchemaFormat(RequestModel):

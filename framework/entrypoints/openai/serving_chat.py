@@ -264,7 +264,8 @@ class OpenAIServingChat(OpenAIServing):
                 stop_reason=completion.stop_reason))
         completion_tokens = sum(len(completion.token_ids) for completion in final.outputs)
         return ChatCompletionResponse(id=request_id, model=model, choices=choices,
-                                      usage=usage(len(final.prompt_token_ids or []), completion_tokens))
+                                      usage=usage(len(final.prompt_token_ids or []), completion_tokens,
+                                                  self.cached([final])))
 
     def _stream_choice(self, completion: CompletionOutput, reply: Reply,
                        choice: ChoiceStream) -> ChatCompletionResponseStreamChoice | None:
@@ -282,6 +283,7 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(self, request_id: str, model: str, n: int, stream: Any, reply: Reply,
                       parsers: ReplyParsers) -> AsyncIterator[str]:
         prompt_tokens, completion_tokens = reply.prompt_tokens, 0
+        cached = None  # known with the first output
         so_far = usage(prompt_tokens, 0) if reply.continuous_usage else None
         # OpenAI opens every choice with the role; an echoed message follows in the same delta.
         first = ChatCompletionStreamResponse(id=request_id, model=model, usage=so_far, choices=[
@@ -292,6 +294,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             async for _, output in merge_streams([stream]):
                 prompt_tokens = len(output.prompt_token_ids or []) or prompt_tokens
+                cached = self.cached([output])
                 choices, finishes = [], []
                 for completion in output.outputs:
                     completion_tokens += len(completion.token_ids)
@@ -304,14 +307,14 @@ class OpenAIServingChat(OpenAIServing):
                         # `arguments.done` event is only fired in that order.
                         finishes.append(choice.model_copy(update={"delta": DeltaMessage(), "logprobs": None}))
                         choices[-1] = choice.model_copy(update={"finish_reason": None, "stop_reason": None})
-                so_far = usage(prompt_tokens, completion_tokens) if reply.continuous_usage else None
+                so_far = usage(prompt_tokens, completion_tokens, cached) if reply.continuous_usage else None
                 for group in (choices, finishes):
                     if group:
                         chunk = ChatCompletionStreamResponse(id=request_id, model=model, choices=group, usage=so_far)
                         yield f"data: {chunk.model_dump_json()}\n\n"
             if reply.include_usage:
                 chunk = ChatCompletionStreamResponse(id=request_id, model=model, choices=[],
-                                                     usage=usage(prompt_tokens, completion_tokens))
+                                                     usage=usage(prompt_tokens, completion_tokens, cached))
                 yield f"data: {chunk.model_dump_json()}\n\n"
         except EngineDeadError as exc:
             yield f"data: {json.dumps(engine_dead(exc).body())}\n\n"

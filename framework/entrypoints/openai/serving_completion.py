@@ -19,6 +19,7 @@ from sparrow.entrypoints.openai.protocol import (
     CompletionResponseChoice,
     CompletionStreamResponse,
     PromptLogprob,
+    PromptTokensDetails,
     UsageInfo,
 )
 from sparrow.entrypoints.openai.request_checks import check_unicode, not_supported
@@ -233,6 +234,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice.prompt_logprobs = shape.prompt_logprobs_of(final)
                 choices.append(choice)
         totals.total_tokens = totals.prompt_tokens + totals.completion_tokens
+        cached = self.cached(finals)
+        if cached is not None:
+            totals.prompt_tokens_details = PromptTokensDetails(cached_tokens=cached)
         choices.sort(key=lambda choice: choice.index)
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=totals)
 
@@ -250,10 +254,12 @@ class OpenAIServingCompletion(OpenAIServing):
                       shape: Echo, as_token_ids: bool, continuous_usage: bool) -> AsyncIterator[str]:
         builders: dict[int, CompletionLogprobsBuilder] = {}
         prompt_tokens: dict[int, int] = {}
+        latest: dict[int, RequestOutput] = {}  # each prompt's newest output (its cached tokens)
         completion_tokens = 0
         try:
             async for prompt_index, output in merge_streams(streams):
                 prompt_tokens[prompt_index] = len(output.prompt_token_ids or [])
+                latest[prompt_index] = output
                 choices = []
                 for completion in output.outputs:
                     index = prompt_index * n + completion.index
@@ -274,12 +280,14 @@ class OpenAIServingCompletion(OpenAIServing):
                     choices.append(choice)
                 if choices:
                     # continuous_usage_stats: the usage so far (of the prompts seen so far) in every chunk.
-                    so_far = usage(sum(prompt_tokens.values()), completion_tokens) if continuous_usage else None
+                    so_far = (usage(sum(prompt_tokens.values()), completion_tokens, self.cached(list(latest.values())))
+                              if continuous_usage else None)
                     chunk = CompletionStreamResponse(id=request_id, model=model, choices=choices, usage=so_far)
                     yield f"data: {chunk.model_dump_json()}\n\n"
             if include_usage:
                 chunk = CompletionStreamResponse(id=request_id, model=model, choices=[],
-                                                 usage=usage(sum(prompt_tokens.values()), completion_tokens))
+                                                 usage=usage(sum(prompt_tokens.values()), completion_tokens,
+                                                             self.cached(list(latest.values()))))
                 yield f"data: {chunk.model_dump_json()}\n\n"
         except EngineDeadError as exc:
             yield f"data: {json.dumps(engine_dead(exc).body())}\n\n"

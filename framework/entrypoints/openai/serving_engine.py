@@ -15,7 +15,7 @@ from sparrow.engine.async_llm import AsyncLLM
 from sparrow.engine.exceptions import EngineDeadError, EngineShutdownError
 from sparrow.engine.generation_defaults import server_max_tokens_cap
 from sparrow.engine.text_checks import check_text
-from sparrow.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from sparrow.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_beam_search, check_fields, param_of
 from sparrow.entrypoints.openai.structured_outputs import GUIDED_FIELDS, in_request_words, structured_outputs_of
 from sparrow.errors import InvalidArgumentError
@@ -121,9 +121,11 @@ def token_label(token_id: int, text: str, as_token_id: bool) -> str:
     return f"token_id:{token_id}" if as_token_id else text
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> UsageInfo:
+    """``cached_tokens``: the prompt tokens the prefix cache held (None: no prompt_tokens_details)."""
+    details = None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+                     total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
 
 def logit_bias(value: dict[str, float] | None) -> dict[int, float] | None:
@@ -141,6 +143,11 @@ class OpenAIServing:
     """Base of the endpoint handlers: one per endpoint, built once per app."""
 
     request_id_prefix = "req"
+    # Server flags (build_app sets them per handler):
+    # --return-tokens-as-token-ids: every request's logprob tokens as 'token_id:N';
+    return_tokens_as_token_ids = False
+    # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens in every response.
+    enable_prompt_tokens_details = False
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
         self.engine = engine
@@ -149,12 +156,16 @@ class OpenAIServing:
         self.lora_modules: Any = None
         # --enable-log-requests: a request_logger.RequestLogger, or None.
         self.request_logger: Any = None
-        # --return-tokens-as-token-ids: every request's logprob tokens as 'token_id:N'.
-        self.return_tokens_as_token_ids = False
         # A parameter a request leaves unset takes the model's generation-config default (vLLM's
         # default_sampling_params); a max_new_tokens override caps every request's max_tokens.
         self.default_sampling_params: dict[str, Any] = dict(engine.default_sampling_params)
         self.max_tokens_cap = server_max_tokens_cap(engine.model_config, self.default_sampling_params)
+
+    def cached(self, outputs: list[RequestOutput]) -> int | None:
+        """usage's cached_tokens of these outputs (one per prompt), or None when not reported."""
+        if not self.enable_prompt_tokens_details:
+            return None
+        return sum(output.num_cached_tokens or 0 for output in outputs)
 
     def check_model(self, model: str | None) -> str:
         if model is None or model in self.served_model_names:

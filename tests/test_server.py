@@ -308,7 +308,7 @@ def test_seed_reproduces_a_sample_and_sampling_fields_are_accepted(server):
 def test_bench_serve_reports_vllm_metrics(server, tmp_path):
     import argparse
 
-    from sparrow.bench.serve import add_bench_serve_parser
+    from sparrow.bench.serve_args import add_bench_serve_parser
 
     parser = argparse.ArgumentParser()
     add_bench_serve_parser(parser.add_subparsers())
@@ -338,7 +338,7 @@ def test_bench_serve_takes_vllms_flags(server, tmp_path):
     every prompt and every output has exactly the asked length."""
     import argparse
 
-    from sparrow.bench.serve import add_bench_serve_parser
+    from sparrow.bench.serve_args import add_bench_serve_parser
 
     parser = argparse.ArgumentParser()
     add_bench_serve_parser(parser.add_subparsers())
@@ -356,7 +356,7 @@ def test_bench_serve_takes_vllms_flags(server, tmp_path):
 def test_bench_serve_flags_are_checked_by_name():
     import argparse
 
-    from sparrow.bench.serve import add_bench_serve_parser, resolve_workload_flags
+    from sparrow.bench.serve_args import add_bench_serve_parser, resolve_workload_flags
 
     parser = argparse.ArgumentParser()
     add_bench_serve_parser(parser.add_subparsers())

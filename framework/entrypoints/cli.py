@@ -310,7 +310,7 @@ def _optional_parsers(sub: Any, bench_sub: Any) -> None:
 
     add_serve_parser(sub)
     try:
-        from sparrow.bench.serve import add_bench_serve_parser
+        from sparrow.bench.serve_args import add_bench_serve_parser
     except ImportError:
         pass
     else:

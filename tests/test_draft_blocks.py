@@ -107,3 +107,18 @@ def test_the_draft_cache_benchmark_runs_as_documented(qwen3_dir):
     line = next(line for line in result.stdout.splitlines() if line.startswith("num_kv_blocks=128"))
     fields = dict(field.split("=") for field in line.split())
     assert fields["rows_without_room"] == "0" and int(fields["drafted"]) > 0
+
+
+def test_the_targets_hf_overrides_do_not_reach_the_draft(qwen3_dir, small_draft_dir):
+    import json as json_module
+
+    own = json_module.loads((Path(small_draft_dir) / "config.json").read_text())["max_position_embeddings"]
+    config = {"method": "draft_model", "model": small_draft_dir, "num_speculative_tokens": 2}
+    llm = LLM(qwen3_dir, speculative_config=config, multiprocess=False, hf_overrides={"max_position_embeddings": 300},
+              num_kv_blocks=32)
+    try:
+        runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+        assert runner.model.config.max_position_embeddings == 300  # the target's override
+        assert runner.proposer.model.config.max_position_embeddings == own != 300  # the draft's own config.json
+    finally:
+        llm.shutdown()

@@ -215,12 +215,9 @@ class EngineCore:
             if message is None or request.is_finished():
                 continue
             self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
-            # The messages start with the field: "structured_outputs.regex: ..." or "... could not ...".
-            field = message.split(":", 1)[0].split(" ", 1)[0]
             failed.append(EngineCoreOutput(request_id=req_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
                                            error_message=message,
-                                           error_field=field if field.startswith("structured_outputs") else
-                                           "structured_outputs"))
+                                           error_field=request.structured_output.error_field()))
         return failed
 
     def _attach_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:

@@ -112,8 +112,9 @@ def load_draft_model(model_dir: str, runner: Any) -> torch.nn.Module:
     from sparrow.quantization import op_overrides_for, resolve_quantization
 
     hf_config = get_hf_config(model_dir, runner.config.model.trust_remote_code)  # the target's setting
+    # The target's hf_overrides describe the target's config.json, not the draft's.
     model_section = runner.config.model.model_copy(
-        update={"model": model_dir, "quantization": resolve_quantization(None, hf_config)})
+        update={"model": model_dir, "quantization": resolve_quantization(None, hf_config), "hf_overrides": {}})
     config = runner.config.model_copy(update={"model": model_section})
     backend_cls = type(runner.model.attn_backend)
     model = load_model(model_dir, backend_cls, runner.dtype, runner.device, tp=getattr(runner.model, "tp", None),

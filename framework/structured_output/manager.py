@@ -104,6 +104,10 @@ class StructuredOutputRequest:
         exc = self._compiled.exception()
         return None if exc is None else str(exc)
 
+    def error_field(self) -> str:
+        """The request field a failure of this grammar names: ``structured_outputs.KIND``."""
+        return f"structured_outputs.{self.key.split(':', 1)[0]}"
+
     def charge_mask_time(self, seconds: float, budget_seconds: float) -> bool:
         """Count one step's mask time against the budget; True when the grammar has now failed
         (its masks passed the budget on more than ``_SLOW_MASKS_ALLOWED`` steps)."""
@@ -112,8 +116,7 @@ class StructuredOutputRequest:
         self._slow_masks += 1
         if self._slow_masks <= _SLOW_MASKS_ALLOWED:
             return False
-        kind = self.key.split(":", 1)[0]
-        self._failure = (f"structured_outputs.{kind}: the grammar is too expensive to apply: its token mask took "
+        self._failure = (f"{self.error_field()}: the grammar is too expensive to apply: its token mask took "
                          f"{seconds * 1000:.0f} ms on {self._slow_masks} steps, over the budget of "
                          f"{budget_seconds * 1000:g} ms (structured_outputs_mask_budget_ms)")
         return True

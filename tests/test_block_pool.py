@@ -148,6 +148,24 @@ def test_usage_and_reset_prefix_cache() -> None:
     assert all(block.block_hash is None for block in pool.blocks)
 
 
+def test_cache_block_indexes_a_block_under_a_callers_key() -> None:
+    """cache_block, as the draft model's cache keys its blocks: a held block is found after its
+    holder lets go, a block already indexed keeps its hash, and two blocks may share one key."""
+    pool = BlockPool(3)
+    first, second, third = pool.get_new_blocks(3)
+    key = hash_block_tokens(None, (1, 2, 3, 4))
+    pool.cache_block(first, key)
+    pool.cache_block(first, hash_block_tokens(None, (5, 6, 7, 8)))  # already indexed: unchanged
+    pool.cache_block(second, key)  # the same content computed twice
+    assert first.block_hash == second.block_hash == key and third.block_hash is None
+    pool.free_blocks([third, second, first])
+    assert pool.get_cached_block(key) in (first, second)
+    assert pool.get_new_blocks(1) == [third]  # the uncached block goes first
+    pool.get_new_blocks(1)
+    assert pool.get_cached_block(key) is not None  # one copy evicted, the other still a hit
+    check_pool_invariants(pool)
+
+
 @given(st.permutations(range(6)), st.integers(0, 6))
 def test_eviction_is_lru(free_order: list[int], num_reused: int) -> None:
     """The block freed longest ago is handed out (and its cached content evicted) first."""

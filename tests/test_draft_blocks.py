@@ -1,6 +1,6 @@
-"""The draft model's block pool (sparrow.spec_decode.draft_blocks): holds, sharing through chained
-keys, caching after release, eviction of the oldest cached block; and the draft's extra blocks in
-the worker's KV budget (real tiny model and draft)."""
+"""The draft model's cache on a real tiny model and draft: its extra blocks in the worker's KV
+budget, its benchmark, and its own config. (Its block pool is sparrow.core.block_pool.BlockPool,
+tested in test_block_pool.py; sharing between requests is tested in test_spec_draft.py.)"""
 
 from __future__ import annotations
 
@@ -8,70 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 from sparrow import LLM
-from sparrow.spec_decode.draft_blocks import DraftBlockPool, chain_key
-from sparrow.spec_decode.draft_model import PagedDraftCache
 from sparrow.tiny.draft import build_draft_dir
-
-
-def pool_of(num_blocks: int) -> DraftBlockPool:
-    cache = PagedDraftCache(1, 1, 4, 4, torch.float32, torch.device("cpu"))
-    cache.allocate(num_blocks)
-    return DraftBlockPool(cache)
-
-
-def keys_of(tokens: list[int], block_size: int = 4) -> list[bytes]:
-    keys, parent = [], None
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = chain_key(parent, np.asarray(tokens[start : start + block_size]))
-        keys.append(parent)
-    return keys
-
-
-def test_keys_name_the_whole_prefix():
-    a, b = keys_of([1, 2, 3, 4, 5, 6, 7, 8]), keys_of([9, 2, 3, 4, 5, 6, 7, 8])
-    assert a[0] != b[0] and a[1] != b[1]  # same second block, different first: different keys
-    assert keys_of([1, 2, 3, 4, 5, 6, 7, 8, 9]) == a  # a partial block gets no key
-    assert chain_key(None, np.asarray([1, 2, 3, 4], dtype=np.int32)) == a[0]  # the dtype does not matter
-
-
-def test_indexed_blocks_are_shared_cached_and_evicted_oldest_first():
-    pool = pool_of(4)
-    first = [pool.take(), pool.take()]
-    keys = keys_of([1, 2, 3, 4, 5, 6, 7, 8])
-    for block, key in zip(first, keys):
-        pool.register(block, key)
-    shared = pool.match(keys)
-    assert shared == first and pool.refs == {first[0]: 2, first[1]: 2}
-    pool.release(first)
-    assert pool.refs == {first[0]: 1, first[1]: 1} and pool.num_available() == 2
-    pool.release(shared)
-    assert not pool.refs and list(pool.cached) == [first[1], first[0]]  # released last block first
-    assert pool.num_available() == 4
-    # A later request finds the prefix again, and a miss stops the match.
-    assert pool.match([keys[0], b"missing", keys[1]]) == [first[0]]
-    pool.release([first[0]])
-    # With no free block left, take evicts the oldest cached block and forgets its key.
-    taken = [pool.take(), pool.take()]  # the two never-used blocks
-    assert set(taken).isdisjoint(first)
-    evicted = pool.take()
-    assert evicted == first[1] and keys[1] not in pool.index and evicted not in pool.key_of
-    assert pool.match(keys) == [first[0]]
-
-
-def test_unindexed_blocks_and_duplicate_keys_go_back_to_the_free_list():
-    pool = pool_of(2)
-    a, b = pool.take(), pool.take()
-    key = keys_of([1, 2, 3, 4])[0]
-    pool.register(a, key)
-    pool.register(b, key)  # same content computed twice: the first block keeps the entry
-    assert pool.index == {key: a} and b not in pool.key_of
-    pool.release([a, b])
-    assert pool.cache.free == [b] and list(pool.cached) == [a]
 
 
 @pytest.fixture(scope="module")

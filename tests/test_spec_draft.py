@@ -67,10 +67,11 @@ def assert_no_block_leak(llm) -> None:
     proposer = runner_of(llm).proposer
     pool = proposer.pool
     held = collections.Counter(block for req in proposer.requests.values() for block in req.block_ids)
-    assert dict(held) == pool.refs  # every hold counted, nothing else
-    assert all(block in pool.key_of for block, count in held.items() if count > 1)  # only indexed blocks are shared
-    assert set(pool.cached) <= set(pool.key_of) and not set(pool.cached) & set(held)
-    assert len(held) + len(pool.cached) + len(proposer.cache.free) == proposer.cache.kv_caches[0].shape[1]
+    refs = {block.block_id: block.ref_cnt for block in pool.blocks if block.ref_cnt}
+    assert dict(held) == refs  # every hold counted, nothing else
+    # Only indexed blocks are shared.
+    assert all(pool.blocks[block].block_hash is not None for block, count in held.items() if count > 1)
+    assert len(held) + pool.get_num_free_blocks() == pool.num_blocks == proposer.cache.kv_caches[0].shape[1]
     assert set(proposer.requests) <= set(runner_of(llm).batch.req_id_to_row)
 
 
@@ -163,13 +164,13 @@ def test_shared_prefixes_share_draft_blocks_and_stay_exact(engines):
     expected = token_ids(base.generate([PROMPTS[0]], GREEDY)) * 10
     proposer = runner_of(same).proposer
     adopted: list[int] = []
-    match = proposer.pool.match
-    proposer.pool.match = lambda keys: adopted.append(len(keys)) or match(keys)
+    touch = proposer.pool.touch  # a new request takes its cached prefix blocks with one touch
+    proposer.pool.touch = lambda blocks: adopted.append(len(blocks)) or touch(blocks)
     try:
         before = same.llm_engine.last_stats or SchedulerStats()
         assert token_ids(same.generate([PROMPTS[0]] * 10, GREEDY)) == expected
     finally:
-        del proposer.pool.match
+        del proposer.pool.touch
     # The first copy computes the prompt's blocks, the others share them; a copy coming back
     # after a preemption also finds the blocks of its own output so far.
     prompt_blocks = (len(prompt_ids) - 1) // runner_of(same).block_size
@@ -187,7 +188,7 @@ def test_rows_without_draft_blocks_go_without_drafts_and_stay_exact(engines):
     proposer = runner_of(same).proposer
     for req_id in list(proposer.requests):  # rows of the last call, released by the next propose
         proposer._release(req_id)
-    taken = [proposer.pool.take() for _ in range(proposer.pool.num_available())]
+    taken = proposer.pool.get_new_blocks(proposer.pool.get_num_free_blocks())
     try:
         without_room = proposer.num_rows_without_room
         before = same.llm_engine.last_stats or SchedulerStats()
@@ -195,7 +196,7 @@ def test_rows_without_draft_blocks_go_without_drafts_and_stay_exact(engines):
         assert proposer.num_rows_without_room > without_room
         assert spec_counts(same, before) == (0, 0)
     finally:
-        proposer.pool.release(taken)
+        proposer.pool.free_blocks(taken)
     before = same.llm_engine.last_stats
     assert token_ids(same.generate(PROMPTS[:3], GREEDY)) == expected
     drafted, accepted = spec_counts(same, before)

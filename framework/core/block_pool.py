@@ -104,9 +104,15 @@ class BlockPool:
             block = blocks[block_index]
             if block.block_hash is not None or block is self.null_block:
                 continue
-            block_hash = group_block_hash(block_hashes[block_index], kv_cache_group_id)
-            block.block_hash = block_hash
-            self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
+            self.cache_block(block, group_block_hash(block_hashes[block_index], kv_cache_group_id))
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Index one held, full block under ``block_hash`` (a block already indexed keeps its
+        hash). For callers that key blocks themselves (a draft model's cache)."""
+        if block.block_hash is not None or block is self.null_block or not self.enable_caching:
+            return
+        block.block_hash = block_hash
+        self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
 
     def _evict_cached_content(self, block: KVCacheBlock) -> None:
         block_hash = block.block_hash

@@ -14,7 +14,8 @@ platform's attention backend through metadata built by the model runner's own
   the target's and ``kv_cache_fixed_bytes`` the extra blocks, so the worker's KV budget holds
   both (the target gets fewer blocks than without a draft).
 * **Sharing.** Full blocks of verified tokens are shared between requests and stay cached after
-  their requests leave, as in the target's prefix cache (``sparrow.spec_decode.draft_blocks``):
+  their requests leave, as in the target's prefix cache (a ``sparrow.core.block_pool.BlockPool``
+  of its own, keyed by the target's chained block hashes without the extra keys):
   requests with a common prefix hold one copy of it, and a request coming back (preempted, or
   the same prompt again) starts from the cached blocks. A request that still finds too few
   blocks gets no drafts in that step (nothing else depends on them: the output is unchanged)
@@ -41,14 +42,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from sparrow.core.block_pool import BlockPool
+from sparrow.core.kv_cache_utils import BlockHash, hash_block_tokens
 from sparrow.spec_decode.config import SpeculativeConfig
-from sparrow.spec_decode.draft_blocks import DraftBlockPool, chain_key
 from sparrow.spec_decode.proposer import ProposerForward, SpecProposer
 
 
 class PagedDraftCache:
     """A proposer's own paged KV cache: one [2, num_blocks, block_size, heads, head_dim] tensor per
-    layer and a free list of block ids."""
+    layer."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -57,7 +59,6 @@ class PagedDraftCache:
         self.dtype = dtype
         self.device = device
         self.kv_caches: list[torch.Tensor] = []
-        self.free: list[int] = []
 
     @property
     def bytes_per_block(self) -> int:
@@ -69,7 +70,6 @@ class PagedDraftCache:
         num_layers, num_kv_heads, head_dim = self.shape
         self.kv_caches = [torch.zeros(2, num_blocks, self.block_size, num_kv_heads, head_dim, dtype=self.dtype,
                                       device=self.device) for _ in range(num_layers)]
-        self.free = list(range(num_blocks - 1, -1, -1))  # popped from the end: block 0 first
 
     @property
     def ready(self) -> bool:
@@ -137,7 +137,7 @@ class _DraftRequest:
         self.block_ids: list[int] = []
         self.num_computed = 0  # leading tokens of the request whose KV the draft holds
         self.fed: list[int] = []  # drafts fed after them last time (their KV is speculative)
-        self.keys: list[bytes] = []  # index keys of block_ids[: len(keys)], full of verified tokens
+        self.keys: list[BlockHash] = []  # index keys of block_ids[: len(keys)], full of verified tokens
 
 
 class _Plan:
@@ -164,7 +164,9 @@ class DraftModelProposer(SpecProposer):
         num_layers, num_kv_heads, head_dim = model.kv_cache_spec()
         self.cache = PagedDraftCache(num_layers, num_kv_heads, head_dim, self.block_size, model_runner.dtype,
                                      model_runner.device)
-        self.pool = DraftBlockPool(self.cache)
+        # A draft block's KV depends only on the token ids up to its end (the draft sees no images,
+        # adapters or salts), so the bare chained hash is its key. Sized in initialize_kv_cache.
+        self.pool = BlockPool(1)
         # Blocks beyond the target's: each request may hold ceil(k / block_size) more (see Size).
         self.blocks_per_request_ahead = -(-self.num_speculative_tokens // self.block_size)
         self.requests: dict[str, _DraftRequest] = {}
@@ -185,34 +187,39 @@ class DraftModelProposer(SpecProposer):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         ahead = min(self.model_runner.max_num_reqs, num_blocks) * self.blocks_per_request_ahead
         self.cache.allocate(num_blocks + ahead)
-        self.pool.reset()
+        self.pool = BlockPool(num_blocks + ahead)
         self.requests.clear()
 
     def graph_forwards(self) -> list[ProposerForward]:
         return [self._forward]
 
     def _release(self, req_id: str) -> None:
-        self.pool.release(self.requests.pop(req_id).block_ids)
+        """Drop a request's holds; its indexed blocks stay cached, its last block evicted first."""
+        blocks = self.pool.blocks
+        self.pool.free_blocks([blocks[block_id] for block_id in reversed(self.requests.pop(req_id).block_ids)])
 
     def _grow(self, req: _DraftRequest, num_blocks: int) -> bool:
         """Give ``req`` ``num_blocks`` blocks in all; False when too few are available."""
         missing = num_blocks - len(req.block_ids)
-        if missing > self.pool.num_available():
+        if missing > self.pool.get_num_free_blocks():
             return False
-        for _ in range(max(missing, 0)):
-            req.block_ids.append(self.pool.take())
+        if missing > 0:
+            req.block_ids.extend(block.block_id for block in self.pool.get_new_blocks(missing))
         return True
 
     def _adopt_prefix(self, req: _DraftRequest, tokens: np.ndarray, length: int) -> None:
         """Start a new request from the cached blocks of its longest indexed prefix (whole blocks
         before its last token, which is recomputed for its logits)."""
-        block_size, keys, parent = self.block_size, [], None
+        block_size, keys, blocks, parent = self.block_size, [], [], None
         for index in range((length - 1) // block_size):
-            parent = chain_key(parent, tokens[index * block_size : (index + 1) * block_size])
-            if parent not in self.pool.index:
+            parent = hash_block_tokens(parent, tuple(tokens[index * block_size : (index + 1) * block_size].tolist()))
+            block = self.pool.get_cached_block(parent)
+            if block is None:
                 break
             keys.append(parent)
-        req.block_ids = self.pool.match(keys)
+            blocks.append(block)
+        self.pool.touch(blocks)
+        req.block_ids = [block.block_id for block in blocks]
         req.keys = keys
         req.num_computed = len(keys) * block_size
 
@@ -223,9 +230,9 @@ class DraftModelProposer(SpecProposer):
         for plan in plans:
             req = plan.req
             for index in range(len(req.keys), min(req.num_computed, plan.length - 1) // block_size):
-                key = chain_key(req.keys[-1] if req.keys else None,
-                                token_ids[plan.row, index * block_size : (index + 1) * block_size])
-                self.pool.register(req.block_ids[index], key)
+                block_tokens = token_ids[plan.row, index * block_size : (index + 1) * block_size].tolist()
+                key = hash_block_tokens(req.keys[-1] if req.keys else None, tuple(block_tokens))
+                self.pool.cache_block(self.pool.blocks[req.block_ids[index]], key)
                 req.keys.append(key)
 
     # -- proposing --------------------------------------------------------------------------

@@ -165,9 +165,7 @@ def check_hook_result(pm: pluggy.PluginManager, hook_name: str, result: Any,
         return result
     names = " or ".join("None" if kind is type(None) else kind.__name__
                         for kind in (expected if isinstance(expected, tuple) else (expected,)))
-    plugins = ", ".join(impl.plugin_name for impl in getattr(pm.hook, hook_name).get_hookimpls())
-    raise PluginError(f"{hook_name} returned {type(result).__name__} {result!r:.80}, not {names}; "
-                      f"its implementations: {plugins}")
+    raise _wrong_result(pm, hook_name, result, names)
 
 
 def check_attention_backend(pm: pluggy.PluginManager, backend: Any) -> type | None:
@@ -180,10 +178,14 @@ def check_attention_backend(pm: pluggy.PluginManager, backend: Any) -> type | No
 
     if isinstance(backend, type) and issubclass(backend, AttentionBackend):
         return backend
-    plugins = ", ".join(impl.plugin_name for impl in pm.hook.sparrow_attention_backend.get_hookimpls())
-    raise PluginError(f"sparrow_attention_backend returned {type(backend).__name__} {backend!r:.80}, not a subclass "
-                      f"of sparrow.attention.AttentionBackend (the class, not an instance); its implementations: "
-                      f"{plugins}")
+    raise _wrong_result(pm, "sparrow_attention_backend", backend,
+                        "a subclass of sparrow.attention.AttentionBackend (the class, not an instance)")
+
+
+def _wrong_result(pm: pluggy.PluginManager, hook_name: str, result: Any, expected: str) -> PluginError:
+    plugins = ", ".join(impl.plugin_name for impl in getattr(pm.hook, hook_name).get_hookimpls())
+    return PluginError(f"{hook_name} returned {type(result).__name__} {result!r:.80}, not {expected}; "
+                       f"its implementations: {plugins}")
 
 
 @dataclass(slots=True)

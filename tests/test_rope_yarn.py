@@ -111,3 +111,16 @@ def test_hf_overrides_merge_and_validation(dirs):
         EngineConfig.from_kwargs(hf_overrides=["rope_scaling"])
     with pytest.raises(Exception, match="rope_scaling type 'dynamic'.*not supported"):
         engine(dirs["base"], hf_overrides={"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+
+
+def test_the_engine_cores_token_id_guard_reads_the_overridden_config(dirs):
+    """The engine core range-checks token ids against the vocabulary of the config the model is
+    built from, hf_overrides included (it used to read config.json on its own)."""
+    from sparrow.config import EngineConfig
+    from sparrow.engine.request_guard import model_vocab_size
+    from sparrow.model_loader import get_hf_config
+
+    own = get_hf_config(dirs["base"]).vocab_size
+    assert model_vocab_size(EngineConfig.from_kwargs(model=dirs["base"]).model) == own
+    section = EngineConfig.from_kwargs(model=dirs["base"], hf_overrides={"vocab_size": own - 5}).model
+    assert model_vocab_size(section) == own - 5

@@ -64,7 +64,7 @@ class EngineCore:
         self._schedule = schedule_step(self.pm, self.scheduler)
         # None when the model directory cannot tell (fake executors in tests): token ids are then
         # checked for sign only.
-        self.vocab_size = model_vocab_size(config.model.model, config.model.trust_remote_code)
+        self.vocab_size = model_vocab_size(config.model)
         # Structured outputs: built on the first constrained request (it loads the tokenizer).
         self._structured_output: Any = None
         self._grammar_pending: dict[str, Request] = {}  # req_id -> request whose grammar compiles

@@ -12,16 +12,17 @@ from sparrow.engine.messages import EngineCoreRequest
 logger = logging.getLogger(__name__)
 
 
-def model_vocab_size(model_dir: str | None, trust_remote_code: bool = False) -> int | None:
-    """The model's vocabulary size (its embedding rows), or None when it cannot be read."""
-    if not model_dir:
+def model_vocab_size(model: Any) -> int | None:
+    """The vocabulary size (embedding rows) of the engine's model section (``config.model``, with
+    its ``trust_remote_code`` and ``hf_overrides``), or None when it cannot be read."""
+    if not model.model:
         return None
     try:
-        from sparrow.model_loader import get_hf_config
+        from sparrow.model_loader import model_hf_config
 
-        return int(get_hf_config(model_dir, trust_remote_code).vocab_size)
+        return int(model_hf_config(model).vocab_size)
     except Exception as exc:  # noqa: BLE001 - the checks fall back to what needs no vocabulary
-        logger.warning("cannot read the vocabulary size of %s (%r); token ids are not range-checked", model_dir, exc)
+        logger.warning("cannot read the vocabulary size of %s (%r); token ids are not range-checked", model.model, exc)
         return None
 
 

@@ -3,166 +3,24 @@
 ``EngineConfig.from_kwargs(**kwargs)`` takes the flat keywords ``LLM(...)`` and ``sparrow serve``
 accept and routes each to its section; an unknown or invalid value raises :class:`ConfigError`
 naming the field and what is allowed.
+
+The sections share one base (``sparrow.config_base``: strict types, :class:`ConfigError`); the
+model section, the largest, is ``sparrow.config_model``. Both are re-exported here, so callers
+import every name from ``sparrow.config``.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import numbers
-import os
-import random
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-logger = logging.getLogger(__name__)
+from sparrow.config_base import ConfigError, _describe, _Section  # noqa: F401 - re-exported
+from sparrow.config_model import DTYPES, ModelConfig  # noqa: F401 - re-exported
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 # kv_cache_dtype values (vLLM's names); "fp8" and "fp8_e4m3" both mean float8_e4m3fn.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
-
-
-def _plain(value: Any) -> Any:
-    """A path as its string, a numpy number as a Python one, a tuple as a list."""
-    if isinstance(value, os.PathLike):
-        return os.fspath(value)
-    if isinstance(value, numbers.Number) and not isinstance(value, (bool, int, float)) and hasattr(value, "item"):
-        return value.item()
-    if isinstance(value, tuple):
-        return list(value)
-    return value
-
-
-class ConfigError(ValueError):
-    """An engine argument has an invalid value; the message names the field."""
-
-
-class _Section(BaseModel):
-    # strict: a string is not a number and a bool is not an integer (enforce_eager="yes" and
-    # max_model_len=True are mistakes, not 1); the few conversions a Python caller expects are
-    # made before the check (_plain_values).
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _plain_values(cls, values: Any) -> Any:
-        if isinstance(values, dict):
-            return {key: _plain(value) for key, value in values.items()}
-        return values
-
-
-class ModelConfig(_Section):
-    # Every description is also the --help text of its flag: say what the value does and, where
-    # the default is None, what None means ("(default: ...)"); the CLI appends other defaults.
-    model: str | None = Field(None, description="Local Hugging Face model directory (config.json, *.safetensors, "
-                              "tokenizer files); never downloaded (default: the built-in sparrow-tiny).")
-    tokenizer: str | None = Field(None, description="Tokenizer directory (default: the model directory).")
-    runner: str = Field("auto", description="vLLM's model runner kind: auto or generate (Sparrow runs generative "
-                        "models only; pooling is refused).")
-    task: str = Field("auto", description="vLLM's older name for runner: auto or generate.")
-    dtype: str = Field("auto", description="Weight and activation dtype: auto, float32, bfloat16 or float16; "
-                       "auto is the platform's choice (CPU float32, CUDA bfloat16).")
-    max_model_len: int | None = Field(None, gt=0, description="Longest context, prompt plus output, in tokens "
-                                      "(default: the model's max_position_embeddings).")
-    seed: int = Field(0, ge=0, description="Seed for requests without their own seed and for load_format=dummy "
-                      "weights (None: a random one, chosen once at start-up and logged).")
-    served_model_name: str | None = Field(None, description="Model name the server reports and accepts "
-                                          "(default: the model path).")
-    structured_outputs_any_whitespace: bool = Field(
-        False, description="Structured outputs: let JSON grammars put any whitespace between tokens (the "
-        "default allows only compact JSON, so that a weak model cannot emit whitespace until max_tokens; "
-        "vLLM's disable_any_whitespace, inverted).")
-    structured_outputs_compile_timeout: float = Field(
-        30.0, gt=0, description="Structured outputs: seconds a grammar may take to compile; a request whose grammar "
-        "takes longer fails, and the compile is stopped (a short regex can take xgrammar minutes).")
-    structured_outputs_mask_budget_ms: float = Field(
-        100.0, gt=0, description="Structured outputs: milliseconds one request's grammar may take to compute a "
-        "token mask. A grammar over it at its first token fails its request at compile time; one over it on "
-        "three steps fails then (every request in the batch waits for the masks).")
-    reasoning_parser: str | None = Field(
-        None, description="How the model marks its reasoning: qwen3, deepseek_r1 (<think>...</think>) or a "
-        "plugin's. The server splits reasoning_content from content, and structured outputs apply only after "
-        "the reasoning ends (default: none).")
-    logits_processors: list[str] | None = Field(
-        None, description="Logits processors to enable besides the built-ins: names registered by plugins "
-        "(`sparrow plugins` lists them) or qualified names package.module:Class (default: the built-ins only).")
-    quantization: str | None = Field(
-        None, description="Quantization method for the weights: a name a plugin registers (`sparrow plugins` "
-        "lists them) (default: none, the weights run in dtype).")
-    trust_remote_code: bool = Field(
-        False, description="Let transformers run the Python code a model or tokenizer directory ships for its config "
-        "or tokenizer class (auto_map in config.json / tokenizer_config.json); only for directories you trust. The "
-        "model itself always runs Sparrow's implementation of its architecture.")
-    hf_overrides: dict[str, Any] = Field(
-        default_factory=dict, description="Values that replace the model's config.json fields, e.g. "
-        "'{\"max_position_embeddings\": 131072, \"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
-        "\"original_max_position_embeddings\": 32768}}'; a dict value is merged into the field's dict (rope_scaling "
-        "into rope_parameters, keeping rope_theta).")
-    tokenizer_mode: Literal["auto", "slow"] = Field(
-        "auto", description="auto: the fast (Rust) tokenizer when the directory has one; slow: the Python "
-        "tokenizer class, where the directory has one (its own code's slow class, with trust_remote_code, or a "
-        "Python-only tokenizer; transformers 5 has no slow twin of a fast tokenizer, so a fast-only directory is "
-        "refused). vLLM's mistral and custom modes are not supported.")
-    generation_config: str = Field(
-        "auto", min_length=1, description="Where the default sampling parameters come from: auto (the model "
-        "directory's generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, and "
-        "max_new_tokens as max_tokens), vllm (the neutral defaults; the file is ignored), or a directory holding a "
-        "generation_config.json. Used where a request leaves a parameter unset.")
-    override_generation_config: dict[str, Any] = Field(
-        default_factory=dict, description="Generation-config values that replace the file's, e.g. "
-        "'{\"temperature\": 0.5}'; a max_new_tokens here also caps every request's max_tokens on the server.")
-    max_logprobs: int = Field(
-        20, ge=-1, description="Most log probabilities per token a request may ask for (logprobs, prompt_logprobs, "
-        "top_logprobs); -1: the vocabulary size.")
-
-    @field_validator("logits_processors", mode="before")
-    @classmethod
-    def _processor_names(cls, value: Any) -> Any:
-        # vLLM also takes classes: they travel to the engine's processes as "module:QualName",
-        # which must be importable there (the name is checked before any process starts).
-        if value is None:
-            return None
-        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            raise ValueError("must be a list of names or 'package.module:Class' strings (or classes)")
-        names = []
-        for item in value:
-            if isinstance(item, type):
-                if "<locals>" in item.__qualname__:
-                    raise ValueError(f"{item.__qualname__} is defined inside a function, so no other process can "
-                                     "import it; define it at module level")
-                item = f"{item.__module__}:{item.__qualname__}"
-            if not isinstance(item, str) or not item.strip():
-                raise ValueError(f"every entry must be a non-empty name or class, got {item!r}")
-            names.append(item.strip())
-        return names
-
-    @field_validator("seed", mode="before")
-    @classmethod
-    def _random_seed(cls, value: Any) -> Any:
-        # vLLM's seed=None: not reproducible run to run; one seed drawn here serves every process.
-        if value is None:
-            seed = random.SystemRandom().randrange(2**31)
-            logger.info("seed=None: using seed %d", seed)
-            return seed
-        return value
-
-    @field_validator("dtype")
-    @classmethod
-    def _check_dtype(cls, value: str) -> str:
-        aliases = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
-        value = aliases.get(value, value)
-        if value not in DTYPES:
-            raise ValueError(f"must be one of {', '.join(DTYPES)}")
-        return value
-
-    @field_validator("runner", "task")
-    @classmethod
-    def _generative_only(cls, value: str) -> str:
-        if value not in ("auto", "generate"):
-            raise ValueError("Sparrow runs generative models only: auto or generate (pooling, embedding and "
-                             "scoring models are not supported)")
-        return value
 
 
 class CacheConfig(_Section):
@@ -418,14 +276,3 @@ class EngineConfig(BaseModel):
     def max_num_batched_tokens(self) -> int:
         return self.scheduler.max_num_batched_tokens or 8192
 
-
-def _describe(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        message = err["msg"].removeprefix("Value error, ")
-        if not err["loc"]:  # a check across fields: its message names them
-            parts.append(f"invalid engine arguments: {message}")
-            continue
-        field = ".".join(str(p) for p in err["loc"])
-        parts.append(f"invalid engine argument {field!r}: {message} (got {err.get('input')!r})")
-    return "; ".join(parts)

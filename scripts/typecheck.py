@@ -24,6 +24,7 @@ LAYOUT = {"sparrow": "framework", "sparrow_schedulers": "plugins/schedulers", "s
 # What CI keeps clean: the kernel's scheduling and memory code, the plugin contract, the sampler,
 # the worker and the executors.
 CHECKED = ("sparrow.hookspecs", "sparrow.core", "sparrow.ops", "sparrow.plugins", "sparrow.config",
+           "sparrow.config_base", "sparrow.config_model",
            "sparrow.interfaces", "sparrow.wire", "sparrow.errors", "sparrow.platforms", "sparrow.sample",
            "sparrow.worker", "sparrow.executor")
 

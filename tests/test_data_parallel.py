@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 
@@ -29,9 +30,15 @@ def test_dp2_serves_a_concurrent_batch_on_both_engines(qwen3_dir):
     reference = [o.outputs[0].token_ids for o in reference_llm.generate(prompts, params, use_tqdm=False)]
     reference_llm.shutdown()
 
-    llm = LLM(qwen3_dir, data_parallel_size=2, **engine_args)  # two engine-core processes
+    # Two engine-core processes; the stats line on, at an interval this test never reaches.
+    llm = LLM(qwen3_dir, data_parallel_size=2, disable_log_stats=False, log_stats_interval=3600, **engine_args)
     try:
         outputs = llm.generate(prompts, params, use_tqdm=False)
+        # The one stats line covers both engines' tokens, and says so.
+        line = llm.llm_engine.stat_logger.format_lines(time.monotonic())[0]
+        assert line.startswith("2 Engines Aggregated: Avg prompt throughput: "), line
+        assert llm.llm_engine.stat_logger.num_generation_tokens == 5 * len(prompts)
+        assert llm.llm_engine.stat_logger.num_prompt_tokens == sum(len(p["prompt_token_ids"]) for p in prompts)
         client = llm.llm_engine.engine_core
         assert isinstance(client, DPClient)
         assert [o.outputs[0].token_ids for o in outputs] == reference

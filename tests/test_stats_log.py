@@ -17,8 +17,10 @@ import httpx
 import pytest
 
 from sparrow import LLM, AsyncLLM, SamplingParams
+from sparrow.engine.metrics import EngineMetrics
+from sparrow.engine.stats_deltas import SchedulerStatsDeltas
 from sparrow.engine.stats_log import StatsLogger
-from sparrow.wire import EngineCoreOutput, FinishReason, SchedulerStats
+from sparrow.wire import SCHEDULER_STATS_COUNTERS, EngineCoreOutput, FinishReason, SchedulerStats
 
 LOGGER = "sparrow.engine.stats_log"
 LINE = re.compile(
@@ -116,6 +118,72 @@ def test_requests_forgotten_by_the_frontend_are_not_kept():
     assert stats._started == set()
     with pytest.raises(ValueError):
         StatsLogger(interval=0)
+
+
+# -- the growth of the cumulative counters, shared with the Prometheus metrics --------------------
+def test_scheduler_stats_deltas_count_each_event_once():
+    deltas = SchedulerStatsDeltas()
+    first = deltas.update(SchedulerStats(num_running_reqs=3, kv_cache_usage=0.25, num_total_blocks=8,
+                                         prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=1,
+                                         spec_decode_num_accepted_tokens_per_pos=[2]))
+    assert (first.num_running_reqs, first.kv_cache_usage, first.num_total_blocks) == (3, 0.25, 8)  # gauges kept
+    assert (first.prefix_cache_queries, first.prefix_cache_hits, first.num_preemptions) == (10, 4, 1)
+    assert first.spec_decode_num_accepted_tokens_per_pos == [2]
+
+    snapshot = SchedulerStats(num_waiting_reqs=1, prefix_cache_queries=30, prefix_cache_hits=12, num_preemptions=1,
+                              kv_connector_loaded_tokens=16, spec_decode_num_drafts=5,
+                              spec_decode_num_accepted_tokens_per_pos=[3, 4, 1])
+    grown = deltas.update(snapshot)
+    assert (grown.num_running_reqs, grown.num_waiting_reqs) == (0, 1)
+    assert (grown.prefix_cache_queries, grown.prefix_cache_hits, grown.num_preemptions) == (20, 8, 0)
+    assert (grown.kv_connector_loaded_tokens, grown.spec_decode_num_drafts) == (16, 5)
+    assert grown.spec_decode_num_accepted_tokens_per_pos == [1, 4, 1]
+    assert snapshot.prefix_cache_queries == 30  # the snapshot itself is left as it was
+
+    again = deltas.update(snapshot)  # the same snapshot read twice (a step, then get_scheduler_stats)
+    late = deltas.update(SchedulerStats(prefix_cache_queries=20, prefix_cache_hits=8,
+                                        spec_decode_num_accepted_tokens_per_pos=[1]))  # older, arriving late
+    for nothing_new in (again, late):
+        assert all(getattr(nothing_new, name) == 0 for name in SCHEDULER_STATS_COUNTERS)
+        assert nothing_new.spec_decode_num_accepted_tokens_per_pos == [0, 0, 0]  # as long as the longest seen
+    assert deltas.update(SchedulerStats(prefix_cache_queries=31, prefix_cache_hits=13)).prefix_cache_hits == 1
+
+
+def test_the_metrics_and_the_stats_line_count_the_same_growth():
+    snapshots = [SchedulerStats(prefix_cache_queries=10, prefix_cache_hits=4, spec_decode_num_drafts=2,
+                                spec_decode_num_draft_tokens=6, spec_decode_num_accepted_tokens=3,
+                                spec_decode_num_accepted_tokens_per_pos=[2, 1, 0]),
+                 SchedulerStats(prefix_cache_queries=10, prefix_cache_hits=4),  # counters of an older step
+                 SchedulerStats(prefix_cache_queries=50, prefix_cache_hits=24, spec_decode_num_drafts=4,
+                                spec_decode_num_draft_tokens=12, spec_decode_num_accepted_tokens=7,
+                                spec_decode_num_accepted_tokens_per_pos=[4, 2, 1])]
+    metrics, line = EngineMetrics("m"), StatsLogger(interval=1.0, now=0.0)
+    for stats in snapshots:
+        metrics.record_scheduler_stats(stats)
+        line.record_scheduler_stats(stats)
+    names = ("prefix_cache_queries", "prefix_cache_hits", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+             "spec_decode_num_accepted_tokens")
+    prometheus = [metrics.registry.get_sample_value(f"sparrow:{name}_total", {"model_name": "m"}) for name in names]
+    assert prometheus == [getattr(line, name) for name in names] == [50, 24, 4, 12, 7]
+    per_pos = [metrics.registry.get_sample_value("sparrow:spec_decode_num_accepted_tokens_per_pos_total",
+                                                 {"model_name": "m", "position": str(p)}) for p in range(3)]
+    assert per_pos == line.spec_decode_num_accepted_tokens_per_pos == [4, 2, 1]
+
+
+def test_the_stats_line_counts_a_real_engines_prefix_cache_lookups_once(qwen3_dir):
+    # The same long prompt twice: the second finds its full blocks in the prefix cache. Every step
+    # brings a cumulative snapshot; the line sums their growth (no line is due in the hour).
+    prompt = {"prompt_token_ids": [(7 * i) % 97 + 3 for i in range(80)]}
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with LLM(qwen3_dir, disable_log_stats=False, log_stats_interval=3600, max_model_len=256) as llm:
+        llm.generate([prompt], params, use_tqdm=False)
+        llm.generate([prompt], params, use_tqdm=False)
+        engine = llm.llm_engine
+        latest = engine.last_stats
+        assert latest is not None and engine.stat_logger is not None
+        assert latest.prefix_cache_hits > 0
+        assert (engine.stat_logger.prefix_cache_queries, engine.stat_logger.prefix_cache_hits) == \
+            (latest.prefix_cache_queries, latest.prefix_cache_hits)
 
 
 # -- AsyncLLM -----------------------------------------------------------------------------------
@@ -233,3 +301,9 @@ def test_sparrow_serve_logs_the_line_unless_disabled(model_dir, tmp_path, disabl
             assert f"INFO {LOGGER}: Engine 000: Avg prompt throughput" in server.log()
     finally:
         server.stop()
+
+
+def test_the_line_of_data_parallel_engines_says_it_is_their_sum():
+    one, two = StatsLogger(interval=1.0, now=0.0), StatsLogger(interval=1.0, now=0.0, num_engines=2)
+    assert one.format_lines(1.0)[0].startswith("Engine 000: Avg prompt throughput: ")
+    assert two.format_lines(1.0)[0].startswith("2 Engines Aggregated: Avg prompt throughput: ")

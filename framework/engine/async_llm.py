@@ -73,8 +73,10 @@ class AsyncLLM(AsyncOutputHandling, AsyncEngineUtilities):
         self.last_stats: SchedulerStats | None = None
         # vLLM's periodic stats line (on unless disable_log_stats is True), fed by the output handler.
         observability = self.config.observability
-        self.stat_logger: StatsLogger | None = (
-            None if observability.disable_log_stats is True else StatsLogger(observability.log_stats_interval))
+        self.stat_logger: StatsLogger | None = None
+        if observability.disable_log_stats is not True:
+            self.stat_logger = StatsLogger(observability.log_stats_interval,
+                                           num_engines=self.config.parallel.data_parallel_size)
         # request_id -> the mailbox of its generate() consumer
         self._collectors: dict[str, RequestOutputCollector] = {}
         # engine-core request id -> caller's request id (they differ for the children of n > 1)

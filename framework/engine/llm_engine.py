@@ -46,8 +46,10 @@ class LLMEngine:
         self.last_stats: SchedulerStats | None = None
         # vLLM's periodic stats line, logged by step(): only with disable_log_stats=False (as vLLM's LLM).
         observability = self.config.observability
-        self.stat_logger: StatsLogger | None = (
-            StatsLogger(observability.log_stats_interval) if observability.disable_log_stats is False else None)
+        self.stat_logger: StatsLogger | None = None
+        if observability.disable_log_stats is False:
+            self.stat_logger = StatsLogger(observability.log_stats_interval,
+                                           num_engines=self.config.parallel.data_parallel_size)
         # engine-core request id -> prompt length, for the stats line (kept only while it is on)
         self._prompt_lens: dict[str, int] = {}
         # Outputs of a step that also raised (another request failed): handed out by the next step.

@@ -6,10 +6,10 @@ so two engines in one process, or one per test, never collide. The server's ``/m
 
 Gauges and cache counters come from the ``SchedulerStats`` every engine-core step carries (its
 counters are cumulative: each Prometheus counter grows by the difference from the last snapshot
-seen, so a snapshot read twice, by a step and by ``get_scheduler_stats``, is counted once). Token
-counts and latencies are measured in the frontend from the engine-core outputs as they arrive,
-per engine-core request (a request with n > 1 counts each of its samples), in
-``time.monotonic()`` seconds, the clock ``arrival_time`` is stamped with.
+seen, so a snapshot read twice, by a step and by ``get_scheduler_stats``, is counted once; see
+``stats_deltas``). Token counts and latencies are measured in the frontend from the engine-core
+outputs as they arrive, per engine-core request (a request with n > 1 counts each of its
+samples), in ``time.monotonic()`` seconds, the clock ``arrival_time`` is stamped with.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE  # noqa: F401 - re-exported
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from sparrow.engine.stats_deltas import SchedulerStatsDeltas
 from sparrow.wire import EngineCoreOutput, SchedulerStats
 
 # vLLM's bucket boundaries, so dashboards built for vLLM read Sparrow's histograms the same way.
@@ -85,8 +86,8 @@ class EngineMetrics:
         self._model_name = model_name
         # engine-core request id -> its timestamps while unfinished
         self._requests: dict[str, _RequestTimes] = {}
-        # The scheduler's cumulative counters as of the last stats recorded (see record_scheduler_stats).
-        self._counted = SchedulerStats()
+        # The scheduler's cumulative counters -> their growth since the last stats recorded.
+        self._deltas = SchedulerStatsDeltas()
 
     # -- per request ------------------------------------------------------------------------
     def request_added(self, engine_request_id: str, arrival_time: float) -> None:
@@ -127,26 +128,19 @@ class EngineMetrics:
         self.num_requests_running.set(stats.num_running_reqs)
         self.num_requests_waiting.set(stats.num_waiting_reqs)
         self.kv_cache_usage.set(stats.kv_cache_usage)
-        counted = self._counted
-        for name, metric in (("prefix_cache_queries", self.prefix_cache_queries),
-                             ("prefix_cache_hits", self.prefix_cache_hits),
-                             ("num_preemptions", self.num_preemptions),
-                             ("spec_decode_num_drafts", self.spec_decode_num_drafts),
-                             ("spec_decode_num_draft_tokens", self.spec_decode_num_draft_tokens),
-                             ("spec_decode_num_accepted_tokens", self.spec_decode_num_accepted_tokens)):
-            new = getattr(stats, name) - getattr(counted, name)
-            if new > 0:
-                metric.inc(new)
-                setattr(counted, name, getattr(stats, name))
-        per_pos = stats.spec_decode_num_accepted_tokens_per_pos
-        if per_pos:
-            seen = counted.spec_decode_num_accepted_tokens_per_pos
-            seen.extend([0] * (len(per_pos) - len(seen)))
-            for position, total in enumerate(per_pos):
-                if total > seen[position]:
-                    self._spec_decode_num_accepted_tokens_per_pos.labels(
-                        model_name=self._model_name, position=str(position)).inc(total - seen[position])
-                    seen[position] = total
+        new = self._deltas.update(stats)
+        for metric, delta in ((self.prefix_cache_queries, new.prefix_cache_queries),
+                              (self.prefix_cache_hits, new.prefix_cache_hits),
+                              (self.num_preemptions, new.num_preemptions),
+                              (self.spec_decode_num_drafts, new.spec_decode_num_drafts),
+                              (self.spec_decode_num_draft_tokens, new.spec_decode_num_draft_tokens),
+                              (self.spec_decode_num_accepted_tokens, new.spec_decode_num_accepted_tokens)):
+            if delta > 0:
+                metric.inc(delta)
+        for position, delta in enumerate(new.spec_decode_num_accepted_tokens_per_pos):
+            if delta > 0:  # a position's series appears with its first accepted token
+                self._spec_decode_num_accepted_tokens_per_pos.labels(
+                    model_name=self._model_name, position=str(position)).inc(delta)
 
 
 def render(metrics: EngineMetrics) -> bytes:

@@ -13,7 +13,12 @@ an idle server does not fill its log.
 Fed by a frontend: ``record_scheduler_stats`` with every step's ``SchedulerStats`` (its counters
 are cumulative, so a snapshot seen twice counts once), ``record_outputs`` with every step's
 engine-core outputs. ``maybe_log(now)`` logs once ``interval`` seconds have passed, ``log(now)``
-at once. Pure Python, one thread; ``now`` is ``time.monotonic()`` seconds.
+at once. Pure Python, one thread; ``now`` is ``time.monotonic()`` seconds. The growth of the
+cumulative counters is worked out by ``stats_deltas.SchedulerStatsDeltas``, as for the metrics.
+
+With data parallelism one frontend feeds one logger the outputs of every engine core and their
+stats summed (``dp_client.combine_stats``): the line covers all of them and says so, as vLLM's
+aggregated line does ("2 Engines Aggregated: ...", ``num_engines``).
 """
 
 from __future__ import annotations
@@ -22,17 +27,20 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 
+from sparrow.engine.stats_deltas import SchedulerStatsDeltas
 from sparrow.wire import EngineCoreOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
 
 class StatsLogger:
-    def __init__(self, interval: float, engine_index: int = 0, now: float | None = None) -> None:
+    def __init__(self, interval: float, engine_index: int = 0, now: float | None = None, num_engines: int = 1) -> None:
         if not interval > 0:
             raise ValueError(f"the stats log interval must be > 0 seconds, got {interval!r}")
         self.interval = float(interval)
         self.engine_index = engine_index
+        # One engine's line, or the sum of num_engines data-parallel engines'.
+        self.prefix = f"Engine {engine_index:03d}: " if num_engines == 1 else f"{num_engines} Engines Aggregated: "
         self.last_log_time = time.monotonic() if now is None else now
         self._last_idle = True  # as vLLM: an engine idle from the start logs at DEBUG
         # Since the last line
@@ -48,8 +56,8 @@ class StatsLogger:
         self.num_running_reqs = 0
         self.num_waiting_reqs = 0
         self.kv_cache_usage = 0.0
-        # The cumulative counters as of the latest snapshot seen (high-water marks).
-        self._seen = SchedulerStats()
+        # The scheduler's cumulative counters -> their growth since the snapshot before.
+        self._deltas = SchedulerStatsDeltas()
         # Engine-core request ids whose prompt tokens are counted (their first token came).
         self._started: set[str] = set()
 
@@ -58,22 +66,16 @@ class StatsLogger:
         self.num_running_reqs = stats.num_running_reqs
         self.num_waiting_reqs = stats.num_waiting_reqs
         self.kv_cache_usage = stats.kv_cache_usage
-        seen = self._seen
-        for name in ("prefix_cache_queries", "prefix_cache_hits", "spec_decode_num_drafts",
-                     "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
-            new = getattr(stats, name) - getattr(seen, name)
-            if new > 0:
-                setattr(self, name, getattr(self, name) + new)
-                setattr(seen, name, getattr(stats, name))
-        per_pos = stats.spec_decode_num_accepted_tokens_per_pos
-        if per_pos:
-            seen_pos, mine = seen.spec_decode_num_accepted_tokens_per_pos, self.spec_decode_num_accepted_tokens_per_pos
-            seen_pos.extend([0] * (len(per_pos) - len(seen_pos)))
-            mine.extend([0] * (len(per_pos) - len(mine)))
-            for position, total in enumerate(per_pos):
-                if total > seen_pos[position]:
-                    mine[position] += total - seen_pos[position]
-                    seen_pos[position] = total
+        new = self._deltas.update(stats)
+        self.prefix_cache_queries += new.prefix_cache_queries
+        self.prefix_cache_hits += new.prefix_cache_hits
+        self.spec_decode_num_drafts += new.spec_decode_num_drafts
+        self.spec_decode_num_draft_tokens += new.spec_decode_num_draft_tokens
+        self.spec_decode_num_accepted_tokens += new.spec_decode_num_accepted_tokens
+        mine, new_pos = self.spec_decode_num_accepted_tokens_per_pos, new.spec_decode_num_accepted_tokens_per_pos
+        mine.extend([0] * (len(new_pos) - len(mine)))
+        for position, delta in enumerate(new_pos):
+            mine[position] += delta
 
     def record_tokens(self, num_prompt_tokens: int = 0, num_generation_tokens: int = 0) -> None:
         self.num_prompt_tokens += num_prompt_tokens
@@ -119,7 +121,7 @@ class StatsLogger:
         elapsed = max(now - self.last_log_time, 1e-9)
         hit_rate = 100.0 * self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
         lines = [
-            f"Engine {self.engine_index:03d}: "
+            f"{self.prefix}"
             f"Avg prompt throughput: {self.num_prompt_tokens / elapsed:.1f} tokens/s, "
             f"Avg generation throughput: {self.num_generation_tokens / elapsed:.1f} tokens/s, "
             f"Running: {self.num_running_reqs} reqs, Waiting: {self.num_waiting_reqs} reqs, "
@@ -131,7 +133,7 @@ class StatsLogger:
             per_pos = ", ".join(f"{count / drafts:.3f}" for count in self.spec_decode_num_accepted_tokens_per_pos)
             rate = 100.0 * accepted / draft_tokens if draft_tokens else 0.0
             lines.append(
-                f"Engine {self.engine_index:03d}: SpecDecoding metrics: "
+                f"{self.prefix}SpecDecoding metrics: "
                 f"Mean acceptance length: {1 + accepted / drafts:.2f}, "
                 f"Accepted throughput: {accepted / elapsed:.2f} tokens/s, "
                 f"Drafted throughput: {draft_tokens / elapsed:.2f} tokens/s, "

@@ -19,7 +19,7 @@ and ``text`` decodes all of them. A beam that reaches ``max_model_len`` ends the
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +28,11 @@ from sparrow.outputs import Logprob
 from sparrow.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
+    from sparrow.engine.input_processor import InputProcessor
     from sparrow.entrypoints.llm import LLM
+
+# The keys of vLLM's TextPrompt and TokensPrompt, the prompt dicts LLM.beam_search takes.
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
 
 
 @dataclass
@@ -123,6 +127,15 @@ def shown_tokens(beam: BeamSearchSequence, params: BeamSearchParams, start: int 
     return tokens
 
 
+def beam_text(tokenizer: Any, beam: BeamSearchSequence, params: BeamSearchParams, start: int = 0,
+              decode_options: Mapping[str, Any] | None = None) -> str:
+    """The text of ``beam`` from ``start``: its ``shown_tokens`` decoded, with ``decode_options``
+    (the tokenizer's ``decode`` keywords, e.g. the server's ``skip_special_tokens``; None: its
+    defaults). The one decoding of a beam, for ``LLM.beam_search``, ``AsyncLLM.beam_search`` and
+    the server's ``use_beam_search``."""
+    return tokenizer.decode(shown_tokens(beam, params, start), **(decode_options or {}))
+
+
 def check_beam_width(params: BeamSearchParams, max_logprobs: int) -> int:
     """The logprobs a step asks for (``2 * beam_width``); a ValueError naming ``beam_width`` when
     that exceeds ``max_logprobs`` or ``params`` is not a BeamSearchParams."""
@@ -141,27 +154,35 @@ def step_sampling_params(params: BeamSearchParams, num_logprobs: int) -> Samplin
     return SamplingParams(max_tokens=1, logprobs=num_logprobs, temperature=params.temperature, detokenize=False)
 
 
-def _prompt_token_ids(llm: LLM, index: int, prompt: Any) -> list[int]:
-    processor = llm.llm_engine.input_processor
-    if isinstance(prompt, str):
-        return processor.tokenize(prompt, field=f"prompts[{index}]")
-    if isinstance(prompt, dict):
-        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-        if unknown:
-            raise InvalidArgumentError(f"prompts[{index}]: keys {sorted(unknown)} are not supported; a prompt dict "
-                                       "takes prompt or prompt_token_ids", f"prompts[{index}]")
-        if prompt.get("prompt_token_ids") is not None:
-            return list(prompt["prompt_token_ids"])
-        if isinstance(prompt.get("prompt"), str):
-            return processor.tokenize(prompt["prompt"], field=f"prompts[{index}].prompt")
-    raise InvalidArgumentError(f"prompts[{index}] must be a string or a dict with prompt or prompt_token_ids, got "
-                               f"{type(prompt).__name__}", f"prompts[{index}]")
+def search_prompt(processor: InputProcessor, request_id: str, prompt: Any, step_params: SamplingParams,
+                  priority: int = 0) -> tuple[str | None, list[int]]:
+    """The text (None for a token prompt) and token ids a search of ``prompt`` starts from, read
+    and checked by the engine's own prompt handling as ``generate`` reads and checks a prompt
+    (its forms, empty, outside the vocabulary, no room under max_model_len), before any step
+    runs; errors name ``request_id``."""
+    text, request = processor.process_inputs(request_id, prompt, step_params, priority=priority)
+    return text, list(request.prompt_token_ids)
+
+
+def _prompt_token_ids(processor: InputProcessor, index: int, prompt: Any, step_params: SamplingParams) -> list[int]:
+    """``prompts[index]``'s token ids (``search_prompt``). ``LLM.beam_search`` takes vLLM's forms
+    only, a string or a dict of prompt and/or prompt_token_ids: anything else is refused naming
+    ``prompts[index]``."""
+    where = f"prompts[{index}]"
+    if not isinstance(prompt, (str, Mapping)):
+        raise InvalidArgumentError(f"{where} must be a string or a dict with prompt or prompt_token_ids, got "
+                                   f"{type(prompt).__name__}", where)
+    unknown = set(prompt) - _PROMPT_KEYS if isinstance(prompt, Mapping) else set()
+    if unknown:
+        raise InvalidArgumentError(f"{where}: keys {sorted(unknown, key=str)} are not supported; a prompt dict "
+                                   "takes prompt or prompt_token_ids", where)
+    return search_prompt(processor, where, prompt, step_params)[1]
 
 
 def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams, lora_request: Any = None,
                 use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
     """The body of ``LLM.beam_search``; see the module docstring."""
-    if isinstance(prompts, (str, dict)):
+    if isinstance(prompts, (str, Mapping)):
         prompts = [prompts]
     engine = llm.llm_engine
     num_logprobs = check_beam_width(params, engine.input_processor.max_logprobs)
@@ -175,10 +196,8 @@ def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams, lora
     step_params = step_sampling_params(params, num_logprobs)
     states = []
     for index, (prompt, lora) in enumerate(zip(prompts, loras)):
-        token_ids = _prompt_token_ids(llm, index, prompt)
-        # Each prompt is checked as generate() checks one (empty, outside the vocabulary, no room
-        # under max_model_len), before any search starts; so is AsyncLLM.beam_search's.
-        engine.input_processor.process_inputs(f"prompts[{index}]", {"prompt_token_ids": token_ids}, step_params)
+        # Every prompt is checked before any search starts.
+        token_ids = _prompt_token_ids(engine.input_processor, index, prompt, step_params)
         states.append(BeamSearchState([BeamSearchSequence(tokens=token_ids, lora_request=lora)]))
     eos = frozenset(engine.input_processor.eos_token_ids)
     max_model_len = engine.config.model.max_model_len or 0
@@ -205,7 +224,7 @@ def beam_search(llm: LLM, prompts: Sequence[Any], params: BeamSearchParams, lora
     for state in states:
         best = state.best(params, eos)
         for beam in best:
-            beam.text = tokenizer.decode(shown_tokens(beam, params))
+            beam.text = beam_text(tokenizer, beam, params)
         outputs.append(BeamSearchOutput(best))
     return outputs
 

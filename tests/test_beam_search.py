@@ -16,7 +16,7 @@ import torch
 
 from sparrow import LLM
 from sparrow.beam_search import BeamSearchOutput, beam_search_score
-from sparrow.sampling_params import BeamSearchParams
+from sparrow.sampling_params import BeamSearchParams, SamplingParams
 
 PROMPTS = ["The cat sat on the", "Once upon a time there", "1 2 3 4 5 6 7 8"]
 MAX_MODEL_LEN = 64
@@ -149,6 +149,8 @@ def test_invalid_arguments_name_the_field(llm):
     for call, field in ((lambda: llm.beam_search(["hi"], {"beam_width": 2}), "params"),
                         (lambda: llm.beam_search([{"prompt": "hi", "multi_modal_data": {}}], params), "prompts[0]"),
                         (lambda: llm.beam_search([3], params), "prompts[0]"),
+                        # A list of chat messages is generate()'s form, not beam_search's (vLLM's).
+                        (lambda: llm.beam_search([[{"role": "user", "content": "hi"}]], params), "prompts[0]"),
                         (lambda: llm.beam_search(["hi"], params, concurrency_limit=0), "concurrency_limit"),
                         (lambda: llm.beam_search(["hi", "yo"], params, lora_request=[None]), "lora_request")):
         with pytest.raises(ValueError) as info:
@@ -159,8 +161,37 @@ def test_invalid_arguments_name_the_field(llm):
         with pytest.raises(ValueError, match="prompts\\[1\\]") as info:
             llm.beam_search(["hi", {"prompt_token_ids": prompt}], params)
         assert info.value.field == "prompt"
+    # Inside a prompt dict the engine's own prompt handling names the key, and the message the prompt.
+    for prompt, field in (({"prompt": 5}, "prompt"), ({"prompt": "\ud800"}, "prompt"),
+                          ({"prompt_token_ids": [1, "a"]}, "prompt_token_ids[1]")):
+        with pytest.raises(ValueError, match="prompts\\[1\\]") as info:
+            llm.beam_search(["hi", prompt], params)
+        assert info.value.field == field
     # The engine still serves after the refusals.
     assert llm.beam_search("hi", params)[0].sequences
+
+
+def test_every_prompt_form_is_read_as_generate_reads_it(llm, hf):
+    import types
+
+    import numpy as np
+
+    _, tokenizer = hf
+    ids = tokenizer(PROMPTS[0]).input_ids
+    params = BeamSearchParams(beam_width=2, max_tokens=3)
+    forms = [PROMPTS[0], {"prompt": PROMPTS[0]}, {"prompt_token_ids": ids}, {"prompt_token_ids": np.array(ids)},
+             {"prompt": "ignored: the token ids win", "prompt_token_ids": ids},
+             types.MappingProxyType({"prompt_token_ids": ids})]
+    outputs = llm.beam_search(forms, params)
+    expected = [seq.tokens for seq in outputs[2].sequences]
+    for output in outputs:
+        assert [seq.tokens for seq in output.sequences] == expected
+        # Plain ints, whatever the prompt held (a numpy array's are numpy integers).
+        assert all(type(token) is int for seq in output.sequences for token in seq.tokens)
+    assert [seq.tokens for seq in llm.beam_search(types.MappingProxyType({"prompt": PROMPTS[0]}),
+                                                  params)[0].sequences] == expected
+    assert [prompt.prompt_token_ids for prompt in llm.generate(forms[:4], SamplingParams(max_tokens=1),
+                                                                   use_tqdm=False)] == [ids] * 4
 
 
 def test_max_logprobs_allows_wider_beams(model_dir):
@@ -187,7 +218,11 @@ def test_async_llm_beam_search_equals_hf_and_cancelling_it_aborts_the_beams(mode
             # A consumer cancelled in the middle of a long search leaves no beam request behind.
             task = asyncio.create_task(anext(engine.beam_search(
                 {"prompt_token_ids": ids}, "cancelled", BeamSearchParams(beam_width=3, max_tokens=50))))
-            await asyncio.sleep(0.3)
+            # Cancelled as soon as its beams run (a fixed sleep raced the search's end on a busy machine).
+            for _ in range(2000):
+                if engine._collectors:  # a step's beam requests are in flight
+                    break
+                await asyncio.sleep(0.001)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task

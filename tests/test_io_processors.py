@@ -9,9 +9,10 @@ import msgspec
 import pytest
 
 from sparrow.core.request import FinishReason
-from sparrow.engine.input_processor import InputProcessor, fan_out, make_child_requests
+from sparrow.engine.input_processor import InputProcessor
 from sparrow.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from sparrow.engine.output_processor import OutputProcessor
+from sparrow.engine.parallel_sampling import fan_out, make_child_requests
 from sparrow.outputs import CompletionOutput, Logprob, RequestOutput
 from sparrow.sampling_params import RequestOutputKind, SamplingParams
 from sparrow.tiny.tokenizer import ENDOFTEXT, IM_END, build_tokenizer, load_tokenizer
@@ -106,7 +107,8 @@ def test_max_tokens_and_stop_ids_are_resolved_on_a_copy(inputs) -> None:
         ("hi", {"stop": ["x"], "detokenize": False}, r"stop strings \['x'\] need detokenize=True"),
         ("hi", {"stop_token_ids": [5000]}, r"stop_token_ids: 5000"),
         (12, {}, r"must be a str, .* got int"),
-        ({"text": "hi"}, {}, r"must be a str"),
+        ({"text": "hi"}, {}, r"key 'text' is not supported"),  # refused, never dropped
+        ({"prompt": "hi", "multi_modal_data": {"image": 1}}, {}, r"key 'multi_modal_data' is not supported"),
     ],
 )
 def test_invalid_requests_are_rejected_naming_the_prompt_or_field(inputs, prompt, params, match) -> None:

@@ -159,7 +159,7 @@ def eos_server(hf, tmp_path_factory):
         greedy = model.generate(torch.tensor([ids]), max_new_tokens=2, do_sample=False)[0, len(ids):].tolist()
     directory = build(tmp_path_factory.mktemp("beam-eos-model"), seed=11, eos_token_id=greedy[1])
     for server in serve_for_module(directory, tmp_path_factory, "beam-eos-logs"):
-        yield server, ids, greedy
+        yield server, ids, greedy, directory
 
 
 def hf_sum_logprob(model, tokens: list[int], prompt_len: int) -> float:
@@ -169,7 +169,7 @@ def hf_sum_logprob(model, tokens: list[int], prompt_len: int) -> float:
 
 
 def test_eos_ends_a_beam_and_length_penalty_ranks_them(eos_server, hf):
-    server, ids, greedy = eos_server
+    server, ids, greedy, _ = eos_server
     model, tokenizer = hf
     eos_id = greedy[1]
     client = server.client(timeout=60)
@@ -202,6 +202,36 @@ def test_eos_ends_a_beam_and_length_penalty_ranks_them(eos_server, hf):
                                         extra_body={**BEAM, "length_penalty": 0.0, "ignore_eos": True})
     assert all(choice.finish_reason == "length" for choice in ignored.choices)
     assert ignored.usage.completion_tokens == 15
+
+
+def test_the_server_and_llm_beam_search_give_the_same_beams_and_texts(eos_server, hf):
+    # One search and one decoding of a beam (sparrow.beam_search) behind both: the same beams,
+    # and the same text of the generated tokens, a final EOS shown only with include_stop_str_in_output.
+    from sparrow.beam_search import beam_text
+    from sparrow.sampling_params import BeamSearchParams
+    from tests.test_beam_search import engine
+
+    server, ids, greedy, directory = eos_server
+    _, tokenizer = hf
+    client = server.client(timeout=60)
+    with engine(directory) as llm:
+        for include in (False, True):
+            params = BeamSearchParams(beam_width=3, max_tokens=5, length_penalty=0.0,
+                                      include_stop_str_in_output=include)
+            offline = llm.beam_search([{"prompt_token_ids": ids}], params)[0].sequences
+            response = client.completions.create(
+                model=MODEL_NAME, prompt=ids, n=3, max_tokens=5, logprobs=0,
+                extra_body={**BEAM, "length_penalty": 0.0, "include_stop_str_in_output": include,
+                            "return_tokens_as_token_ids": True})
+            assert offline[0].finish_reason == "stop"  # the premise: an EOS ends the best beam
+            assert [[as_id(token) for token in choice.logprobs.tokens] for choice in response.choices] == \
+                [seq.tokens[len(ids):] for seq in offline]
+            assert [(choice.finish_reason, choice.stop_reason) for choice in response.choices] == \
+                [(seq.finish_reason, seq.stop_reason) for seq in offline]
+            texts = [choice.text for choice in response.choices]
+            assert texts == [beam_text(tokenizer, seq, params, len(ids), {"skip_special_tokens": True})
+                             for seq in offline]
+            assert texts[0] == tokenizer.decode(greedy if include else greedy[:-1])
 
 
 REFUSED = [

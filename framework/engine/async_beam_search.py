@@ -9,7 +9,8 @@ beam request still running, and their ``generate`` aborts them in the engine cor
 
 It yields one ``RequestOutput`` (``finished=True``): its ``outputs`` are the best ``beam_width``
 beams, best first, as ``CompletionOutput``s of the generated tokens only (``token_ids`` with a
-final EOS token, ``text`` without it unless ``include_stop_str_in_output``), with their
+final EOS token, ``text`` without it unless ``include_stop_str_in_output``, decoded once with the
+caller's ``decode_options``: ``sparrow.beam_search.beam_text``), with their
 ``cumulative_logprob``, the candidate logprobs of every step (``logprobs``), ``finish_reason``
 "stop" (an EOS token, also ``stop_reason``) or "length".
 """
@@ -17,14 +18,15 @@ final EOS token, ``text`` without it unless ``include_stop_str_in_output``), wit
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from sparrow.beam_search import (
     BeamSearchSequence,
     BeamSearchState,
+    beam_text,
     check_beam_width,
-    shown_tokens,
+    search_prompt,
     step_sampling_params,
 )
 from sparrow.engine.async_inputs import check_request_fields
@@ -36,27 +38,24 @@ if TYPE_CHECKING:
 
 
 async def async_beam_search(engine: AsyncLLM, prompt: Any, request_id: str, params: BeamSearchParams,
-                            lora_request: Any = None, *, priority: int = 0
+                            lora_request: Any = None, *, priority: int = 0,
+                            decode_options: Mapping[str, Any] | None = None
                             ) -> AsyncGenerator[RequestOutput, None]:
     """The body of ``AsyncLLM.beam_search``; see the module docstring. ``prompt`` as for
     ``generate``; an invalid one, or invalid ``params``, raises ValueError naming the field at the
-    first iteration."""
+    first iteration. ``decode_options``: the tokenizer's ``decode`` keywords for the beams' texts
+    (the server's ``skip_special_tokens`` and ``spaces_between_special_tokens``; None: its defaults)."""
     num_logprobs = check_beam_width(params, engine.input_processor.max_logprobs)
     check_request_fields(request_id, prompt, None, priority, None, None, None,
                          engine.config.parallel.data_parallel_size)
     step_params = step_sampling_params(params, num_logprobs).clone(output_kind=RequestOutputKind.FINAL_ONLY)
     processor = engine.input_processor
-
-    def tokenize() -> tuple[str | None, list[int]]:
-        text, token_ids = processor.tokenize_prompt(request_id, prompt)
-        # The caller's request is checked as one: its id in the errors, its priority, its prompt.
-        processor.process_inputs(request_id, {"prompt_token_ids": token_ids}, step_params, priority=priority)
-        return text, token_ids
-
-    prompt_text, prompt_ids = await engine.run_input_work(tokenize)
+    # The caller's request is checked as one: its id in the errors, its priority, its prompt.
+    prompt_text, prompt_ids = await engine.run_input_work(search_prompt, processor, request_id, prompt, step_params,
+                                                          priority)
     eos = frozenset(processor.eos_token_ids)
     max_model_len = engine.model_config.max_model_len or 0
-    state = BeamSearchState([BeamSearchSequence(tokens=list(prompt_ids), lora_request=lora_request)])
+    state = BeamSearchState([BeamSearchSequence(tokens=prompt_ids, lora_request=lora_request)])
     for step in range(params.max_tokens):
         state.end_full_beams(max_model_len)
         if not state.beams:
@@ -67,7 +66,7 @@ async def async_beam_search(engine: AsyncLLM, prompt: Any, request_id: str, para
     best = state.best(params, eos)
     start = len(prompt_ids)
     texts = await engine.run_input_work(
-        lambda: [engine.tokenizer.decode(shown_tokens(beam, params, start)) for beam in best])
+        lambda: [beam_text(engine.tokenizer, beam, params, start, decode_options) for beam in best])
     outputs = [CompletionOutput(index=index, text=text, token_ids=beam.tokens[start:],
                                 cumulative_logprob=beam.cum_logprob, logprobs=beam.logprobs,
                                 finish_reason=beam.finish_reason, stop_reason=beam.stop_reason)

@@ -22,44 +22,20 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
-import msgspec
-
 from sparrow.engine.text_checks import check_text
 from sparrow.errors import InvalidArgumentError
 from sparrow.sampling_params import SamplingParams
 from sparrow.wire import EngineCoreRequest
 
 PromptType = Union[str, Mapping[str, Any], Sequence[Mapping[str, Any]]]
+# The keys a prompt dict may have (vLLM's TextPrompt and TokensPrompt). vLLM's others
+# (multi_modal_data, mm_processor_kwargs, cache_salt, prompt_embeds, ...) are refused, never dropped.
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 # vLLM's default cap on logprobs per position.
 DEFAULT_MAX_LOGPROBS = 20
 _PREVIEW_CHARS = 40
 _PREVIEW_TOKENS = 8
-
-
-def fan_out(request_id: str, n: int) -> list[str]:
-    """Engine-core ids of the ``n`` child requests of a request with ``n`` > 1 samples."""
-    if n < 1:
-        raise InvalidArgumentError(f"n must be >= 1, got {n}", "n")
-    return [f"{index}_{request_id}" for index in range(n)]
-
-
-def make_child_requests(request: EngineCoreRequest) -> list[EngineCoreRequest]:
-    """Split a request with ``n`` > 1 into ``n`` requests with ``n`` = 1 (itself when ``n`` = 1).
-
-    The engine core only knows single sequences; the output processor joins the children back
-    into one RequestOutput. A seeded request gives child ``i`` the seed ``seed + i``, so the
-    samples differ from each other and are still reproducible.
-    """
-    params = request.sampling_params
-    if params.n == 1:
-        return [request]
-    children = []
-    for index, child_id in enumerate(fan_out(request.request_id, params.n)):
-        seed = None if params.seed is None else params.seed + index
-        child_params = params.clone(n=1, seed=seed)
-        children.append(msgspec.structs.replace(request, request_id=child_id, sampling_params=child_params))
-    return children
 
 
 def _dedupe(token_ids: list[int]) -> list[int]:
@@ -226,6 +202,12 @@ class InputProcessor:
             check_text("prompt", prompt, label)
             return prompt, self._encode(prompt, add_special_tokens=True)
         if isinstance(prompt, Mapping):
+            for key, value in prompt.items():
+                if key not in PROMPT_KEYS and value is not None:
+                    raise InvalidArgumentError(
+                        f"{label}: key {key!r} is not supported (Sparrow takes text or token ids only: no "
+                        f"multi-modal data, embeddings or cache salts); a prompt dict takes "
+                        f"{' and '.join(PROMPT_KEYS)}", f"prompt.{key}")
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):
                 raise InvalidArgumentError(f"{label}: 'prompt' must be a string, got {type(text).__name__}", "prompt")

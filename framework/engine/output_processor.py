@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 from sparrow.core.request import FinishReason
 from sparrow.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
-from sparrow.engine.input_processor import make_child_requests
 from sparrow.engine.messages import EngineCoreOutput, EngineCoreRequest
+from sparrow.engine.parallel_sampling import make_child_requests
 from sparrow.errors import InvalidArgumentError
 from sparrow.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from sparrow.sampling_params import RequestOutputKind

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncGenerator
 from typing import Any, Callable, TypeVar
 
+from sparrow.engine.async_beam_search import async_beam_search
 from sparrow.engine.async_llm import AsyncLLM
 from sparrow.engine.exceptions import EngineDeadError, EngineShutdownError
 from sparrow.engine.generation_defaults import server_max_tokens_cap
@@ -307,21 +308,15 @@ class OpenAIServing:
 
     async def _beam_search(self, request_id: str, prompt: dict[str, Any], params: BeamSearchParams, request: Any,
                            logprobs: int | None) -> AsyncGenerator[RequestOutput, None]:
-        """One prompt's beam search, its choices shaped as an ordinary request's: the text decoded
-        as the request asks (``skip_special_tokens``...), the top ``logprobs`` of each token."""
-        engine = self.engine
-        async for output in engine.beam_search(prompt, request_id, params, self.lora_request_of(request.model),
-                                               priority=request.priority):
-            def decode_all(output: RequestOutput = output) -> list[str]:
-                return [engine.tokenizer.decode(
-                    completion.token_ids[:-1] if completion.stop_reason is not None
-                    and not params.include_stop_str_in_output else completion.token_ids,
-                    skip_special_tokens=request.skip_special_tokens,
-                    spaces_between_special_tokens=request.spaces_between_special_tokens)
-                    for completion in output.outputs]
-
-            for completion, text in zip(output.outputs, await engine.run_input_work(decode_all)):
-                completion.text = text
+        """One prompt's beam search (``AsyncLLM.beam_search``'s), its choices shaped as an ordinary
+        request's: the text decoded as the request asks (``skip_special_tokens``...), the top
+        ``logprobs`` of each token."""
+        decode_options = {"skip_special_tokens": request.skip_special_tokens,
+                          "spaces_between_special_tokens": request.spaces_between_special_tokens}
+        async for output in async_beam_search(self.engine, prompt, request_id, params,
+                                              self.lora_request_of(request.model), priority=request.priority,
+                                              decode_options=decode_options):
+            for completion in output.outputs:
                 completion.logprobs = None if logprobs is None or completion.logprobs is None else \
                     top_logprobs(completion.token_ids, completion.logprobs, logprobs)
             yield output

@@ -211,6 +211,11 @@ class PluginsConfig(_Section):
         return value
 
 
+# Engine arguments for which None is a value rather than "the default": seed=None draws a random
+# seed (vLLM's), where the default is 0.
+NONE_IS_A_VALUE = frozenset({"seed"})
+
+
 class EngineConfig(BaseModel):
     # validate_assignment: a platform's check_and_update_config may replace a whole section.
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), validate_assignment=True)
@@ -248,6 +253,8 @@ class EngineConfig(BaseModel):
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """The configuration of ``LLM(**kwargs)``. None stands for an argument's default (what
+        ``EngineArgs.add_cli_args``' unset flags are, so ``LLM(**vars(args))`` works as in vLLM)."""
         owners = cls.field_names()
         grouped: dict[str, dict[str, Any]] = {section: {} for section in cls.sections()}
         for key, value in kwargs.items():
@@ -255,6 +262,8 @@ class EngineConfig(BaseModel):
                 raise ConfigError(
                     f"unknown engine argument {key!r}; valid arguments: {', '.join(sorted(owners))}"
                 )
+            if value is None and key not in NONE_IS_A_VALUE:  # the default (an optional field's is None)
+                continue
             grouped[owners[key]][key] = value
         built = {}
         for section, values in grouped.items():

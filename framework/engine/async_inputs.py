@@ -1,61 +1,17 @@
-"""What ``AsyncLLM`` takes besides prompts: vLLM's ``AsyncEngineArgs``, and the checks on the
-arguments of ``AsyncLLM.add_request`` / ``generate`` (each refusal names its field)."""
+"""The checks on the arguments of ``AsyncLLM.add_request`` / ``generate`` and
+``LLMEngine.add_request`` besides the prompt's text and sampling parameters (each refusal names its
+field). (vLLM's ``AsyncEngineArgs`` is in ``sparrow.engine.arg_utils``; re-exported here.)"""
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
 from typing import Any
 
-from sparrow.config import ConfigError, EngineConfig
+from sparrow.engine.arg_utils import AsyncEngineArgs  # noqa: F401 - re-exported
 from sparrow.errors import InvalidArgumentError
 
-# The keys a prompt dict may have. vLLM's other keys (multi_modal_data, mm_processor_kwargs,
-# cache_salt, token_type_ids, prompt_embeds, ...) are refused, never dropped: Sparrow serves
-# text-only models and has no cache salts.
-_PROMPT_KEYS = ("prompt", "prompt_token_ids")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
-
-class AsyncEngineArgs:
-    """vLLM's ``AsyncEngineArgs``: the engine arguments as one object, for
-    ``AsyncLLM.from_engine_args(AsyncEngineArgs(model=..., max_model_len=...))``.
-
-    Takes the keywords ``LLM`` and ``AsyncLLM.from_engine_args`` take; every argument is an
-    attribute (unset ones read as their defaults) and may be reassigned before the engine is built.
-    An unknown name raises ``ConfigError`` at once; values are checked by ``create_engine_config``.
-    """
-
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        object.__setattr__(self, "_args", {})
-        self.model = model
-        for name, value in engine_args.items():
-            setattr(self, name, value)
-
-    @staticmethod
-    def _check_name(name: str) -> None:
-        owners = EngineConfig.field_names()
-        if name not in owners:
-            raise ConfigError(f"unknown engine argument {name!r}; valid arguments: {', '.join(sorted(owners))}")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        self._check_name(name)
-        self._args[name] = value
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        self._check_name(name)
-        args = self.__dict__["_args"]
-        return args[name] if name in args else EngineConfig().flat()[name]
-
-    def create_engine_config(self, usage_context: Any = None) -> EngineConfig:
-        """The validated configuration (``usage_context`` is vLLM's telemetry tag; unused)."""
-        return EngineConfig.from_kwargs(**self._args)
-
-    def __repr__(self) -> str:
-        return f"AsyncEngineArgs({', '.join(f'{k}={v!r}' for k, v in self._args.items())})"
 
 
 def check_request_fields(request_id: Any, prompt: Any, arrival_time: Any, priority: Any, trace_headers: Any,
@@ -66,14 +22,6 @@ def check_request_fields(request_id: Any, prompt: Any, arrival_time: Any, priori
     if not isinstance(request_id, str) or not request_id:
         raise InvalidArgumentError(f"request_id must be a non-empty string, got {request_id!r} "
                                    f"({type(request_id).__name__})", "request_id")
-    if isinstance(prompt, Mapping):
-        for key, value in prompt.items():
-            if key not in _PROMPT_KEYS and value is not None:
-                raise InvalidArgumentError(
-                    f"prompt of request {request_id!r}: key {key!r} is not supported (Sparrow takes text or token "
-                    f"ids only: no multi-modal data, embeddings or cache salts); a prompt dict takes "
-                    f"{' and '.join(_PROMPT_KEYS)}",
-                    f"prompt.{key}")
     if isinstance(priority, bool) or not isinstance(priority, numbers.Integral) \
             or not _INT64_MIN <= int(priority) <= _INT64_MAX:
         raise InvalidArgumentError(f"priority of request {request_id!r} must be a 64-bit integer, got "

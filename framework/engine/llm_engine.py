@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from sparrow.config import EngineConfig
 from sparrow.core.kv_cache_utils import request_capacity_tokens
+from sparrow.engine.async_inputs import check_request_fields
 from sparrow.engine.input_processor import PromptType
 from sparrow.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from sparrow.engine.setup import build_frontend, finalize_config
@@ -14,6 +16,9 @@ from sparrow.engine.stats_log import StatsLogger
 from sparrow.errors import InvalidArgumentError, error_from_engine
 from sparrow.outputs import RequestOutput
 from sparrow.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from sparrow.engine.arg_utils import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +36,9 @@ def make_engine_client(config: EngineConfig, multiprocess: bool | None = None) -
 
 
 class LLMEngine:
+    """vLLM's ``LLMEngine``: ``add_request`` then ``step()`` until ``has_unfinished_requests()``
+    is False. Built from an ``EngineConfig``, or as in vLLM with ``from_engine_args(EngineArgs(...))``."""
+
     def __init__(self, config: EngineConfig, multiprocess: bool | None = None) -> None:
         self.config = finalize_config(config)
         frontend = build_frontend(self.config)
@@ -55,9 +63,38 @@ class LLMEngine:
         # Outputs of a step that also raised (another request failed): handed out by the next step.
         self._held_outputs: list[RequestOutput] = []
 
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, usage_context: Any = None, stat_loggers: Any = None,
+                         enable_multiprocessing: bool | None = None) -> LLMEngine:
+        """vLLM's constructor. ``usage_context`` is vLLM's telemetry tag (unused); custom
+        ``stat_loggers`` are refused (the stats line is ``disable_log_stats=False``);
+        ``enable_multiprocessing`` None: the engine core in its own process unless
+        ``SPARROW_ENABLE_MULTIPROCESSING=0``."""
+        if stat_loggers:
+            raise InvalidArgumentError("LLMEngine.from_engine_args: custom stat_loggers are not supported; pass "
+                                       "disable_log_stats=False for the periodic stats line", "stat_loggers")
+        if not callable(getattr(engine_args, "create_engine_config", None)):
+            raise TypeError(f"LLMEngine.from_engine_args: engine_args must be an EngineArgs, got "
+                            f"{type(engine_args).__name__}")
+        return cls(engine_args.create_engine_config(), multiprocess=enable_multiprocessing)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: EngineConfig, usage_context: Any = None,
+                         stat_loggers: Any = None) -> LLMEngine:
+        """vLLM's name for building from a whole configuration (here an ``EngineConfig``, whose
+        ``disable_log_stats`` decides the stats line)."""
+        if stat_loggers:
+            raise InvalidArgumentError("LLMEngine.from_vllm_config: custom stat_loggers are not supported",
+                                       "stat_loggers")
+        return cls(vllm_config)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
     # -- requests ---------------------------------------------------------------------------
     def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
-                        lora_request: Any = None, default_max_tokens: bool = False):
+                        lora_request: Any = None, default_max_tokens: bool = False,
+                        arrival_time: float | None = None):
         """Validate and tokenize; raises ValueError naming the prompt (or ``lora_request``).
         Touches no engine state."""
         if lora_request is not None:
@@ -65,7 +102,7 @@ class LLMEngine:
 
             check_lora_request(lora_request, self.config, self.hf_config)
         text, request = self.input_processor.process_inputs(request_id, prompt, params, priority=priority,
-                                                            lora_request=lora_request,
+                                                            arrival_time=arrival_time, lora_request=lora_request,
                                                             default_max_tokens=default_max_tokens)
         needed = min(len(request.prompt_token_ids) + (request.max_tokens or 0), self.config.model.max_model_len)
         if needed > self.kv_cache_capacity_tokens:
@@ -90,9 +127,23 @@ class LLMEngine:
             self._abort_quietly([request.request_id])
             raise
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
-                    lora_request: Any = None) -> None:
-        text, request = self.process_request(request_id, prompt, params, priority, lora_request)
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, lora_request: Any = None,
+                    tokenization_kwargs: dict[str, Any] | None = None, trace_headers: Mapping[str, str] | None = None,
+                    priority: int = 0) -> None:
+        """vLLM's ``LLMEngine.add_request``: validate, tokenize and submit; its outputs come from
+        ``step()``. ``params=None`` takes the model's generation-config defaults. Raises ValueError
+        naming the field; ``trace_headers`` and ``tokenization_kwargs`` are refused unless empty."""
+        priority, arrival_time = check_request_fields(request_id, prompt, arrival_time, priority, trace_headers,
+                                                      tokenization_kwargs, None, 1)
+        defaults = params is None  # a max_tokens from the generation config is then cut to fit
+        if params is None:
+            params = SamplingParams(**self.default_sampling_params)
+        elif not isinstance(params, SamplingParams):
+            raise InvalidArgumentError(f"params of request {request_id!r} must be SamplingParams, got "
+                                       f"{type(params).__name__}", "params")
+        text, request = self.process_request(request_id, prompt, params, priority, lora_request,
+                                             default_max_tokens=defaults, arrival_time=arrival_time)
         self.add_processed_request(text, request)
 
     def abort_request(self, request_ids: list[str] | str) -> None:

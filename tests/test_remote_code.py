@@ -261,9 +261,18 @@ def test_slow_loads_the_remote_slow_class_in_frontend_and_engine_process(remote_
     fast = AutoTokenizer.from_pretrained(remote_tokenizer_dir, local_files_only=True, trust_remote_code=True)
     for text in TEXTS:  # the slow class is a faithful Python BPE: the same ids as the Rust one
         assert reference(text).input_ids == fast(text).input_ids
-    llm = LLM(remote_tokenizer_dir, trust_remote_code=True, tokenizer_mode="slow", dtype="float32",
-              max_model_len=256)
+    loads = []
+    original = slow_cls.from_pretrained.__func__
+    slow_cls.from_pretrained = classmethod(lambda cls, *a, **k: loads.append(a) or original(cls, *a, **k))
     try:
+        llm = LLM(remote_tokenizer_dir, trust_remote_code=True, tokenizer_mode="slow", dtype="float32",
+                  max_model_len=256)
+    finally:
+        del slow_cls.from_pretrained
+    try:
+        # Loaded once in this process: the pre-flight's load (it tells whether "slow" can be honoured)
+        # is the frontend's tokenizer.
+        assert len(loads) == 1, loads
         tokenizer = llm.get_tokenizer()
         assert type(tokenizer).__name__ == "RemoteSlowTokenizer" and not tokenizer.is_fast
         for text in TEXTS:

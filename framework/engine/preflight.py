@@ -103,12 +103,14 @@ def check_model_files(model: str, tokenizer: str | None, load_format: str = "aut
 
 def check_tokenizer_mode(config: EngineConfig) -> None:
     """tokenizer_mode "slow": the tokenizer loads as a Python one (loading it is the only sure
-    test of which class transformers picks; "auto" loads it once, in the frontend, as before)."""
+    test of which class transformers picks; the frontend then takes this one instead of loading it
+    again. "auto" loads it once, in the frontend)."""
     if config.model.tokenizer_mode != "slow":
         return
-    from sparrow.engine.setup import load_tokenizer
+    from sparrow.engine.setup import hand_over_tokenizer, load_tokenizer
 
-    load_tokenizer(config.model.tokenizer or str(config.model.model), config.model.trust_remote_code, "slow")
+    path, trust_remote_code = config.model.tokenizer or str(config.model.model), config.model.trust_remote_code
+    hand_over_tokenizer(path, trust_remote_code, "slow", load_tokenizer(path, trust_remote_code, "slow"))
 
 
 # -- plugin names ---------------------------------------------------------------------------------

@@ -111,6 +111,22 @@ def finalize_config(config: EngineConfig) -> EngineConfig:
     return finalized
 
 
+# A tokenizer the pre-flight loaded (whether tokenizer_mode "slow" can be honoured is only known by
+# loading it), handed to the frontend that asks for the same one next instead of loading it twice.
+# Taken once: two engines never share a tokenizer object.
+_preflight_tokenizers: dict[tuple[str, bool, str], Any] = {}
+
+
+def hand_over_tokenizer(path: str, trust_remote_code: bool, tokenizer_mode: str, tokenizer: Any) -> None:
+    _preflight_tokenizers[(path, bool(trust_remote_code), tokenizer_mode)] = tokenizer
+
+
+def frontend_tokenizer(path: str, trust_remote_code: bool = False, tokenizer_mode: str = "auto") -> Any:
+    """The pre-flight's tokenizer of these settings if it loaded one (taken), else a new load."""
+    handed = _preflight_tokenizers.pop((path, bool(trust_remote_code), tokenizer_mode), None)
+    return handed if handed is not None else load_tokenizer(path, trust_remote_code, tokenizer_mode)
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False, tokenizer_mode: str = "auto") -> Any:
     """The tokenizer of the local directory ``path`` as the engine arguments ``trust_remote_code``
     and ``tokenizer_mode`` ask, or a ConfigError naming the one that cannot be honoured.
@@ -194,7 +210,8 @@ def build_frontend(config: EngineConfig) -> Frontend:
     from sparrow.model_loader import model_hf_config
 
     model_dir = config.model.model
-    tokenizer = load_tokenizer(config.model.tokenizer, config.model.trust_remote_code, config.model.tokenizer_mode)
+    tokenizer = frontend_tokenizer(config.model.tokenizer, config.model.trust_remote_code,
+                                   config.model.tokenizer_mode)
     hf_config = model_hf_config(config.model)
     processor_classes = []
     if config.model.logits_processors:  # checked by the pre-flight; the built-ins need no validation

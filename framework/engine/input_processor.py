@@ -22,6 +22,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
+from sparrow.engine.chat_content import check_content_format, resolve_content_format, shape_messages
 from sparrow.engine.text_checks import check_text
 from sparrow.errors import InvalidArgumentError
 from sparrow.sampling_params import SamplingParams
@@ -113,11 +114,14 @@ class InputProcessor:
         chat_template: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        content_format: str = "auto",
     ) -> str:
         """Render chat messages to the prompt text, as transformers' ``apply_chat_template`` does:
         ``tools`` (JSON schemas) and every key of the messages (``tool_calls``, ``tool_call_id``,
         ``name``, ...) reach the template; ``chat_template_kwargs`` become template variables.
-        ``continue_final_message`` leaves the last message open for the model to continue."""
+        ``continue_final_message`` leaves the last message open for the model to continue.
+        ``content_format``: vLLM's ``chat_template_content_format`` (``sparrow.engine.chat_content``)."""
+        check_content_format(content_format)
         if self.tokenizer is None:
             raise InvalidArgumentError("messages: chat prompts need a tokenizer, and this engine has none", "messages")
         if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
@@ -149,8 +153,11 @@ class InputProcessor:
             raise InvalidArgumentError(f"chat_template_kwargs: {', '.join(map(repr, reserved))} cannot be set here; "
                                        "they are the renderer's own arguments (use the request fields of those names)",
                                        "chat_template_kwargs")
+        template = chat_template if chat_template is not None else self.tokenizer.chat_template
+        if isinstance(template, Mapping):  # named templates: transformers renders "default"
+            template = template.get("default")
         return self.tokenizer.apply_chat_template(
-            [dict(message) for message in messages],
+            shape_messages(messages, resolve_content_format(content_format, template)),
             tools=[dict(tool) for tool in tools] if tools else None,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,

@@ -83,6 +83,7 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: Any = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
@@ -93,7 +94,9 @@ class LLM:
         replaces the tokenizer's, ``add_generation_prompt`` opens the assistant's turn,
         ``continue_final_message`` (with ``add_generation_prompt=False``) lets the model continue
         the last message, ``tools`` (JSON schemas) and ``chat_template_kwargs`` (e.g.
-        ``{"enable_thinking": False}`` for Qwen3) reach the template."""
+        ``{"enable_thinking": False}`` for Qwen3) reach the template, and
+        ``chat_template_content_format`` ("auto", "string" or "openai") says whether a message's
+        content reaches it as a string or as a list of parts (``sparrow.engine.chat_content``)."""
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
@@ -110,7 +113,7 @@ class LLM:
             text = processor.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=chat_template, tools=tools,
-                chat_template_kwargs=chat_template_kwargs)
+                chat_template_kwargs=chat_template_kwargs, content_format=chat_template_content_format)
             # The template wrote every special token the model expects: none are added.
             prompts.append({"prompt": text, "prompt_token_ids": processor.tokenize(text, add_special_tokens=False)})
         return self._run(prompts, sampling_params, use_tqdm, None, lora_request)

@@ -70,17 +70,20 @@ def test_each_template_gets_the_content_it_reads(llm):
 
 
 def test_the_servers_rendering_gets_the_content_the_template_reads(llm):
-    """The server joins text parts into a string first; a template that iterates parts still
-    gets parts."""
+    """The server's rendering (its --chat-template-content-format): parts for a template that
+    loops over them, unless "string" joins them; the text for a template that prints the content."""
     from sparrow.entrypoints.openai.protocol import ChatCompletionRequest
     from sparrow.entrypoints.openai.serving_chat import render_prompt
 
     request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": PARTS}])
-    prompt = render_prompt(llm.llm_engine.input_processor, request, PARTS_TEMPLATE)
-    tokenizer = llm.get_tokenizer()
-    joined_part = [{"type": "text", "text": "Hello\nthere"}]
-    assert prompt["prompt_token_ids"] == hf_prompt_ids(tokenizer, [{"role": "user", "content": joined_part}],
-                                                       PARTS_TEMPLATE)
+    processor, tokenizer = llm.llm_engine.input_processor, llm.get_tokenizer()
+    assert render_prompt(processor, request, PARTS_TEMPLATE)["prompt_token_ids"] == \
+        hf_prompt_ids(tokenizer, [{"role": "user", "content": PARTS}], PARTS_TEMPLATE)
+    # "string" is the server's to choose: the template then gets the joined text, as HF would render it.
+    assert render_prompt(processor, request, PARTS_TEMPLATE, "string")["prompt_token_ids"] == \
+        hf_prompt_ids(tokenizer, [{"role": "user", "content": "Hello\nthere"}], PARTS_TEMPLATE)
+    assert render_prompt(processor, request, STRING_TEMPLATE)["prompt_token_ids"] == \
+        hf_prompt_ids(tokenizer, [{"role": "user", "content": "Hello\nthere"}], STRING_TEMPLATE)
 
 
 @pytest.mark.parametrize(("content", "content_format", "field"), [

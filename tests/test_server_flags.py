@@ -109,6 +109,32 @@ def test_a_requests_own_chat_template_wins(client, http, hf_tokenizer):
     assert chat(client, chat_template=own).usage.prompt_tokens == len(expected)
 
 
+def test_content_parts_reach_the_template_as_it_reads_them(http, hf_tokenizer):
+    """--chat-template-content-format auto (the default): a list of text parts is joined for a
+    template that prints the content, and kept as parts for one that loops over it."""
+    parts = [{"type": "text", "text": "Name a"}, {"type": "text", "text": "small bird."}]
+    messages = [{"role": "user", "content": parts}]
+    joined = http.post("/tokenize", json={"model": MODEL_NAME, "messages": messages}).json()["tokens"]
+    assert joined == hf_tokenizer.encode(render(TEMPLATE, [{"role": "user", "content": "Name a\nsmall bird."}]),
+                                         add_special_tokens=False)
+    looping = "{% for m in messages %}{% for part in m['content'] %}<{{ part['text'] }}>{% endfor %}{% endfor %}"
+    tokenized = http.post("/tokenize", json={"model": MODEL_NAME, "messages": messages, "chat_template": looping})
+    assert tokenized.json()["tokens"] == hf_tokenizer.encode(render(looping, messages), add_special_tokens=False)
+    # A string reaches that template as one part.
+    single = http.post("/tokenize", json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}],
+                                          "chat_template": looping}).json()["tokens"]
+    assert single == hf_tokenizer.encode("<Hi>", add_special_tokens=False)
+
+
+def test_chat_template_content_format_flag():
+    from sparrow.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).chat_template_content_format == "auto"
+    assert parser.parse_args(["serve", "--chat-template-content-format", "openai"]).chat_template_content_format \
+        == "openai"
+
+
 def test_chat_template_flag_inline_or_file(template_file):
     from sparrow.entrypoints.cli import build_parser
 

@@ -122,7 +122,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``. ``args`` may carry ``api_key``, ``max_request_body_bytes``,
-    the CORS flags, ``chat_template``, ``response_role``, ``enable_log_requests``,
+    the CORS flags, ``chat_template``, ``chat_template_content_format``, ``response_role``, ``enable_log_requests``,
     ``enable_log_outputs`` and ``max_log_len``; missing attributes take their defaults. (``root_path`` is uvicorn's: see
     ``run_server``.)"""
     from sparrow import __version__
@@ -146,9 +146,12 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     app.state.engine = engine
     chat_template = getattr(args, "chat_template", None)
     completions = OpenAIServingCompletion(engine, model_names)
+    content_format = getattr(args, "chat_template_content_format", None) or "auto"
     chat = OpenAIServingChat(engine, model_names, **chat_parsers(engine, args), chat_template=chat_template,
-                             response_role=getattr(args, "response_role", None) or "assistant")
-    tokenization = OpenAIServingTokenization(engine, model_names, chat_template=chat_template)
+                             response_role=getattr(args, "response_role", None) or "assistant",
+                             chat_template_content_format=content_format)
+    tokenization = OpenAIServingTokenization(engine, model_names, chat_template=chat_template,
+                                             chat_template_content_format=content_format)
     lora_modules = lora_modules_from_args(engine, args)
     request_logger = request_logger_from_args(args)
     for handler in (completions, chat, tokenization):

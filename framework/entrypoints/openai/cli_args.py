@@ -206,6 +206,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="the chat template for /v1/chat/completions and /tokenize with messages, instead of "
                              "the tokenizer's: a Jinja file, or the template itself; a request's chat_template "
                              "still wins (default: the tokenizer's)")
+    server.add_argument("--chat-template-content-format", choices=("auto", "string", "openai"), default="auto",
+                        help="how a message's list of text parts reaches the chat template: joined into one "
+                             "string, kept as OpenAI's parts, or auto: parts when the template loops over a "
+                             "message's content (default: auto)")
     server.add_argument("--response-role", type=_nonempty, default="assistant", metavar="ROLE",
                         help="the role of the reply message when the request's add_generation_prompt is true "
                              "(default: assistant)")

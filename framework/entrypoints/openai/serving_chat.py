@@ -79,7 +79,11 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The request's messages as chat templates take them."""
     rendered = []
     for position, message in enumerate(messages):
-        entry: dict[str, Any] = {"role": message.role, "content": message_text(position, message.content)}
+        content: Any = message.content
+        if isinstance(content, list):  # text parts only; the renderer joins them or keeps them as parts
+            content = [{"type": "text", "text": text}
+                       for text in content_texts(f"messages[{position}].content", content)]
+        entry: dict[str, Any] = {"role": message.role, "content": content if content is not None else ""}
         if message.name is not None:
             entry["name"] = message.name
         if message.tool_calls:
@@ -96,11 +100,13 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def render_prompt(input_processor: Any, request: ChatCompletionRequest,
-                  default_template: str | None = None) -> dict[str, Any]:
+                  default_template: str | None = None, content_format: str = "auto") -> dict[str, Any]:
     """The request's prompt, ``{"prompt": text, "prompt_token_ids": [...]}``: every string checked,
     the messages rendered (with the request's chat_template, else ``default_template``, the
     server's --chat-template, else the tokenizer's) and tokenized, cut to
-    ``truncate_prompt_tokens``. Blocking: the endpoint runs it in a worker thread."""
+    ``truncate_prompt_tokens``. ``content_format``: the --chat-template-content-format (a list of
+    text parts reaches the template as parts or joined by newlines; ``sparrow.engine.chat_content``).
+    Blocking: the endpoint runs it in a worker thread."""
     check_unicode(request)
     messages = template_messages(request.messages)
     try:
@@ -111,6 +117,7 @@ def render_prompt(input_processor: Any, request: ChatCompletionRequest,
             chat_template=request.chat_template if request.chat_template is not None else default_template,
             tools=[tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None,
             chat_template_kwargs=request.chat_template_kwargs,
+            content_format=content_format,
         )
     except ValueError:
         raise
@@ -161,15 +168,17 @@ class OpenAIServingChat(OpenAIServing):
     """``tool_parser_cls``: the --tool-call-parser's class; ``enable_auto_tools``: the server runs
     with --enable-auto-tool-choice (tool_choice "auto" needs both); ``reasoner``: the reasoning
     parser (the engine's reasoning_parser), built with the tokenizer; ``chat_template``: the
-    --chat-template (None: the tokenizer's); ``response_role``: the --response-role."""
+    --chat-template (None: the tokenizer's); ``response_role``: the --response-role;
+    ``chat_template_content_format``: the --chat-template-content-format."""
 
     request_id_prefix = "chatcmpl"
 
     def __init__(self, engine: Any, served_model_names: list[str], *, tool_parser_cls: type | None = None,
                  enable_auto_tools: bool = False, reasoner: Any = None, chat_template: str | None = None,
-                 response_role: str = "assistant") -> None:
+                 response_role: str = "assistant", chat_template_content_format: str = "auto") -> None:
         super().__init__(engine, served_model_names)
         self.chat_template = chat_template
+        self.chat_template_content_format = chat_template_content_format
         self.response_role = response_role
         self.tool_parser_cls = tool_parser_cls
         self.enable_auto_tools = enable_auto_tools and tool_parser_cls is not None
@@ -194,7 +203,7 @@ class OpenAIServingChat(OpenAIServing):
         else:
             structured_outputs = await self.structured_outputs(request)
         prompt = await self.off_loop(render_prompt, self.engine.input_processor, request, self.chat_template,
-                                     default_param="messages")
+                                     self.chat_template_content_format, default_param="messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         request_id = self.new_request_id()

@@ -93,11 +93,11 @@ def parse_tokenize_request(body: Any) -> TokenizeCompletionRequest | TokenizeCha
 
 
 def tokenize(input_processor: Any, request: TokenizeCompletionRequest | TokenizeChatRequest,
-             chat_template: str | None = None) -> tuple[list[int], list[str] | None]:
-    """The request's token ids, and their spellings when asked for; ``chat_template``: the
-    server's --chat-template."""
+             chat_template: str | None = None, content_format: str = "auto") -> tuple[list[int], list[str] | None]:
+    """The request's token ids, and their spellings when asked for; ``chat_template`` and
+    ``content_format``: the server's --chat-template and --chat-template-content-format."""
     if isinstance(request, TokenizeChatRequest):
-        token_ids = tokenize_chat(input_processor, request, chat_template)
+        token_ids = tokenize_chat(input_processor, request, chat_template, content_format)
     else:
         check_unicode(request)
         token_ids = input_processor.tokenize(request.prompt, add_special_tokens=request.add_special_tokens)
@@ -105,7 +105,8 @@ def tokenize(input_processor: Any, request: TokenizeCompletionRequest | Tokenize
     return token_ids, token_strs
 
 
-def tokenize_chat(input_processor: Any, request: TokenizeChatRequest, chat_template: str | None = None) -> list[int]:
+def tokenize_chat(input_processor: Any, request: TokenizeChatRequest, chat_template: str | None = None,
+                  content_format: str = "auto") -> list[int]:
     """The token ids /v1/chat/completions would send the engine for these messages: the chat
     endpoint's ``render_prompt`` (which checks every string) on a chat request holding the same
     rendering fields."""
@@ -113,7 +114,7 @@ def tokenize_chat(input_processor: Any, request: TokenizeChatRequest, chat_templ
         messages=request.messages, add_generation_prompt=request.add_generation_prompt,
         continue_final_message=request.continue_final_message, add_special_tokens=request.add_special_tokens,
         chat_template=request.chat_template, chat_template_kwargs=request.chat_template_kwargs, tools=request.tools)
-    return render_prompt(input_processor, chat_request, chat_template)["prompt_token_ids"]
+    return render_prompt(input_processor, chat_request, chat_template, content_format)["prompt_token_ids"]
 
 
 def detokenize(input_processor: Any, token_ids: list[int]) -> str:
@@ -164,13 +165,16 @@ def tokenizer_info(tokenizer: Any, chat_template: str | None = None) -> dict[str
 
 
 class OpenAIServingTokenization(OpenAIServing):
-    """``chat_template``: the server's --chat-template (None: the tokenizer's)."""
+    """``chat_template``: the server's --chat-template (None: the tokenizer's);
+    ``chat_template_content_format``: its --chat-template-content-format."""
 
     request_id_prefix = "tok"
 
-    def __init__(self, engine: Any, served_model_names: list[str], chat_template: str | None = None) -> None:
+    def __init__(self, engine: Any, served_model_names: list[str], chat_template: str | None = None,
+                 chat_template_content_format: str = "auto") -> None:
         super().__init__(engine, served_model_names)
         self.chat_template = chat_template
+        self.chat_template_content_format = chat_template_content_format
         self._tokenizer_info: TokenizerInfoResponse | None = None
 
     def _input_processor(self) -> Any:
@@ -192,7 +196,7 @@ class OpenAIServingTokenization(OpenAIServing):
         self._check_fields(request)
         default_param = "messages" if isinstance(request, TokenizeChatRequest) else "prompt"
         token_ids, token_strs = await self.off_loop(tokenize, self._input_processor(), request, self.chat_template,
-                                                    default_param=default_param)
+                                                    self.chat_template_content_format, default_param=default_param)
         return TokenizeResponse(count=len(token_ids), max_model_len=self.engine.model_config.max_model_len,
                                 tokens=token_ids, token_strs=token_strs)
 

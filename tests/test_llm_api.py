@@ -240,3 +240,21 @@ def test_pooling_entry_points_are_refused_by_name(llm):
         with pytest.raises(ValueError, match=rf"LLM.{method}\(\) needs a pooling .*generative models only"):
             getattr(llm, method)(["hello"])
     assert llm.generate("hello", SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_use_tqdm_may_be_the_progress_bar_class(llm):
+    """vLLM's use_tqdm takes a tqdm class (or factory) as well as a bool: the bar is built with it."""
+    import io
+
+    from tqdm import tqdm
+
+    bars = []
+
+    class Recorded(tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, file=io.StringIO(), **kwargs)  # enabled, written nowhere
+            bars.append(self)
+
+    outputs = llm.generate(["a", "b", "c"], SamplingParams(max_tokens=2), use_tqdm=Recorded)
+    assert len(outputs) == 3 and len(bars) == 1
+    assert bars[0].total == 3 and bars[0].n == 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import numbers
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from sparrow.config import EngineConfig
@@ -59,7 +59,7 @@ class LLM:
         self,
         prompts: str | Mapping[str, Any] | Sequence[str | Mapping[str, Any]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         lora_request: Any = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
@@ -80,7 +80,7 @@ class LLM:
         self,
         messages: ChatMessages | Sequence[ChatMessages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         lora_request: Any = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
@@ -118,7 +118,7 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": processor.tokenize(text, add_special_tokens=False)})
         return self._run(prompts, sampling_params, use_tqdm, None, lora_request)
 
-    def _run(self, prompts: list[Any], sampling_params: Any, use_tqdm: bool,
+    def _run(self, prompts: list[Any], sampling_params: Any, use_tqdm: bool | Callable[..., Any],
              priority: Sequence[int] | None, lora_request: Any = None) -> list[RequestOutput]:
         defaults = sampling_params is None  # then a max_tokens from the generation config is cut to fit
         if sampling_params is None:
@@ -161,15 +161,17 @@ class LLM:
         except Exception:  # noqa: BLE001 - already failing; the frontend has forgotten them
             pass
 
-    def _run_engine(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(self, order: dict[str, int], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         engine = self.llm_engine
         results: list[RequestOutput | None] = [None] * len(order)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(order), desc="Processed prompts", dynamic_ncols=True,
-                       postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+            # As in vLLM, use_tqdm may be the progress bar class itself (a tqdm subclass or factory).
+            make_bar = use_tqdm if callable(use_tqdm) else tqdm
+            bar = make_bar(total=len(order), desc="Processed prompts", dynamic_ncols=True,
+                           postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
         started = time.perf_counter()
         num_prompt_tokens = num_output_tokens = 0
         try:

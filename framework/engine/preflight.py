@@ -63,12 +63,34 @@ def _error(field: str, message: str) -> ConfigError:
 
 
 # -- files ----------------------------------------------------------------------------------------
+def looks_like_hub_id(name: str) -> bool:
+    """``org/name``, as a Hugging Face Hub repository id is written (not a relative path)."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and all(name.split("/"))
+
+
+def hub_cache_snapshot(repo_id: str) -> str | None:
+    """The directory of ``repo_id``'s snapshot (its main revision) already in the Hugging Face
+    cache (``HF_HUB_CACHE``), or None. Only the cache is read: nothing is downloaded."""
+    if not looks_like_hub_id(repo_id):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return str(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached, or not a valid id: the caller reports the path
+        return None
+
+
 def check_model_dir(model: str) -> Path:
     """``model`` as a directory with a config.json, or ConfigError naming what is missing."""
     path = Path(model).expanduser()
     if not path.exists():
-        raise _error("model", f"{model!r} does not exist; Sparrow loads local Hugging Face model directories "
-                     "and never downloads models")
+        hint = ""
+        if looks_like_hub_id(model):
+            hint = (f", nor is it in the Hugging Face cache; download it first (for example `hf download {model}`, "
+                    "then pass the same id or the directory)")
+        raise _error("model", f"{model!r} does not exist{hint}; Sparrow loads local Hugging Face model directories "
+                     "(or Hub ids already in the Hugging Face cache) and never downloads models")
     if not path.is_dir():
         raise _error("model", f"{model!r} is not a directory (expected a Hugging Face model directory)")
     if not (path / "config.json").is_file():

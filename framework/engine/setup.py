@@ -15,6 +15,7 @@ from sparrow.engine.preflight import (
     check_engine_config,
     check_model_dir,
     check_plugin_names,
+    hub_cache_snapshot,
     resolve_configured_platform,
 )
 from sparrow.plugins import get_registry
@@ -25,16 +26,30 @@ BUILTIN_MODELS = ("sparrow-tiny",)
 
 
 def resolve_model_path(model: str | None) -> str:
-    """A local model directory; None or a built-in name builds the built-in model on first use."""
+    """A local model directory; None or a built-in name builds the built-in model on first use;
+    a Hub id (``org/name``) that is not a local path is its snapshot in the Hugging Face cache,
+    if it is there (nothing is downloaded)."""
     if model is None or model in BUILTIN_MODELS:
         from sparrow.tiny.model import get_builtin_model_path
 
         return str(get_builtin_model_path(model or "sparrow-tiny"))
+    model = resolve_hub_id(model)
     try:
         path = check_model_dir(model)
     except ConfigError as exc:
         raise ConfigError(f"{exc}. Built-in: {', '.join(BUILTIN_MODELS)}") from None
     return str(path.resolve())
+
+
+def resolve_hub_id(name: str) -> str:
+    """``name``, or where the Hugging Face cache holds it when ``name`` is a Hub id and no local path."""
+    if Path(name).expanduser().exists():
+        return name
+    snapshot = hub_cache_snapshot(name)
+    if snapshot is None:
+        return name
+    logger.info("%s: the Hugging Face cache's snapshot %s", name, snapshot)
+    return snapshot
 
 
 def _model_limits(model_path: str, trust_remote_code: bool = False,
@@ -82,7 +97,7 @@ def finalize_config(config: EngineConfig) -> EngineConfig:
     _check_max_model_len(max_model_len, model_max)
     model = config.model.model_copy(update={
         "model": model_path,
-        "tokenizer": config.model.tokenizer or model_path,
+        "tokenizer": resolve_hub_id(config.model.tokenizer) if config.model.tokenizer else model_path,
         "max_model_len": max_model_len,
         "served_model_name": config.model.served_model_name or (config.model.model or "sparrow-tiny"),
         "quantization": _quantization(config.model.quantization, hf_config),

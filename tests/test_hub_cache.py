@@ -1,0 +1,79 @@
+"""A Hugging Face Hub id (``LLM("org/name")``, as vLLM users write it) is the snapshot already in
+the Hugging Face cache; nothing is ever downloaded. Run as a user runs it: a script in a fresh
+process with ``HF_HUB_CACHE`` pointing at a cache laid out as huggingface_hub lays it out, offline,
+and checked against HF transformers on the snapshot directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ID = "sparrow-test/tiny-chat"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+SCRIPT = textwrap.dedent(f"""
+    import json
+    from sparrow import LLM, SamplingParams
+
+    llm = LLM({REPO_ID!r}, max_model_len=128, num_kv_blocks=16, dtype="float32")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    [out] = llm.generate(["The sparrow"], params, use_tqdm=False)
+    print(json.dumps({{"model": llm.llm_engine.config.model.model,
+                       "served": llm.llm_engine.config.model.served_model_name,
+                       "prompt": list(out.prompt_token_ids), "tokens": list(out.outputs[0].token_ids)}}))
+    llm.shutdown()
+""")
+
+
+@pytest.fixture(scope="module")
+def hub_cache(qwen3_dir, tmp_path_factory) -> Path:
+    cache = tmp_path_factory.mktemp("hf-hub-cache")
+    repo = cache / ("models--" + REPO_ID.replace("/", "--"))
+    shutil.copytree(qwen3_dir, repo / "snapshots" / COMMIT)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    return cache
+
+
+def test_a_hub_id_in_the_cache_runs_offline_and_equals_hf(hub_cache):
+    from transformers import AutoModelForCausalLM
+
+    env = {**os.environ, "HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    snapshot = hub_cache / ("models--" + REPO_ID.replace("/", "--")) / "snapshots" / COMMIT
+    assert Path(got["model"]) == snapshot and got["served"] == REPO_ID  # served under the id, as vLLM does
+    model = AutoModelForCausalLM.from_pretrained(snapshot, dtype=torch.float32, local_files_only=True).eval()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([got["prompt"]]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                             pad_token_id=0)
+    assert got["tokens"] == out[0, len(got["prompt"]):].tolist()
+
+
+def test_an_id_not_in_the_cache_says_how_to_get_it(hub_cache, monkeypatch):
+    import huggingface_hub.constants
+
+    from sparrow.config import ConfigError, EngineConfig
+    from sparrow.engine.setup import finalize_config
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub_cache))
+    with pytest.raises(ConfigError, match=r"'model': 'sparrow-test/missing' does not exist, nor is it in the "
+                                          r"Hugging Face cache; download it first \(for example `hf download "
+                                          r"sparrow-test/missing`"):
+        finalize_config(EngineConfig.from_kwargs(model="sparrow-test/missing"))
+    # A relative path that does not exist is not taken for an id.
+    with pytest.raises(ConfigError) as info:
+        finalize_config(EngineConfig.from_kwargs(model="./no/such"))
+    assert "Hugging Face cache;" not in str(info.value)
+    # The tokenizer argument takes a cached id too.
+    config = finalize_config(EngineConfig.from_kwargs(model=REPO_ID, tokenizer=REPO_ID))
+    assert config.model.tokenizer == config.model.model != REPO_ID

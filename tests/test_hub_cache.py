@@ -77,3 +77,7 @@ def test_an_id_not_in_the_cache_says_how_to_get_it(hub_cache, monkeypatch):
     # The tokenizer argument takes a cached id too.
     config = finalize_config(EngineConfig.from_kwargs(model=REPO_ID, tokenizer=REPO_ID))
     assert config.model.tokenizer == config.model.model != REPO_ID
+    # So does a draft model.
+    draft = EngineConfig.from_kwargs(speculative_config={"method": "draft_model", "model": REPO_ID,
+                                                         "num_speculative_tokens": 2})
+    assert draft.speculative.speculative_config["model"] == config.model.model

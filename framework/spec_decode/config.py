@@ -92,10 +92,13 @@ def _check_model_dir(method: str, model: str | None) -> Path:
     what = "draft model" if method == "draft_model" else "EAGLE head"
     if not model:
         raise ValueError(f"speculative_config.model is required for method {method!r} (the {what} directory)")
-    path = Path(model).expanduser()
+    from sparrow.engine.setup import resolve_hub_id
+
+    path = Path(resolve_hub_id(model)).expanduser()  # a Hub id: its snapshot in the Hugging Face cache
     if not path.is_dir():
         raise ValueError(f"speculative_config.model: {model!r} is not a directory (the {what}'s local "
-                         "Hugging Face directory; Sparrow never downloads models)")
+                         "Hugging Face directory, or a Hub id already in the Hugging Face cache; Sparrow never "
+                         "downloads models)")
     if not (path / "config.json").is_file():
         raise ValueError(f"speculative_config.model: {model!r} has no config.json")
     architectures = list(_read_config_json(path).get("architectures") or [])

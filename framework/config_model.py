@@ -24,8 +24,10 @@ class ModelConfig(_Section):
     # Every description is also the --help text of its flag: say what the value does and, where
     # the default is None, what None means ("(default: ...)"); the CLI appends other defaults.
     model: str | None = Field(None, description="Local Hugging Face model directory (config.json, *.safetensors, "
-                              "tokenizer files); never downloaded (default: the built-in sparrow-tiny).")
-    tokenizer: str | None = Field(None, description="Tokenizer directory (default: the model directory).")
+                              "tokenizer files), or a Hub id (org/name) already in the Hugging Face cache; never "
+                              "downloaded (default: the built-in sparrow-tiny).")
+    tokenizer: str | None = Field(None, description="Tokenizer directory, or a Hub id in the Hugging Face cache "
+                                  "(default: the model directory).")
     runner: str = Field("auto", description="vLLM's model runner kind: auto or generate (Sparrow runs generative "
                         "models only; pooling is refused).")
     task: str = Field("auto", description="vLLM's older name for runner: auto or generate.")

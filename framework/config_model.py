@@ -28,6 +28,11 @@ class ModelConfig(_Section):
                               "downloaded (default: the built-in sparrow-tiny).")
     tokenizer: str | None = Field(None, description="Tokenizer directory, or a Hub id in the Hugging Face cache "
                                   "(default: the model directory).")
+    revision: str | None = Field(None, description="The revision (branch, tag or commit) of a Hub id model, read "
+                                 "from the Hugging Face cache (default: main).")
+    tokenizer_revision: str | None = Field(None, description="The revision of a Hub id tokenizer (default: main).")
+    download_dir: str | None = Field(None, description="The Hugging Face cache a Hub id is read from; Sparrow never "
+                                     "downloads into it (default: HF_HUB_CACHE).")
     runner: str = Field("auto", description="vLLM's model runner kind: auto or generate (Sparrow runs generative "
                         "models only; pooling is refused).")
     task: str = Field("auto", description="vLLM's older name for runner: auto or generate.")

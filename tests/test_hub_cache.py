@@ -81,3 +81,53 @@ def test_an_id_not_in_the_cache_says_how_to_get_it(hub_cache, monkeypatch):
     draft = EngineConfig.from_kwargs(speculative_config={"method": "draft_model", "model": REPO_ID,
                                                          "num_speculative_tokens": 2})
     assert draft.speculative.speculative_config["model"] == config.model.model
+
+
+@pytest.fixture(scope="module")
+def two_revisions(qwen3_dir, tmp_path_factory) -> tuple[Path, dict[str, Path]]:
+    """A cache (not the default one) with two revisions of one id: main, and the tag v1 whose
+    config.json says max_position_embeddings 96."""
+    cache = tmp_path_factory.mktemp("hf-download-dir")
+    repo = cache / "models--sparrow-test--revisions"
+    commits = {"main": "1" * 40, "v1": "2" * 40}
+    for ref, commit in commits.items():
+        snapshot = repo / "snapshots" / commit
+        shutil.copytree(qwen3_dir, snapshot)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    config_path = repo / "snapshots" / commits["v1"] / "config.json"
+    config = json.loads(config_path.read_text())
+    config["max_position_embeddings"] = 96
+    config_path.write_text(json.dumps(config))
+    return cache, {ref: repo / "snapshots" / commit for ref, commit in commits.items()}
+
+
+def test_revision_tokenizer_revision_and_download_dir_choose_the_snapshot(two_revisions, qwen3_dir):
+    from sparrow.config import ConfigError, EngineConfig
+    from sparrow.engine.setup import finalize_config
+
+    cache, snapshots = two_revisions
+    repo_id = "sparrow-test/revisions"
+
+    def finalized(**kwargs):
+        return finalize_config(EngineConfig.from_kwargs(model=repo_id, download_dir=str(cache), **kwargs))
+
+    main = finalized()
+    assert Path(main.model.model) == snapshots["main"] and main.model.max_model_len != 96
+    tagged = finalized(revision="v1")
+    assert Path(tagged.model.model) == snapshots["v1"] and tagged.model.max_model_len == 96
+    assert Path(tagged.model.tokenizer) == snapshots["v1"]  # the tokenizer follows the model's snapshot
+    assert Path(finalized(revision=str(snapshots["v1"].name)).model.model) == snapshots["v1"]  # a commit
+    assert Path(finalized(revision="v1", tokenizer_revision="main").model.tokenizer) == snapshots["main"]
+    # Applied once: finalizing the finalized configuration again changes nothing.
+    assert finalize_config(tagged).model.model == tagged.model.model
+    with pytest.raises(ConfigError, match=r"'revision': 'sparrow-test/revisions' at revision 'v2' is not in the "
+                                          r"Hugging Face cache .*hf download sparrow-test/revisions --revision v2"):
+        finalized(revision="v2")
+    # Refused, not ignored, where there is no Hub id to apply them to.
+    for kwargs, field in (({"model": qwen3_dir, "revision": "v1"}, "revision"),
+                          ({"model": qwen3_dir, "download_dir": str(cache)}, "download_dir"),
+                          ({"revision": "v1"}, "revision"),
+                          ({"model": qwen3_dir, "tokenizer_revision": "v1"}, "tokenizer_revision")):
+        with pytest.raises(ConfigError, match=f"invalid engine argument '{field}'"):
+            finalize_config(EngineConfig.from_kwargs(**kwargs))

@@ -68,15 +68,16 @@ def looks_like_hub_id(name: str) -> bool:
     return name.count("/") == 1 and not name.startswith((".", "/", "~")) and all(name.split("/"))
 
 
-def hub_cache_snapshot(repo_id: str) -> str | None:
-    """The directory of ``repo_id``'s snapshot (its main revision) already in the Hugging Face
-    cache (``HF_HUB_CACHE``), or None. Only the cache is read: nothing is downloaded."""
+def hub_cache_snapshot(repo_id: str, revision: str | None = None, cache_dir: str | None = None) -> str | None:
+    """The directory of ``repo_id``'s snapshot at ``revision`` (a branch, tag or commit; None:
+    main) already in the Hugging Face cache ``cache_dir`` (None: ``HF_HUB_CACHE``), or None. Only
+    the cache is read: nothing is downloaded."""
     if not looks_like_hub_id(repo_id):
         return None
     try:
         from huggingface_hub import snapshot_download
 
-        return str(snapshot_download(repo_id, local_files_only=True))
+        return str(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True))
     except Exception:  # noqa: BLE001 - not cached, or not a valid id: the caller reports the path
         return None
 

@@ -16,6 +16,7 @@ from sparrow.engine.preflight import (
     check_model_dir,
     check_plugin_names,
     hub_cache_snapshot,
+    looks_like_hub_id,
     resolve_configured_platform,
 )
 from sparrow.plugins import get_registry
@@ -25,15 +26,22 @@ logger = logging.getLogger(__name__)
 BUILTIN_MODELS = ("sparrow-tiny",)
 
 
-def resolve_model_path(model: str | None) -> str:
+def resolve_model_path(model: str | None, revision: str | None = None, download_dir: str | None = None) -> str:
     """A local model directory; None or a built-in name builds the built-in model on first use;
     a Hub id (``org/name``) that is not a local path is its snapshot in the Hugging Face cache,
-    if it is there (nothing is downloaded)."""
+    if it is there (nothing is downloaded): ``revision`` and ``download_dir`` (the cache) choose it."""
     if model is None or model in BUILTIN_MODELS:
+        for field, value in (("revision", revision), ("download_dir", download_dir)):
+            if value is not None:
+                raise ConfigError(f"invalid engine argument {field!r}: the built-in {model or 'sparrow-tiny'} is "
+                                  "built locally; it applies to a Hub id in the Hugging Face cache")
         from sparrow.tiny.model import get_builtin_model_path
 
         return str(get_builtin_model_path(model or "sparrow-tiny"))
-    model = resolve_hub_id(model)
+    if download_dir is not None and Path(model).expanduser().exists():
+        raise ConfigError(f"invalid engine argument 'download_dir': {model!r} is a local path; download_dir is the "
+                          "Hugging Face cache a Hub id is read from")
+    model = resolve_hub_id(model, revision, download_dir)
     try:
         path = check_model_dir(model)
     except ConfigError as exc:
@@ -41,15 +49,30 @@ def resolve_model_path(model: str | None) -> str:
     return str(path.resolve())
 
 
-def resolve_hub_id(name: str) -> str:
-    """``name``, or where the Hugging Face cache holds it when ``name`` is a Hub id and no local path."""
+def resolve_hub_id(name: str, revision: str | None = None, cache_dir: str | None = None,
+                   revision_field: str = "revision") -> str:
+    """``name``, or where the Hugging Face cache holds it when ``name`` is a Hub id and no local
+    path: its ``revision`` (None: main) in ``cache_dir`` (None: ``HF_HUB_CACHE``). These are the
+    engine arguments ``revision`` (``revision_field``: or ``tokenizer_revision``) and
+    ``download_dir``; a local path refuses a revision."""
     if Path(name).expanduser().exists():
+        if revision is not None:
+            raise ConfigError(f"invalid engine argument {revision_field!r}: {name!r} is a local path; a revision "
+                              "applies to a Hub id in the Hugging Face cache")
         return name
-    snapshot = hub_cache_snapshot(name)
-    if snapshot is None:
-        return name
-    logger.info("%s: the Hugging Face cache's snapshot %s", name, snapshot)
-    return snapshot
+    snapshot = hub_cache_snapshot(name, revision, cache_dir)
+    if snapshot is not None:
+        logger.info("%s: the Hugging Face cache's snapshot %s", name, snapshot)
+        return snapshot
+    if looks_like_hub_id(name) and (revision is not None or cache_dir is not None):
+        field = revision_field if revision is not None else "download_dir"
+        where = f"the Hugging Face cache {cache_dir!r}" if cache_dir else "the Hugging Face cache"
+        at = f" at revision {revision!r}" if revision is not None else ""
+        flags = (f" --revision {revision}" if revision is not None else "") + (
+            f" --cache-dir {cache_dir}" if cache_dir else "")
+        raise ConfigError(f"invalid engine argument {field!r}: {name!r}{at} is not in {where}; download it first "
+                          f"(`hf download {name}{flags}`); Sparrow never downloads models")
+    return name
 
 
 def _model_limits(model_path: str, trust_remote_code: bool = False,
@@ -89,7 +112,12 @@ def finalize_config(config: EngineConfig) -> EngineConfig:
     defaults it left unset (token budget), then run the pre-flight checks (``check_engine_config``):
     every configuration error is a ConfigError raised here, before any engine process starts. The
     caller's ``config`` is not changed."""
-    model_path = resolve_model_path(config.model.model)
+    requested = config.model
+    model_path = resolve_model_path(requested.model, requested.revision, requested.download_dir)
+    # The tokenizer: its own argument, else the model's id at tokenizer_revision, else the model's path.
+    tokenizer_source = requested.tokenizer or (requested.model if requested.tokenizer_revision is not None else None)
+    tokenizer_path = model_path if tokenizer_source is None else resolve_hub_id(
+        tokenizer_source, requested.tokenizer_revision, requested.download_dir, "tokenizer_revision")
     hf_config, model_max = _model_limits(model_path, config.model.trust_remote_code, config.model.hf_overrides)
     max_model_len = config.model.max_model_len
     if max_model_len is None:
@@ -97,7 +125,9 @@ def finalize_config(config: EngineConfig) -> EngineConfig:
     _check_max_model_len(max_model_len, model_max)
     model = config.model.model_copy(update={
         "model": model_path,
-        "tokenizer": resolve_hub_id(config.model.tokenizer) if config.model.tokenizer else model_path,
+        "tokenizer": tokenizer_path,
+        # Applied: the paths are the snapshots (a second finalize_config must not apply them again).
+        "revision": None, "tokenizer_revision": None, "download_dir": None,
         "max_model_len": max_model_len,
         "served_model_name": config.model.served_model_name or (config.model.model or "sparrow-tiny"),
         "quantization": _quantization(config.model.quantization, hf_config),

@@ -131,3 +131,32 @@ def test_revision_tokenizer_revision_and_download_dir_choose_the_snapshot(two_re
                           ({"model": qwen3_dir, "tokenizer_revision": "v1"}, "tokenizer_revision")):
         with pytest.raises(ConfigError, match=f"invalid engine argument '{field}'"):
             finalize_config(EngineConfig.from_kwargs(**kwargs))
+
+
+def test_a_lora_adapter_by_hub_id_is_read_from_the_cache(qwen3_dir, tmp_path, monkeypatch):
+    """LoRARequest("name", 1, "org/adapter"), as vLLM takes it: the adapter's snapshot in the
+    Hugging Face cache, the same tokens as the adapter given by its directory."""
+    import huggingface_hub.constants
+
+    from sparrow import LLM, LoRARequest, SamplingParams
+    from sparrow.tiny.lora import build_lora_adapter
+
+    local = build_lora_adapter(qwen3_dir, tmp_path / "adapter", rank=4, seed=3)
+    repo = tmp_path / "cache" / "models--sparrow-test--adapter"
+    shutil.copytree(local, repo / "snapshots" / COMMIT)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm = LLM(qwen3_dir, multiprocess=False, enable_lora=True, max_lora_rank=8, max_model_len=128, num_kv_blocks=32)
+    try:
+        by_id = llm.generate(["The sparrow"], params, lora_request=LoRARequest("by-id", 1, "sparrow-test/adapter"),
+                             use_tqdm=False)
+        by_dir = llm.generate(["The sparrow"], params, lora_request=LoRARequest("by-dir", 2, str(local)),
+                              use_tqdm=False)
+        base = llm.generate(["The sparrow"], params, use_tqdm=False)
+        assert by_id[0].outputs[0].token_ids == by_dir[0].outputs[0].token_ids != base[0].outputs[0].token_ids
+        with pytest.raises(ValueError, match="sparrow-test/missing"):
+            llm.generate(["x"], params, lora_request=LoRARequest("missing", 3, "sparrow-test/missing"), use_tqdm=False)
+    finally:
+        llm.shutdown()

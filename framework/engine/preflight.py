@@ -50,6 +50,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from sparrow.config import ConfigError, EngineConfig, _describe
+from sparrow.hub_cache import looks_like_hub_id
 from sparrow.plugins import Registry, check_attention_backend, get_plugin_manager, get_registry, import_object
 
 logger = logging.getLogger(__name__)
@@ -63,25 +64,6 @@ def _error(field: str, message: str) -> ConfigError:
 
 
 # -- files ----------------------------------------------------------------------------------------
-def looks_like_hub_id(name: str) -> bool:
-    """``org/name``, as a Hugging Face Hub repository id is written (not a relative path)."""
-    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and all(name.split("/"))
-
-
-def hub_cache_snapshot(repo_id: str, revision: str | None = None, cache_dir: str | None = None) -> str | None:
-    """The directory of ``repo_id``'s snapshot at ``revision`` (a branch, tag or commit; None:
-    main) already in the Hugging Face cache ``cache_dir`` (None: ``HF_HUB_CACHE``), or None. Only
-    the cache is read: nothing is downloaded."""
-    if not looks_like_hub_id(repo_id):
-        return None
-    try:
-        from huggingface_hub import snapshot_download
-
-        return str(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True))
-    except Exception:  # noqa: BLE001 - not cached, or not a valid id: the caller reports the path
-        return None
-
-
 def check_model_dir(model: str) -> Path:
     """``model`` as a directory with a config.json, or ConfigError naming what is missing."""
     path = Path(model).expanduser()

@@ -15,10 +15,9 @@ from sparrow.engine.preflight import (
     check_engine_config,
     check_model_dir,
     check_plugin_names,
-    hub_cache_snapshot,
-    looks_like_hub_id,
     resolve_configured_platform,
 )
+from sparrow.hub_cache import hub_cache_snapshot, looks_like_hub_id
 from sparrow.plugins import get_registry
 
 logger = logging.getLogger(__name__)

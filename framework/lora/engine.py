@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any, Sequence
 
 from sparrow.errors import InvalidArgumentError
+from sparrow.hub_cache import local_or_cached
 from sparrow.lora.peft import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -65,7 +65,7 @@ _PASSED_MAX = 256
 
 
 def _check_directory(path: str, max_lora_rank: int, hf_config: Any) -> None:
-    directory = Path(path).expanduser()
+    directory = local_or_cached(path)
     try:
         stamp = tuple(os.stat(directory / name).st_mtime_ns for name in (CONFIG_FILE, WEIGHTS_FILE))
     except OSError:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparrow.hub_cache import local_or_cached
+
 # The projections of the llama-family decoder an adapter may target.
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -67,11 +69,13 @@ def _fail(path: Path, key: str, message: str) -> ValueError:
 
 
 def read_adapter_config(path: str | Path, max_lora_rank: int | None = None) -> AdapterConfig:
-    """Read and check ``adapter_config.json``; ValueError naming the key (or the missing file)."""
-    directory = Path(path).expanduser()
+    """Read and check ``adapter_config.json``; ValueError naming the key (or the missing file).
+    ``path``: a directory, or a Hub id in the Hugging Face cache (``sparrow.hub_cache``)."""
+    directory = local_or_cached(str(path))
     config_path = directory / CONFIG_FILE
     if not directory.is_dir():
-        raise ValueError(f"lora_path {str(path)!r} is not a directory (expected a PEFT adapter directory)")
+        raise ValueError(f"lora_path {str(path)!r} is not a directory (expected a PEFT adapter directory, or a Hub "
+                         "id already in the Hugging Face cache)")
     if not config_path.is_file():
         raise ValueError(f"lora_path {str(path)!r} has no {CONFIG_FILE}, so it is not a PEFT adapter directory")
     if not (directory / WEIGHTS_FILE).is_file():
@@ -181,7 +185,7 @@ def check_adapter(path: str | Path, *, max_lora_rank: int, hf_config: Any) -> Ad
     """The frontend's check of an adapter directory against the model, reading only the config
     and the weights' header; ValueError naming the key or tensor at fault."""
     config = read_adapter_config(path, max_lora_rank)
-    shapes = safetensors_shapes(Path(path).expanduser() / WEIGHTS_FILE)
+    shapes = safetensors_shapes(local_or_cached(str(path)) / WEIGHTS_FILE)
     check_adapter_tensors(path, config, shapes, hf_config.num_hidden_layers, projection_shapes(hf_config))
     return config
 
@@ -192,7 +196,7 @@ def load_adapter(name: str, int_id: int, path: str, *, max_lora_rank: int, num_l
     from safetensors.torch import load_file
 
     config = read_adapter_config(path, max_lora_rank)
-    tensors = load_file(str(Path(path).expanduser() / WEIGHTS_FILE), device="cpu")
+    tensors = load_file(str(local_or_cached(path) / WEIGHTS_FILE), device="cpu")
     pairs = check_adapter_tensors(path, config, {n: tuple(t.shape) for n, t in tensors.items()}, num_layers,
                                   module_shapes)
     weights = LoRAWeights(name=name, int_id=int_id, path=str(path), config=config)

@@ -339,3 +339,10 @@ def test_disable_fastapi_docs_serves_no_schema_pages(server):
     for path in ("/docs", "/redoc", "/openapi.json"):
         assert httpx.get(server.url + path, timeout=30).status_code == 404, path
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+
+
+def test_tokenizer_info_is_served_without_vllms_flag(server):
+    # This module's server lacks --enable-tokenizer-info-endpoint (tests/test_server_tokenization.py's
+    # has it): the endpoint answers anyway, for lm-evaluation-harness.
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(server.url + "/tokenizer_info", headers=auth, timeout=30).json()["tokenizer_class"]

@@ -293,3 +293,17 @@ def test_prompt_tokens_details_count_the_prefix_cache_hits(client):
     streamed = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2, stream=True,
                                                    stream_options={"include_usage": True}))
     assert streamed[-1].usage.prompt_tokens_details.cached_tokens == chat.usage.prompt_tokens_details.cached_tokens
+
+
+def test_disable_log_requests_is_the_default_and_contradicts_enable():
+    """vLLM's older --disable-log-requests asks for what is already the default (no request log);
+    beside --enable-log-requests it is refused rather than one of them silently winning."""
+    from sparrow.entrypoints.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--disable-log-requests"]).disable_log_requests is True
+    result = subprocess.run([sys.executable, "-m", "sparrow.entrypoints.cli", "serve", "/nonexistent-model",
+                             "--disable-log-requests", "--enable-log-requests"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == ("sparrow: error: --disable-log-requests and "
+                                                      "--enable-log-requests contradict each other; give one")

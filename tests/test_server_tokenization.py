@@ -31,7 +31,7 @@ TOOLS_TEMPLATE = ("{{ greeting | default('') }}{% for tool in tools or [] %}<{{ 
 def server(qwen3_dir, tmp_path_factory):
     yield from serve_for_module(qwen3_dir, tmp_path_factory, "tokenization-logs",
                                 "--allowed-origins", json.dumps([ALLOWED_ORIGIN]), "--allowed-methods",
-                                '["GET", "POST"]', "--allow-credentials")
+                                '["GET", "POST"]', "--allow-credentials", "--enable-tokenizer-info-endpoint")
 
 
 @pytest.fixture(scope="module")

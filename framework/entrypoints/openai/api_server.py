@@ -195,6 +195,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         return await tokenization.create_detokenize(request)
 
+    # Always served (vLLM serves it only with --enable-tokenizer-info-endpoint, which is accepted
+    # here): lm-evaluation-harness finds the server's tokenizer through it.
     @app.get("/tokenizer_info", response_model=TokenizerInfoResponse, responses=_ERROR_RESPONSES)
     async def get_tokenizer_info() -> TokenizerInfoResponse:
         return await tokenization.get_tokenizer_info()
@@ -258,6 +260,8 @@ def run_server(args: argparse.Namespace) -> int:
     for flag in ("enable_log_outputs", "max_log_len"):
         if getattr(args, flag, None) not in (None, False) and not getattr(args, "enable_log_requests", False):
             raise ValueError(f"--{flag.replace('_', '-')} needs --enable-log-requests")
+    if getattr(args, "disable_log_requests", False) and getattr(args, "enable_log_requests", False):
+        raise ValueError("--disable-log-requests and --enable-log-requests contradict each other; give one")
     model_pos = getattr(args, "model_pos", None)
     if model_pos is not None:
         if kwargs.get("model") not in (None, model_pos):

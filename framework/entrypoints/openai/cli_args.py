@@ -216,6 +216,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's id, prompt, prompt token ids, sampling parameters and LoRA "
                              "adapter at INFO (default: off)")
+    server.add_argument("--disable-log-requests", action="store_true",
+                        help="vLLM's older flag: do not log requests, which is the default; refused beside "
+                             "--enable-log-requests")
+    server.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                        help="vLLM's flag for GET /tokenizer_info, which this server always serves "
+                             "(lm-evaluation-harness finds the server's tokenizer through it)")
     server.add_argument("--enable-log-outputs", action="store_true",
                         help="with --enable-log-requests, also log each finished request's output text, token "
                              "ids and finish reason at INFO (default: off)")

@@ -31,7 +31,8 @@ TOOLS_TEMPLATE = ("{{ greeting | default('') }}{% for tool in tools or [] %}<{{ 
 def server(qwen3_dir, tmp_path_factory):
     yield from serve_for_module(qwen3_dir, tmp_path_factory, "tokenization-logs",
                                 "--allowed-origins", json.dumps([ALLOWED_ORIGIN]), "--allowed-methods",
-                                '["GET", "POST"]', "--allow-credentials", "--enable-tokenizer-info-endpoint")
+                                '["GET", "POST"]', "--allow-credentials", "--enable-tokenizer-info-endpoint",
+                                "--enable-force-include-usage")
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +220,19 @@ def test_cors_flags_parse_as_json_lists(capsys):
             parser.parse_args(["serve", "--allowed-origins", bad])
         assert caught.value.code == 2
         assert "--allowed-origins" in capsys.readouterr().err
+
+
+def test_force_include_usage_ends_every_stream_with_its_usage(server):
+    """--enable-force-include-usage (vLLM's): a stream that did not ask for usage still ends with
+    its usage chunk, on both endpoints; the usage counts the tokens the stream carried."""
+    client = server.client()
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0.0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert all(chunk.usage is None for chunk in chunks[:-1])
+    chat = list(client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": PROMPT}],
+                                               max_completion_tokens=3, temperature=0.0, stream=True,
+                                               extra_body={"ignore_eos": True}))
+    assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == 3
+    assert chat[-1].usage.prompt_tokens == client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": PROMPT}], max_completion_tokens=1).usage.prompt_tokens

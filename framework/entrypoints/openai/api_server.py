@@ -159,6 +159,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
         handler.request_logger = request_logger
         handler.return_tokens_as_token_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
         handler.enable_prompt_tokens_details = bool(getattr(args, "enable_prompt_tokens_details", False))
+        handler.enable_force_include_usage = bool(getattr(args, "enable_force_include_usage", False))
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:

@@ -216,6 +216,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's id, prompt, prompt token ids, sampling parameters and LoRA "
                              "adapter at INFO (default: off)")
+    server.add_argument("--enable-force-include-usage", action="store_true",
+                        help="end every streamed response with its usage chunk, as if the request's "
+                             "stream_options.include_usage were true (vLLM's flag; default: off)")
     server.add_argument("--disable-log-requests", action="store_true",
                         help="vLLM's older flag: do not log requests, which is the default; refused beside "
                              "--enable-log-requests")

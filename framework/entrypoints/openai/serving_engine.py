@@ -16,7 +16,7 @@ from sparrow.engine.async_llm import AsyncLLM
 from sparrow.engine.exceptions import EngineDeadError, EngineShutdownError
 from sparrow.engine.generation_defaults import server_max_tokens_cap
 from sparrow.engine.text_checks import check_text
-from sparrow.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from sparrow.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, StreamOptions, UsageInfo
 from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_beam_search, check_fields, param_of
 from sparrow.entrypoints.openai.structured_outputs import GUIDED_FIELDS, in_request_words, structured_outputs_of
 from sparrow.errors import InvalidArgumentError
@@ -149,6 +149,8 @@ class OpenAIServing:
     return_tokens_as_token_ids = False
     # --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens in every response.
     enable_prompt_tokens_details = False
+    # --enable-force-include-usage: every stream ends with its usage, as if include_usage were asked.
+    enable_force_include_usage = False
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
         self.engine = engine
@@ -201,6 +203,9 @@ class OpenAIServing:
                            param="stream_options", code="invalid_value")
         if self.return_tokens_as_token_ids:  # the server's default; a request can only turn it on
             request.return_tokens_as_token_ids = True
+        if self.enable_force_include_usage and request.stream:
+            options = request.stream_options or StreamOptions()
+            request.stream_options = options.model_copy(update={"include_usage": True})
 
     async def off_loop(self, work: Callable[..., T], *args: Any, default_param: str | None = None) -> T:
         """Run ``work`` (tokenizing, templating, checking every string) in a worker thread, so

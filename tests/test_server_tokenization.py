@@ -32,7 +32,7 @@ def server(qwen3_dir, tmp_path_factory):
     yield from serve_for_module(qwen3_dir, tmp_path_factory, "tokenization-logs",
                                 "--allowed-origins", json.dumps([ALLOWED_ORIGIN]), "--allowed-methods",
                                 '["GET", "POST"]', "--allow-credentials", "--enable-tokenizer-info-endpoint",
-                                "--enable-force-include-usage")
+                                "--enable-force-include-usage", "--enable-request-id-headers")
 
 
 @pytest.fixture(scope="module")
@@ -236,3 +236,16 @@ def test_force_include_usage_ends_every_stream_with_its_usage(server):
     assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == 3
     assert chat[-1].usage.prompt_tokens == client.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": PROMPT}], max_completion_tokens=1).usage.prompt_tokens
+
+
+def test_request_id_headers(server):
+    """--enable-request-id-headers (vLLM's): every response carries X-Request-Id, the client's own
+    when it sent one, else a new one per response; an error response too."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL_NAME, "prompt": PROMPT}
+    given = httpx.post(server.url + "/tokenize", json=body, headers={**auth, "X-Request-Id": "trace-42"}, timeout=30)
+    assert given.status_code == 200 and given.headers["x-request-id"] == "trace-42"
+    first, second = (httpx.post(server.url + "/tokenize", json=body, headers=auth, timeout=30) for _ in range(2))
+    assert len(first.headers["x-request-id"]) == 32 and first.headers["x-request-id"] != second.headers["x-request-id"]
+    refused = httpx.post(server.url + "/tokenize", json=body, timeout=30)  # no API key
+    assert refused.status_code == 401 and "x-request-id" in refused.headers

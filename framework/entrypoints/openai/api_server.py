@@ -49,6 +49,7 @@ from sparrow.entrypoints.openai.cli_args import (  # noqa: F401 - add_serve_pars
 from sparrow.entrypoints.openai.http_guards import (
     CORSGuard,
     JSONBodyRoute,
+    RequestIdHeaderMiddleware,
     RequestLimitsMiddleware,
     error_response,
 )
@@ -142,6 +143,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     app.add_middleware(CORSGuard, allow_origins=cors["allowed_origins"], allow_methods=cors["allowed_methods"],
                        allow_headers=cors["allowed_headers"],
                        allow_credentials=bool(getattr(args, "allow_credentials", False)))
+    if getattr(args, "enable_request_id_headers", False):  # outermost: every response, a 401 too
+        app.add_middleware(RequestIdHeaderMiddleware)
     _install_error_handlers(app)
     app.state.engine = engine
     chat_template = getattr(args, "chat_template", None)

@@ -216,6 +216,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's id, prompt, prompt token ids, sampling parameters and LoRA "
                              "adapter at INFO (default: off)")
+    server.add_argument("--enable-request-id-headers", action="store_true",
+                        help="add X-Request-Id to every response: the request's own X-Request-Id header, else "
+                             "a random id (vLLM's flag; default: off)")
     server.add_argument("--enable-force-include-usage", action="store_true",
                         help="end every streamed response with its usage chunk, as if the request's "
                              "stream_options.include_usage were true (vLLM's flag; default: off)")

@@ -1,6 +1,7 @@
 """The HTTP server's guards around every request, before a route sees it: the API key and the
 body size cap (RequestLimitsMiddleware), the JSON body parsed with a 400 that says what is wrong
-(JSONBodyRoute), and CORS preflights refused in OpenAI's error shape (CORSGuard)."""
+(JSONBodyRoute), CORS preflights refused in OpenAI's error shape (CORSGuard), and the
+X-Request-Id response header (RequestIdHeaderMiddleware)."""
 
 from __future__ import annotations
 
@@ -188,3 +189,26 @@ class CORSGuard(CORSMiddleware):
         refused = ", ".join(asked.get(failure, failure) for failure in failures)
         return error_response(400, f"CORS preflight refused; not allowed: {refused}", "BadRequestError",
                               code="cors_refused")
+
+
+class RequestIdHeaderMiddleware:
+    """--enable-request-id-headers (vLLM's): every response carries ``X-Request-Id``, the request's
+    own header when it sent one, else a new random id (32 hex digits)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = Headers(scope=scope).get("x-request-id") or secrets.token_hex(16)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(name, value) for name, value in message.get("headers", [])
+                           if name.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode("latin-1"))]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

@@ -346,3 +346,5 @@ def test_tokenizer_info_is_served_without_vllms_flag(server):
     # has it): the endpoint answers anyway, for lm-evaluation-harness.
     auth = {"Authorization": f"Bearer {API_KEY}"}
     assert httpx.get(server.url + "/tokenizer_info", headers=auth, timeout=30).json()["tokenizer_class"]
+    # And GET /load (vLLM's) reads 0 without --enable-server-load-tracking.
+    assert httpx.get(server.url + "/load", headers=auth, timeout=30).json() == {"server_load": 0}

@@ -8,6 +8,7 @@ is sent. CORS is checked with real preflight (OPTIONS) and simple requests carry
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -32,7 +33,8 @@ def server(qwen3_dir, tmp_path_factory):
     yield from serve_for_module(qwen3_dir, tmp_path_factory, "tokenization-logs",
                                 "--allowed-origins", json.dumps([ALLOWED_ORIGIN]), "--allowed-methods",
                                 '["GET", "POST"]', "--allow-credentials", "--enable-tokenizer-info-endpoint",
-                                "--enable-force-include-usage", "--enable-request-id-headers")
+                                "--enable-force-include-usage", "--enable-request-id-headers",
+                                "--enable-server-load-tracking")
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +251,27 @@ def test_request_id_headers(server):
     assert len(first.headers["x-request-id"]) == 32 and first.headers["x-request-id"] != second.headers["x-request-id"]
     refused = httpx.post(server.url + "/tokenize", json=body, timeout=30)  # no API key
     assert refused.status_code == 401 and "x-request-id" in refused.headers
+
+
+def test_server_load_counts_generation_requests_in_flight(server):
+    """--enable-server-load-tracking (vLLM's): GET /load counts a completion while it runs, and not
+    once it is done."""
+    import threading
+
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+
+    def load() -> int:
+        return httpx.get(server.url + "/load", headers=auth, timeout=30).json()["server_load"]
+
+    assert load() == 0
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+    done = threading.Event()
+    request = threading.Thread(target=lambda: (httpx.post(server.url + "/v1/completions", json=body, headers=auth,
+                                                          timeout=120), done.set()))
+    request.start()
+    seen = 0
+    while not done.is_set() and not seen:
+        seen = load()
+        time.sleep(0.005)
+    request.join()
+    assert seen == 1 and load() == 0

@@ -3,6 +3,8 @@
     GET  /health               200, or 503 once the engine is dead
     GET  /metrics              Prometheus text (sparrow:* metrics)
     GET  /version              {"version": ...}
+    GET  /load                 {"server_load": generation requests in flight} (vLLM's; counted with
+                               --enable-server-load-tracking)
     GET  /v1/models            the served model
     GET  /v1/models/{id}       its model card (404 model_not_found for another id)
     POST /v1/completions       text or token-id prompts; stream: true for SSE
@@ -51,6 +53,7 @@ from sparrow.entrypoints.openai.http_guards import (
     JSONBodyRoute,
     RequestIdHeaderMiddleware,
     RequestLimitsMiddleware,
+    ServerLoadMiddleware,
     error_response,
 )
 from sparrow.entrypoints.openai.protocol import (
@@ -145,6 +148,9 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
                        allow_credentials=bool(getattr(args, "allow_credentials", False)))
     if getattr(args, "enable_request_id_headers", False):  # outermost: every response, a 401 too
         app.add_middleware(RequestIdHeaderMiddleware)
+    app.state.server_load_metrics = 0  # GET /load: 0 unless --enable-server-load-tracking counts
+    if getattr(args, "enable_server_load_tracking", False):
+        app.add_middleware(ServerLoadMiddleware, state=app.state)
     _install_error_handlers(app)
     app.state.engine = engine
     chat_template = getattr(args, "chat_template", None)
@@ -177,6 +183,11 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        """vLLM's: the generation requests in flight (counted with --enable-server-load-tracking)."""
+        return {"server_load": app.state.server_load_metrics}
 
     add_model_routes(app, engine, model_names, lora_modules, _ERROR_RESPONSES)
 

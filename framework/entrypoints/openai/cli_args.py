@@ -216,6 +216,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's id, prompt, prompt token ids, sampling parameters and LoRA "
                              "adapter at INFO (default: off)")
+    server.add_argument("--enable-server-load-tracking", action="store_true",
+                        help="count the completion and chat requests in flight, reported by GET /load as "
+                             "{\"server_load\": N} (vLLM's flag; without it /load reads 0)")
     server.add_argument("--enable-request-id-headers", action="store_true",
                         help="add X-Request-Id to every response: the request's own X-Request-Id header, else "
                              "a random id (vLLM's flag; default: off)")

@@ -34,7 +34,8 @@ def server(qwen3_dir, tmp_path_factory):
                                 "--allowed-origins", json.dumps([ALLOWED_ORIGIN]), "--allowed-methods",
                                 '["GET", "POST"]', "--allow-credentials", "--enable-tokenizer-info-endpoint",
                                 "--enable-force-include-usage", "--enable-request-id-headers",
-                                "--enable-server-load-tracking")
+                                "--enable-server-load-tracking", "--middleware", "tests.server_middleware.ServedBy",
+                                "--middleware", "tests.server_middleware:path_echo")
 
 
 @pytest.fixture(scope="module")
@@ -275,3 +276,27 @@ def test_server_load_counts_generation_requests_in_flight(server):
         time.sleep(0.005)
     request.join()
     assert seen == 1 and load() == 0
+
+
+def test_middleware_flag_adds_the_users_middleware(server):
+    """--middleware (vLLM's): a class and an async function, by import path, wrap every route."""
+    response = httpx.post(server.url + "/tokenize", json={"model": MODEL_NAME, "prompt": PROMPT},
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    assert response.status_code == 200
+    assert response.headers["x-served-by"] == "sparrow-test" and response.headers["x-path"] == "/tokenize"
+
+
+@pytest.mark.parametrize(("value", "phrase"), [
+    ("tests.server_middleware.Missing", "cannot import"),
+    ("no_such_module.Thing", "cannot import"),
+    ("tests.server_middleware.NOT_MIDDLEWARE", "neither a class"),
+    ("ServedBy", "expected an import path"),
+])
+def test_a_wrong_middleware_is_refused_at_start_up(value, phrase, capsys):
+    from sparrow.entrypoints.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", "--middleware", value])
+    assert info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --middleware" in last and phrase in last, last

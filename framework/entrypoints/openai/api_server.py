@@ -151,6 +151,11 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     app.state.server_load_metrics = 0  # GET /load: 0 unless --enable-server-load-tracking counts
     if getattr(args, "enable_server_load_tracking", False):
         app.add_middleware(ServerLoadMiddleware, state=app.state)
+    for middleware in getattr(args, "middleware", None) or ():  # --middleware, vLLM's: the user's own
+        if isinstance(middleware, type):
+            app.add_middleware(middleware)
+        else:
+            app.middleware("http")(middleware)
     _install_error_handlers(app)
     app.state.engine = engine
     chat_template = getattr(args, "chat_template", None)

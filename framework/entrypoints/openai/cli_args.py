@@ -122,6 +122,26 @@ def _max_log_len(value: str) -> int:
     return length
 
 
+def _middleware(value: str) -> Any:
+    """``--middleware``'s import path (``package.module.Name`` or ``package.module:Name``): an
+    ASGI middleware class, or an ``async def (request, call_next)`` function; imported now, so that
+    a wrong path is reported at start-up."""
+    import importlib
+    import inspect
+
+    module_name, _, name = value.rpartition(":") if ":" in value else value.rpartition(".")
+    if not module_name or not name:
+        raise argparse.ArgumentTypeError(f"expected an import path package.module.Name, got {value!r}")
+    try:
+        middleware = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot import {value!r}: {exc}") from None
+    if not (inspect.isclass(middleware) or inspect.iscoroutinefunction(middleware)):
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a class (an ASGI middleware) nor an async function "
+                                         f"(request, call_next); got {type(middleware).__name__}")
+    return middleware
+
+
 def _nonempty(value: str) -> str:
     if not value.strip():
         raise argparse.ArgumentTypeError("must not be empty")
@@ -216,6 +236,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--enable-log-requests", action="store_true",
                         help="log each request's id, prompt, prompt token ids, sampling parameters and LoRA "
                              "adapter at INFO (default: off)")
+    server.add_argument("--middleware", type=_middleware, action="append", default=None, metavar="PATH",
+                        help="an ASGI middleware to add to the app, by import path (package.module.Name): a class "
+                             "is added with app.add_middleware, an async function (request, call_next) as an "
+                             "HTTP middleware; repeat the flag for more (vLLM's flag; default: none)")
     server.add_argument("--enable-server-load-tracking", action="store_true",
                         help="count the completion and chat requests in flight, reported by GET /load as "
                              "{\"server_load\": N} (vLLM's flag; without it /load reads 0)")

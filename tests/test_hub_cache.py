@@ -128,6 +128,7 @@ def test_revision_tokenizer_revision_and_download_dir_choose_the_snapshot(two_re
     for kwargs, field in (({"model": qwen3_dir, "revision": "v1"}, "revision"),
                           ({"model": qwen3_dir, "download_dir": str(cache)}, "download_dir"),
                           ({"revision": "v1"}, "revision"),
+                          ({"tokenizer_revision": "v1"}, "tokenizer_revision"),
                           ({"model": qwen3_dir, "tokenizer_revision": "v1"}, "tokenizer_revision")):
         with pytest.raises(ConfigError, match=f"invalid engine argument '{field}'"):
             finalize_config(EngineConfig.from_kwargs(**kwargs))

@@ -115,6 +115,9 @@ def finalize_config(config: EngineConfig) -> EngineConfig:
     model_path = resolve_model_path(requested.model, requested.revision, requested.download_dir)
     # The tokenizer: its own argument, else the model's id at tokenizer_revision, else the model's path.
     tokenizer_source = requested.tokenizer or (requested.model if requested.tokenizer_revision is not None else None)
+    if tokenizer_source is None and requested.tokenizer_revision is not None:
+        raise ConfigError("invalid engine argument 'tokenizer_revision': the built-in model's tokenizer is built "
+                          "locally; tokenizer_revision applies to a Hub id in the Hugging Face cache")
     tokenizer_path = model_path if tokenizer_source is None else resolve_hub_id(
         tokenizer_source, requested.tokenizer_revision, requested.download_dir, "tokenizer_revision")
     hf_config, model_max = _model_limits(model_path, config.model.trust_remote_code, config.model.hf_overrides)

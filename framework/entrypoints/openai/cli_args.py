@@ -239,22 +239,22 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--middleware", type=_middleware, action="append", default=None, metavar="PATH",
                         help="an ASGI middleware to add to the app, by import path (package.module.Name): a class "
                              "is added with app.add_middleware, an async function (request, call_next) as an "
-                             "HTTP middleware; repeat the flag for more (vLLM's flag; default: none)")
+                             "HTTP middleware; repeat the flag for more; vLLM's flag (default: none)")
     server.add_argument("--enable-server-load-tracking", action="store_true",
                         help="count the completion and chat requests in flight, reported by GET /load as "
-                             "{\"server_load\": N} (vLLM's flag; without it /load reads 0)")
+                             "{\"server_load\": N}; vLLM's flag (default: off, and /load reads 0)")
     server.add_argument("--enable-request-id-headers", action="store_true",
                         help="add X-Request-Id to every response: the request's own X-Request-Id header, else "
-                             "a random id (vLLM's flag; default: off)")
+                             "a random id; vLLM's flag (default: off)")
     server.add_argument("--enable-force-include-usage", action="store_true",
                         help="end every streamed response with its usage chunk, as if the request's "
-                             "stream_options.include_usage were true (vLLM's flag; default: off)")
+                             "stream_options.include_usage were true; vLLM's flag (default: off)")
     server.add_argument("--disable-log-requests", action="store_true",
-                        help="vLLM's older flag: do not log requests, which is the default; refused beside "
-                             "--enable-log-requests")
+                        help="vLLM's older flag: do not log requests, which is the default here too; refused "
+                             "beside --enable-log-requests (default: off)")
     server.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
-                        help="vLLM's flag for GET /tokenizer_info, which this server always serves "
-                             "(lm-evaluation-harness finds the server's tokenizer through it)")
+                        help="vLLM's flag for GET /tokenizer_info, which this server always serves: "
+                             "lm-evaluation-harness finds the server's tokenizer through it (default: always on)")
     server.add_argument("--enable-log-outputs", action="store_true",
                         help="with --enable-log-requests, also log each finished request's output text, token "
                              "ids and finish reason at INFO (default: off)")

@@ -10,6 +10,7 @@ from typing import Any
 
 from sparrow.engine.arg_utils import AsyncEngineArgs  # noqa: F401 - re-exported
 from sparrow.errors import InvalidArgumentError
+from sparrow.sampling_params import SamplingParams
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -50,3 +51,18 @@ def check_request_fields(request_id: Any, prompt: Any, arrival_time: Any, priori
                                        "to its data-parallel engines itself; leave data_parallel_rank None",
                                        "data_parallel_rank")
     return int(priority), arrival_time
+
+
+def request_params(request_id: str, params: Any, default_sampling_params: dict[str, Any],
+                   field: str) -> tuple[SamplingParams, bool]:
+    """A submitted request's sampling parameters: ``params`` checked again and copied (a field may
+    have been set after construction, and the caller may reuse or change it while the request
+    runs), or, when None, the model's defaults; True in that case (a default max_tokens is then cut
+    to the room the prompt leaves). A non-SamplingParams is refused naming ``field``."""
+    if params is None:
+        return SamplingParams(**default_sampling_params), True
+    if not isinstance(params, SamplingParams):
+        raise InvalidArgumentError(f"{field} of request {request_id!r} must be SamplingParams, got "
+                                   f"{type(params).__name__}", field)
+    return params.clone(), False
+

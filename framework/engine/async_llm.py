@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from sparrow.config import EngineConfig
 from sparrow.core.kv_cache_utils import request_capacity_tokens
-from sparrow.engine.async_inputs import AsyncEngineArgs, check_request_fields
+from sparrow.engine.async_inputs import AsyncEngineArgs, check_request_fields, request_params
 from sparrow.engine.async_output import AsyncOutputHandling
 from sparrow.engine.async_utilities import AsyncEngineUtilities
 from sparrow.engine.exceptions import EngineDeadError
@@ -262,16 +262,7 @@ class AsyncLLM(AsyncOutputHandling, AsyncEngineUtilities):
             request_id, prompt, arrival_time, priority, trace_headers, tokenization_kwargs, data_parallel_rank,
             self.config.parallel.data_parallel_size)
         self._check_request_id_free(request_id)
-        defaults = params is None  # a max_tokens from the generation config is then cut to fit
-        if params is None:
-            params = SamplingParams(**self.default_sampling_params)
-        elif isinstance(params, SamplingParams):
-            # Checked again (a field may have been set after construction) and copied, so that the
-            # caller may reuse or change its SamplingParams while this request runs.
-            params = params.clone()
-        else:
-            raise InvalidArgumentError(f"sampling_params of request {request_id!r} must be SamplingParams, got "
-                                       f"{type(params).__name__}", "sampling_params")
+        params, defaults = request_params(request_id, params, self.default_sampling_params, "sampling_params")
         if lora_request is not None:  # reads the adapter's config and tensor header
             await self.run_input_work(check_lora_request, lora_request, self.config, self.hf_config)
         text, request = await self.run_input_work(

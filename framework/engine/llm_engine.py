@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparrow.config import EngineConfig
 from sparrow.core.kv_cache_utils import request_capacity_tokens
-from sparrow.engine.async_inputs import check_request_fields
+from sparrow.engine.async_inputs import check_request_fields, request_params
 from sparrow.engine.input_processor import PromptType
 from sparrow.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from sparrow.engine.setup import build_frontend, finalize_config
@@ -136,12 +136,7 @@ class LLMEngine:
         naming the field; ``trace_headers`` and ``tokenization_kwargs`` are refused unless empty."""
         priority, arrival_time = check_request_fields(request_id, prompt, arrival_time, priority, trace_headers,
                                                       tokenization_kwargs, None, 1)
-        defaults = params is None  # a max_tokens from the generation config is then cut to fit
-        if params is None:
-            params = SamplingParams(**self.default_sampling_params)
-        elif not isinstance(params, SamplingParams):
-            raise InvalidArgumentError(f"params of request {request_id!r} must be SamplingParams, got "
-                                       f"{type(params).__name__}", "params")
+        params, defaults = request_params(request_id, params, self.default_sampling_params, "params")
         text, request = self.process_request(request_id, prompt, params, priority, lora_request,
                                              default_max_tokens=defaults, arrival_time=arrival_time)
         self.add_processed_request(text, request)

@@ -322,6 +322,22 @@ def test_slow_gives_a_directorys_only_python_class(qwen3_dir, python_tokenizer_d
     assert config.model.tokenizer_mode == "slow"
 
 
+def test_a_start_up_refused_after_the_slow_tokenizer_loaded_keeps_no_tokenizer(monkeypatch):
+    """The pre-flight hands its "slow" tokenizer to the frontend; when a later check refuses the
+    configuration, no frontend will take it, and it is dropped rather than kept for the process's life."""
+    from sparrow.engine import setup
+
+    tokenizer = object()  # the built-in model's tokenizer has no slow class: any object stands for it
+    handed_over = []
+    monkeypatch.setattr(setup, "load_tokenizer", lambda *args: tokenizer)
+    real_hand_over = setup.hand_over_tokenizer
+    monkeypatch.setattr(setup, "hand_over_tokenizer", lambda *args: handed_over.append(args) or real_hand_over(*args))
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        LLM(tokenizer_mode="slow", max_model_len=256, max_num_batched_tokens=16, enable_chunked_prefill=False)
+    assert handed_over and handed_over[0][-1] is tokenizer
+    assert all(handed is not tokenizer for handed in setup._preflight_tokenizers.values())
+
+
 # -- the command line --------------------------------------------------------------------------------------
 def test_serve_has_the_flags():
     result = subprocess.run([sys.executable, "-m", "sparrow.entrypoints.cli", "serve", "--help"],

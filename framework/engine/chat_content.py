@@ -73,18 +73,32 @@ def shape_messages(messages: Sequence[Mapping[str, Any]], content_format: str) -
         message = dict(message)
         content = message.get("content")
         if content_format == "string" and isinstance(content, Sequence) and not isinstance(content, str):
-            message["content"] = "\n".join(_texts(f"messages[{position}].content", content))
+            message["content"] = "\n".join(content_texts(f"messages[{position}].content", content))
         elif content_format == "openai" and isinstance(content, str):
             message["content"] = [{"type": "text", "text": content}]
         shaped.append(message)
     return shaped
 
 
-def _texts(path: str, parts: Sequence[Mapping[str, Any]]) -> list[str]:
-    texts = []
-    for index, part in enumerate(parts):
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise InvalidArgumentError(f"{path}[{index}] must be a text part {{'type': 'text', 'text': str}} "
-                                       f"(Sparrow serves text-only models), got {dict(part)!r:.80}", f"{path}[{index}]")
-        texts.append(part["text"])
-    return texts
+def content_texts(path: str, parts: Sequence[Any]) -> list[str]:
+    """The texts of a message's content parts (``path``: ``messages[i].content``)."""
+    return [part_text(f"{path}[{index}]", part) for index, part in enumerate(parts)]
+
+
+def part_text(where: str, part: Any) -> str:
+    """The text of the content part ``where`` (``messages[i].content[j]``), or an error naming the
+    part (or its ``text``) when it is not ``{"type": "text", "text": "..."}``. ``LLM.chat`` and the
+    server (``request_checks.content_texts``, which also refuses the part's other keys) both check
+    parts here, so that the two say the same."""
+    if not isinstance(part, Mapping):
+        raise InvalidArgumentError(f"{where}: a content part is an object {{'type': 'text', 'text': str}}, got "
+                                   f"{type(part).__name__}", where)
+    kind = part.get("type")
+    if kind != "text":
+        raise InvalidArgumentError(f"{where}: only text parts are supported (Sparrow serves text-only models), got "
+                                   f"type {kind!r}", where, code="unsupported")
+    text = part.get("text")
+    if not isinstance(text, str):
+        got = "it is missing" if "text" not in part else f"got {type(text).__name__}"
+        raise InvalidArgumentError(f"{where}.text: a text part needs its text, a string ({got})", f"{where}.text")
+    return text

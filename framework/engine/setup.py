@@ -17,7 +17,7 @@ from sparrow.engine.preflight import (
     check_plugin_names,
     resolve_configured_platform,
 )
-from sparrow.hub_cache import hub_cache_snapshot, looks_like_hub_id
+from sparrow.hub_cache import resolve_hub_id  # spec_decode.config imports it from here
 from sparrow.plugins import get_registry
 
 logger = logging.getLogger(__name__)
@@ -46,32 +46,6 @@ def resolve_model_path(model: str | None, revision: str | None = None, download_
     except ConfigError as exc:
         raise ConfigError(f"{exc}. Built-in: {', '.join(BUILTIN_MODELS)}") from None
     return str(path.resolve())
-
-
-def resolve_hub_id(name: str, revision: str | None = None, cache_dir: str | None = None,
-                   revision_field: str = "revision") -> str:
-    """``name``, or where the Hugging Face cache holds it when ``name`` is a Hub id and no local
-    path: its ``revision`` (None: main) in ``cache_dir`` (None: ``HF_HUB_CACHE``). These are the
-    engine arguments ``revision`` (``revision_field``: or ``tokenizer_revision``) and
-    ``download_dir``; a local path refuses a revision."""
-    if Path(name).expanduser().exists():
-        if revision is not None:
-            raise ConfigError(f"invalid engine argument {revision_field!r}: {name!r} is a local path; a revision "
-                              "applies to a Hub id in the Hugging Face cache")
-        return name
-    snapshot = hub_cache_snapshot(name, revision, cache_dir)
-    if snapshot is not None:
-        logger.info("%s: the Hugging Face cache's snapshot %s", name, snapshot)
-        return snapshot
-    if looks_like_hub_id(name) and (revision is not None or cache_dir is not None):
-        field = revision_field if revision is not None else "download_dir"
-        where = f"the Hugging Face cache {cache_dir!r}" if cache_dir else "the Hugging Face cache"
-        at = f" at revision {revision!r}" if revision is not None else ""
-        flags = (f" --revision {revision}" if revision is not None else "") + (
-            f" --cache-dir {cache_dir}" if cache_dir else "")
-        raise ConfigError(f"invalid engine argument {field!r}: {name!r}{at} is not in {where}; download it first "
-                          f"(`hf download {name}{flags}`); Sparrow never downloads models")
-    return name
 
 
 def _model_limits(model_path: str, trust_remote_code: bool = False,
@@ -154,7 +128,15 @@ def finalize_config(config: EngineConfig) -> EngineConfig:
     if finalized.scheduler.async_scheduling is None:
         finalized.scheduler.async_scheduling = bool(getattr(platform, "default_async_scheduling", False)) \
             and async_scheduling_problem(finalized) is None
-    check_engine_config(finalized, hf_config=hf_config, platform=platform)
+    try:
+        check_engine_config(finalized, hf_config=hf_config, platform=platform)
+    except BaseException:
+        # A check after the tokenizer's (tokenizer_mode "slow" hands it over) failed: no frontend
+        # will take the tokenizer, which would otherwise stay in the store for the process's life.
+        settings = finalized.model
+        drop_handed_tokenizer(settings.tokenizer or str(settings.model), settings.trust_remote_code,
+                              settings.tokenizer_mode)
+        raise
     return finalized
 
 
@@ -166,6 +148,11 @@ _preflight_tokenizers: dict[tuple[str, bool, str], Any] = {}
 
 def hand_over_tokenizer(path: str, trust_remote_code: bool, tokenizer_mode: str, tokenizer: Any) -> None:
     _preflight_tokenizers[(path, bool(trust_remote_code), tokenizer_mode)] = tokenizer
+
+
+def drop_handed_tokenizer(path: str, trust_remote_code: bool, tokenizer_mode: str) -> None:
+    """Forget the pre-flight's tokenizer of these settings, if any: the start-up failed."""
+    _preflight_tokenizers.pop((path, bool(trust_remote_code), tokenizer_mode), None)
 
 
 def frontend_tokenizer(path: str, trust_remote_code: bool = False, tokenizer_mode: str = "auto") -> Any:

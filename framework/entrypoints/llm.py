@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from sparrow.config import EngineConfig
+from sparrow.engine.async_inputs import request_params
 from sparrow.engine.llm_engine import LLMEngine
 from sparrow.errors import InvalidArgumentError
 from sparrow.outputs import RequestOutput
@@ -29,16 +30,6 @@ def _check_priority(index: int, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not _INT64_MIN <= value <= _INT64_MAX:
         raise ValueError(f"priority[{index}] must be a 64-bit integer, got {value!r}")
     return int(value)
-
-
-def _recheck_params(params_list: list[Any]) -> list[Any]:
-    """Validate each SamplingParams again (once per object): a field set after construction
-    skipped the checks, and must fail here, naming the field, rather than in the engine core."""
-    checked: dict[int, Any] = {}
-    for params in params_list:
-        if isinstance(params, SamplingParams) and id(params) not in checked:
-            checked[id(params)] = params.clone()  # clone() runs __post_init__'s checks
-    return [checked.get(id(params), params) for params in params_list]
 
 
 class LLM:
@@ -66,7 +57,8 @@ class LLM:
         """Generate for every prompt; outputs come back in input order.
 
         A prompt is a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``.
-        ``sampling_params`` None means ``get_default_sampling_params()`` (the model's generation config).
+        ``sampling_params`` None means ``get_default_sampling_params()`` (the model's generation config),
+        as does a None in a list of one per prompt.
         ``lora_request``: a :class:`~sparrow.lora.request.LoRARequest` for every prompt, or a list
         with one (or None, the base model) per prompt; needs ``enable_lora=True``.
         """
@@ -120,10 +112,7 @@ class LLM:
 
     def _run(self, prompts: list[Any], sampling_params: Any, use_tqdm: bool | Callable[..., Any],
              priority: Sequence[int] | None, lora_request: Any = None) -> list[RequestOutput]:
-        defaults = sampling_params is None  # then a max_tokens from the generation config is cut to fit
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
             params_list = list(sampling_params)
@@ -137,12 +126,19 @@ class LLM:
 
         engine = self.llm_engine
         # Validate every prompt before any reaches the engine: a bad one costs no other its work.
-        params_list = _recheck_params(params_list)
+        # id(params) -> (its checked copy, whether it is the model's defaults), as the engines resolve
+        # a request's params (None: the defaults, whose max_tokens is cut to fit); once per object,
+        # as a batch usually shares one.
+        resolved: dict[int, tuple[SamplingParams, bool]] = {}
         processed = []
         for index, (prompt, params) in enumerate(zip(prompts, params_list)):
             request_id = str(next(self._request_counter))
+            if id(params) not in resolved:
+                resolved[id(params)] = request_params(request_id, params, engine.default_sampling_params,
+                                                      "sampling_params")
+            checked, defaults = resolved[id(params)]
             request_priority = _check_priority(index, priority[index]) if priority else 0
-            processed.append(engine.process_request(request_id, prompt, params, priority=request_priority,
+            processed.append(engine.process_request(request_id, prompt, checked, priority=request_priority,
                                                     lora_request=lora_requests[index], default_max_tokens=defaults))
         order = {request.request_id: index for index, (_, request) in enumerate(processed)}
         # All or nothing: if one request cannot be sent, the ones sent before it are aborted, so

@@ -53,7 +53,6 @@ from sparrow.entrypoints.openai.http_guards import (
     JSONBodyRoute,
     RequestIdHeaderMiddleware,
     RequestLimitsMiddleware,
-    ServerLoadMiddleware,
     error_response,
 )
 from sparrow.entrypoints.openai.protocol import (
@@ -148,9 +147,12 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
                        allow_credentials=bool(getattr(args, "allow_credentials", False)))
     if getattr(args, "enable_request_id_headers", False):  # outermost: every response, a 401 too
         app.add_middleware(RequestIdHeaderMiddleware)
-    app.state.server_load_metrics = 0  # GET /load: 0 unless --enable-server-load-tracking counts
-    if getattr(args, "enable_server_load_tracking", False):
-        app.add_middleware(ServerLoadMiddleware, state=app.state)
+    # Around the whole app (run_server serves it): the requests in flight, for a graceful shutdown
+    # and GET /load (0 unless --enable-server-load-tracking counts the generation requests).
+    from sparrow.entrypoints.openai.lifecycle import RequestTracker
+
+    app.state.request_tracker = RequestTracker(
+        app, track_load=bool(getattr(args, "enable_server_load_tracking", False)))
     for middleware in getattr(args, "middleware", None) or ():  # --middleware, vLLM's: the user's own
         if isinstance(middleware, type):
             app.add_middleware(middleware)
@@ -192,7 +194,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     @app.get("/load")
     async def load() -> dict[str, int]:
         """vLLM's: the generation requests in flight (counted with --enable-server-load-tracking)."""
-        return {"server_load": app.state.server_load_metrics}
+        return {"server_load": app.state.request_tracker.server_load}
 
     add_model_routes(app, engine, model_names, lora_modules, _ERROR_RESPONSES)
 
@@ -236,10 +238,14 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
 
 
 def tool_parser_class(args: argparse.Namespace | None) -> type | None:
-    """The --tool-call-parser's class (None when not set); ValueError naming the flag when the
-    name is not registered or --enable-auto-tool-choice lacks a parser."""
-    from sparrow.plugins import get_registry, resolve_parser
+    """The --tool-call-parser's class (None when not set), after loading --tool-parser-plugin's
+    file; ValueError naming the flag when the name is not registered or --enable-auto-tool-choice
+    lacks a parser."""
+    from sparrow.plugins import get_registry, load_plugin_file, resolve_parser
 
+    plugin_file = getattr(args, "tool_parser_plugin", None)
+    if plugin_file is not None:
+        load_plugin_file(plugin_file, "--tool-parser-plugin", "sparrow_register_tool_parsers")
     name = getattr(args, "tool_call_parser", None)
     if name is None:
         if getattr(args, "enable_auto_tool_choice", False):
@@ -271,7 +277,7 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from sparrow.entrypoints.cli import engine_kwargs
-    from sparrow.entrypoints.openai.lifecycle import RequestTracker, Server, bind_listeners
+    from sparrow.entrypoints.openai.lifecycle import Server, bind_listeners
 
     tool_parser_class(args)  # a wrong parser name is reported before the model loads
     kwargs = engine_kwargs(args)
@@ -298,7 +304,7 @@ def run_server(args: argparse.Namespace) -> int:
             sock.close()
         raise
     try:
-        tracker = RequestTracker(build_app(engine, args))
+        tracker = build_app(engine, args).state.request_tracker  # the app inside its request counter
         config = uvicorn.Config(tracker, log_level=args.uvicorn_log_level, access_log=not args.disable_access_log,
                                 root_path=getattr(args, "root_path", "") or "",
                                 # A backstop only: requests are ended before uvicorn shuts down.

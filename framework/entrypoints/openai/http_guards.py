@@ -1,8 +1,8 @@
 """The HTTP server's guards around every request, before a route sees it: the API key and the
 body size cap (RequestLimitsMiddleware), the JSON body parsed with a 400 that says what is wrong
 (JSONBodyRoute), CORS preflights refused in OpenAI's error shape (CORSGuard), and the
-X-Request-Id response header (RequestIdHeaderMiddleware), and the count of generation requests in
-flight that GET /load reports (ServerLoadMiddleware)."""
+X-Request-Id response header (RequestIdHeaderMiddleware). The requests in flight (for GET /load
+and a graceful shutdown) are counted by ``lifecycle.RequestTracker``."""
 
 from __future__ import annotations
 
@@ -213,26 +213,3 @@ class RequestIdHeaderMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
-
-
-# The endpoints whose requests --enable-server-load-tracking counts (vLLM's: those that run the model).
-_LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-
-
-class ServerLoadMiddleware:
-    """--enable-server-load-tracking (vLLM's): counts the generation requests in flight (a stream
-    until its last byte) in ``app.state.server_load_metrics``, which ``GET /load`` reports."""
-
-    def __init__(self, app: ASGIApp, state: Any) -> None:
-        self.app = app
-        self.state = state
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or route_path(scope) not in _LOAD_PATHS:
-            await self.app(scope, receive, send)
-            return
-        self.state.server_load_metrics += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.state.server_load_metrics -= 1

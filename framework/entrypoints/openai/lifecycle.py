@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sparrow.engine.async_llm import AsyncLLM
 from sparrow.engine.exceptions import EngineShutdownError
+from sparrow.entrypoints.openai.http_guards import route_path
 from sparrow.entrypoints.openai.serving_engine import APIError
 
 logger = logging.getLogger(__name__)
@@ -68,13 +69,21 @@ def bind_listeners(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
+# The endpoints whose requests --enable-server-load-tracking counts (vLLM's: those that run the model).
+_LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
 class RequestTracker:
     """ASGI middleware: counts the HTTP requests in flight (a stream until its last byte) and, once
-    the server drains, answers every new request 503."""
+    the server drains, answers every new request 503. With ``track_load``
+    (--enable-server-load-tracking), ``server_load`` counts those of them that run the model, which
+    ``GET /load`` reports as vLLM does (0 without it)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, track_load: bool = False) -> None:
         self.app = app
+        self.track_load = track_load
         self.in_flight = 0
+        self.server_load = 0
         self.draining = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -87,11 +96,14 @@ class RequestTracker:
             error = shutting_down_error()
             await JSONResponse(error.body(), status_code=error.status_code)(scope, receive, send)
             return
+        load = int(self.track_load and scope["method"] == "POST" and route_path(scope) in _LOAD_PATHS)
         self.in_flight += 1
+        self.server_load += load
         try:
             await self.app(scope, receive, send)
         finally:
             self.in_flight -= 1
+            self.server_load -= load
 
     async def wait_idle(self, timeout_s: float, give_up: asyncio.Event | None = None) -> bool:
         """True once no request is in flight; False if some still are after ``timeout_s`` (or

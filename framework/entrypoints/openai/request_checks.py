@@ -27,6 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from sparrow.engine.chat_content import part_text
 from sparrow.engine.text_checks import check_text, find_unencodable
 from sparrow.errors import InvalidArgumentError
 
@@ -92,23 +93,19 @@ def refuse_key(field: str, name: str) -> RequestFieldError:
 
 
 def content_texts(path: str, parts: list[dict[str, Any]]) -> list[str]:
-    """The texts of a message's content parts (``path``: ``messages[i].content``); a 400 for a
-    part that is not ``{"type": "text", "text": "..."}``."""
+    """The texts of a message's content parts (``path``: ``messages[i].content``, the param); a 400
+    for a part that is not ``{"type": "text", "text": "..."}`` (checked by ``chat_content.part_text``,
+    as ``LLM.chat`` checks it) or that has other keys."""
     texts = []
     for index, part in enumerate(parts):
         where = f"{path}[{index}]"
-        kind = part.get("type")
-        if kind != "text":
-            raise RequestFieldError(f"{where}: only text parts are supported, got type {kind!r}", path,
-                                    code="unsupported")
-        text = part.get("text")
-        if not isinstance(text, str):
-            got = "it is missing" if "text" not in part else f"got {type(text).__name__}"
-            raise RequestFieldError(f"{where}.text: a text part needs its text, a string ({got})", path)
+        try:
+            texts.append(part_text(where, part))
+        except InvalidArgumentError as exc:
+            raise RequestFieldError(str(exc), path, code=exc.code or "invalid_value") from None
         for key in part:
             if key not in ("type", "text"):
                 raise refuse_key(f"{where}.{key}", key)
-        texts.append(text)
     return texts
 
 

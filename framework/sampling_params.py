@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import math
 import numbers
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -142,6 +143,10 @@ class StructuredOutputsParams(
 
 
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# SamplingParams fields that are read once and are always None afterwards (not shown in its repr).
+_OLDER_NAMES = ("guided_decoding", "logits_processors")
+# vLLM's name for StructuredOutputsParams before 0.11 (``SamplingParams(guided_decoding=...)``).
+GuidedDecodingParams = StructuredOutputsParams
 
 
 def _token_ids(field: str, values: Any) -> list[int]:
@@ -201,12 +206,34 @@ class SamplingParams(
     # Keep only the prompt's last k tokens (-1: as many as max_model_len leaves room for one output
     # token); applied by the input processor when the request is made. Appended last.
     truncate_prompt_tokens: int | None = None
+    # vLLM's older names, read once and never carried: guided_decoding (before 0.11) is moved to
+    # structured_outputs; per-request logits_processors (callables) are refused, as vLLM V1 does.
+    guided_decoding: StructuredOutputsParams | None = None
+    logits_processors: list[Any] | None = None
 
     def __post_init__(self) -> None:
+        self._check_older_names()
         self._check_types()
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
+
+    def _check_older_names(self) -> None:
+        if self.logits_processors:
+            _fail("logits_processors", "is not supported per request (nor by vLLM V1): register the processor "
+                  "with the engine argument logits_processors and give it this request's arguments in "
+                  "extra_args", self.logits_processors)
+        self.logits_processors = None
+        if self.guided_decoding is None:
+            return
+        if not isinstance(self.guided_decoding, StructuredOutputsParams):
+            _fail("guided_decoding", "must be a GuidedDecodingParams (StructuredOutputsParams)", self.guided_decoding)
+        if self.structured_outputs is not None and self.structured_outputs != self.guided_decoding:
+            _fail("guided_decoding", "is vLLM's older name of structured_outputs; give one of the two",
+                  self.guided_decoding)
+        warnings.warn("SamplingParams.guided_decoding is vLLM's older name: use structured_outputs "
+                      "(GuidedDecodingParams is StructuredOutputsParams)", DeprecationWarning, stacklevel=3)
+        self.structured_outputs, self.guided_decoding = self.guided_decoding, None
 
     def _check_types(self) -> None:
         """Normalise every field to the exact type the wire carries, or raise naming it."""
@@ -347,7 +374,7 @@ class SamplingParams(
         return msgspec.structs.replace(self, **changes)
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__)
+        fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__ if f not in _OLDER_NAMES)
         return f"SamplingParams({fields})"
 
 

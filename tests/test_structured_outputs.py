@@ -243,6 +243,26 @@ def test_invalid_grammar_fails_in_the_caller_and_the_engine_carries_on(llm):
     assert out.text in CHOICES and out.finish_reason == "stop"
 
 
+def test_vllms_older_guided_decoding_is_structured_outputs_and_per_request_processors_are_refused(llm):
+    from sparrow.sampling_params import GuidedDecodingParams
+
+    prompt = prompt_of(random.Random(5), 12)
+    with pytest.warns(DeprecationWarning, match="guided_decoding is vLLM's older name"):
+        older = SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS,
+                               guided_decoding=GuidedDecodingParams(regex=REGEX))
+    assert older.structured_outputs == StructuredOutputsParams(regex=REGEX) and older.guided_decoding is None
+    got, expected = (llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+                     for params in (older, constrained(3, regex=REGEX)))
+    assert re.fullmatch(REGEX, got.text) and got.token_ids == expected.token_ids
+    with pytest.raises(ValueError, match="guided_decoding is vLLM's older name of structured_outputs; give one"):
+        SamplingParams(guided_decoding=GuidedDecodingParams(regex="a"),
+                       structured_outputs=StructuredOutputsParams(regex="b"))
+    with pytest.raises(ValueError, match="SamplingParams.guided_decoding must be a GuidedDecodingParams"):
+        SamplingParams(guided_decoding={"regex": "a"})
+    with pytest.raises(ValueError, match="logits_processors is not supported per request.*extra_args"):
+        SamplingParams(logits_processors=[lambda token_ids, logits: logits])
+
+
 def core_request(req_id: str, max_tokens: int = 4, **kind):
     from sparrow.engine.messages import EngineCoreRequest
 

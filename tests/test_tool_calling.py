@@ -12,6 +12,7 @@ import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 from typing import Literal
 
 import jsonschema
@@ -40,6 +41,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+PLUGIN_FILE = Path(__file__).resolve().parent / "tool_parser_plugin.py"
 MAX_TOKENS = 120  # above the longest single call the schemas allow
 
 
@@ -175,11 +177,39 @@ def test_bad_parser_flags_are_one_cli_line_before_the_model_loads(tmp_path):
         assert result.returncode == 2 and len(lines) == 1 and phrase in lines[0], result.stderr
 
 
+def test_a_tool_parser_plugin_file_registers_its_parsers_and_bad_files_are_one_cli_line(tmp_path):
+    from sparrow.plugins import get_plugin_manager
+
+    args = argparse.Namespace(tool_parser_plugin=str(PLUGIN_FILE), tool_call_parser="hermes_from_file",
+                              enable_auto_tool_choice=True)
+    try:
+        parser_cls = tool_parser_class(args)
+        assert parser_cls.__name__ == "FileHermesToolParser" and issubclass(parser_cls, HermesToolParser)
+        assert tool_parser_class(args) is parser_cls  # loaded once per process
+    finally:
+        get_plugin_manager().unregister(name=f"tool-parser-plugin:{PLUGIN_FILE.resolve()}")
+    no_hook = tmp_path / "no_hook.py"
+    no_hook.write_text("X = 1\n")
+    broken = tmp_path / "broken.py"
+    broken.write_text("import not_a_module_anywhere\n")
+    for flags, phrase in [
+            (["--tool-parser-plugin", str(PLUGIN_FILE), "--tool-call-parser", "nope"],
+             "--tool-call-parser: unknown tool parser 'nope'; registered: hermes, hermes_from_file, llama3_json"),
+            (["--tool-parser-plugin", str(tmp_path / "missing.py")], "--tool-parser-plugin: no such file"),
+            (["--tool-parser-plugin", str(no_hook)], "defines no sparrow_register_tool_parsers hook"),
+            (["--tool-parser-plugin", str(broken)], "failed to import: ModuleNotFoundError")]:
+        result = subprocess.run([sys.executable, "-m", "sparrow.entrypoints.cli", "serve", "--port", "0", *flags],
+                                capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and phrase in lines[0], result.stderr
+
+
 # -- through the server --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(qwen3_dir, tmp_path_factory):
-    yield from serve_for_module(qwen3_dir, tmp_path_factory, "tool-logs",
-                                "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    # The parser comes from a plain file (--tool-parser-plugin): hermes under another name.
+    yield from serve_for_module(qwen3_dir, tmp_path_factory, "tool-logs", "--enable-auto-tool-choice",
+                                "--tool-parser-plugin", str(PLUGIN_FILE), "--tool-call-parser", "hermes_from_file")
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,7 @@ class EngineArgs:
         return EngineConfig.from_kwargs(**vars(self))
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    def add_cli_args(parser: Any) -> Any:
         """Add every engine argument to ``parser`` as ``--kebab-case`` (the flags of ``sparrow
         serve``). An unset flag is None, the argument's default, except where None is a value of
         its own (``seed``: a random one), which defaults to the default. Returns the parser, as

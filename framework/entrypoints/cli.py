@@ -21,6 +21,7 @@ import types
 from typing import Any, Literal, NoReturn, Union, get_args, get_origin
 
 from sparrow.entrypoints.cli_errors import EXIT_INTERRUPTED, EXIT_RUNTIME_FAILURE, EXIT_USER_ERROR, describe_error
+from sparrow.utils.argparse_utils import FlexibleArgumentParser
 
 ENV_LOGGING_LEVEL = "SPARROW_LOGGING_LEVEL"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -29,10 +30,12 @@ HIDDEN_ENGINE_ARGS = frozenset({"data_parallel_rank"})
 DEFAULT_PROMPT = "Once upon a time"
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    """A usage mistake is one line, like every other user mistake: ``sparrow: error: <message>``
-    and status 2, without argparse's usage block (``--help`` still prints it). Subcommands'
-    parsers are of this class too (``add_subparsers`` makes its parsers of the parent's class)."""
+class ArgumentParser(FlexibleArgumentParser):
+    """vLLM's flexible spellings (``--max_model_len``, ``--speculative-config.method``, ``--config
+    FILE.yaml``; see ``sparrow.utils.argparse_utils``), and a usage mistake is one line, like every
+    other user mistake: ``sparrow: error: <message>`` and status 2, without argparse's usage block
+    (``--help`` still prints it). Subcommands' parsers are of this class too (``add_subparsers``
+    makes its parsers of the parent's class)."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USER_ERROR, f"sparrow: error: {message} (see `{self.prog} --help`)\n")
@@ -52,13 +55,15 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 # -- engine arguments ---------------------------------------------------------------------------
-def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+def add_engine_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, skip: tuple[str, ...] = ()) -> None:
     """Every EngineConfig field as --kebab-case, generated so flags never drift from the config;
     the field's description is the help text. Flags default to None: only what the user sets is
-    passed on, and the config supplies the rest."""
+    passed on, and the config supplies the rest. Given an argument group (vLLM's examples pass
+    one to ``EngineArgs.add_cli_args``), the flags go into that group."""
     from sparrow.config import EngineConfig
 
-    group = parser.add_argument_group("engine arguments")
+    group = (parser if isinstance(parser, argparse._ArgumentGroup)
+             else parser.add_argument_group("engine arguments"))
     for section in EngineConfig.sections().values():
         for name, field in section.model_fields.items():
             if name in skip:

@@ -217,6 +217,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--tool-call-parser", default=None, metavar="NAME",
                         help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json "
                              "(Llama 3.x), or a plugin's (`sparrow plugins` lists them) (default: none)")
+    server.add_argument("--tool-parser-plugin", default=None, metavar="FILE",
+                        help="a Python file that registers tool parsers (a sparrow_register_tool_parsers hook "
+                             "implementation), loaded before --tool-call-parser is looked up: a parser that is "
+                             "not an installed plugin (default: none)")
     server.add_argument("--lora-modules", type=_lora_module, nargs="+", default=None, metavar="NAME=PATH",
                         help="LoRA adapters to serve, each as name=path or JSON {\"name\": ..., \"path\": ..., "
                              "\"base_model_name\": ...}; a request selects one by its model name (needs "

@@ -401,13 +401,19 @@ GENERATE = ["--max-tokens", "8", *SMALL]
 
 
 @pytest.fixture(scope="module")
-def generate_runs(qwen3_dir) -> dict[str, subprocess.CompletedProcess]:
+def generate_runs(qwen3_dir, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    # The same flags as a vLLM user may write them: in a --config file (with the model) and
+    # spelled with underscores.
+    config = tmp_path_factory.mktemp("generate-config") / "engine.yaml"
+    config.write_text(f"model: {qwen3_dir}\nmax_tokens: 8\n")
+    underscored = ["--" + arg[2:].replace("-", "_") if arg.startswith("--") else arg for arg in SMALL]
     return {
         # MODEL positional, one prompt, the default (quiet) log level.
         "positional": run_sparrow("generate", qwen3_dir, "--prompt", "The sky", *GENERATE),
-        # The same request with --model, and --log-level INFO (logs go to stderr, never stdout).
-        "flag": run_sparrow("--log-level", "INFO", "generate", "--model", qwen3_dir, "--prompt", "The sky",
-                            *GENERATE),
+        # The same request with --model (from a --config file) and underscored flags, and
+        # --log-level INFO (logs go to stderr, never stdout).
+        "flag": run_sparrow("--log-level", "INFO", "generate", "--config", str(config), "--prompt", "The sky",
+                            *underscored),
         # Two prompts in one batch, INFO from the environment variable the processes read.
         "several": run_sparrow("generate", qwen3_dir, "--prompt", "Hello", "--prompt", "The sky", *GENERATE,
                                env={"SPARROW_LOGGING_LEVEL": "INFO"}),

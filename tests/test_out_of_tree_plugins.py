@@ -55,7 +55,7 @@ GENERATE = textwrap.dedent("""
                       "request_ids": [o.request_id for o in outputs],
                       "block_size": llm.llm_engine.engine_core.call_utility("get_kv_cache_info")["block_size"]}
             if not run["multiprocess"]:
-                result["attention"] = llm.collective_rpc("attention_backend_cls", (None,))[0].__name__
+                result["attention"] = llm.collective_rpc("attention_backend_cls", args=(None,))[0].__name__
             results[run["name"]] = result
         finally:
             llm.shutdown()

@@ -135,6 +135,14 @@ def test_killing_a_worker_fails_in_flight_requests_promptly(model_dirs):
         # A failed utility call is the caller's error only; the engine keeps working.
         with pytest.raises(RuntimeError, match="no method 'no_such_method'"):
             engine.collective_rpc("no_such_method")
+        # A function of the worker runs on every rank (sent pickled: a closure works), results in
+        # rank order; apply_model hands it each rank's model; a timeout is a TimeoutError.
+        offset = 100
+        assert llm.collective_rpc(lambda worker, x, y=0: (worker.rank, os.getpid(), x + y + offset), args=(1,),
+                                  kwargs={"y": 2}) == [(0, pids[0], 103), (1, pids[1], 103)]
+        assert llm.apply_model(lambda model: type(model).__name__) == ["LlamaForCausalLM"] * 2
+        with pytest.raises(TimeoutError, match=r"collective_rpc\(a function\) got no answer .* within 0.2s"):
+            engine.collective_rpc(lambda worker: time.sleep(1.0), timeout=0.2)
         params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         for index in range(4):
             engine.add_request(str(index), {"prompt_token_ids": list(range(10 + index, 30 + index))}, params)

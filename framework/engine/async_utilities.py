@@ -10,12 +10,15 @@ the liveness checks ``_raise_if_dead`` / ``_bind_loop``. A call to a dead engine
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+import functools
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from sparrow.config import EngineConfig
 from sparrow.engine.messages import SchedulerStats
 from sparrow.errors import InvalidArgumentError
+from sparrow.executor import rpc
+from sparrow.executor.rpc import check_rpc_call
 from sparrow.lora.engine import check_lora_request
 from sparrow.outputs import RequestOutput
 
@@ -89,8 +92,17 @@ class AsyncEngineUtilities:
     async def get_kv_cache_info(self) -> dict[str, int]:
         return await self._call_utility("get_kv_cache_info")
 
-    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
-        return await self._call_utility("collective_rpc", method, args, kwargs)
+    async def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
+                             args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's (see ``LLMEngine.collective_rpc``): a worker method's name, or a function of the worker."""
+        check_rpc_call(timeout, args, kwargs)
+        results = await self._call_utility("collective_rpc", rpc.encode_method(method), list(args),
+                                           dict(kwargs or {}), timeout)
+        return rpc.load_results(method, results)
+
+    async def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
+        """``func(model)`` on every worker's model; results in rank order."""
+        return await self.collective_rpc(functools.partial(rpc.call_on_model, func))
 
     # LoRA adapters (vLLM's names): load ahead of use, forget, list the loaded ids.
     async def add_lora(self, lora_request: Any) -> bool:

@@ -257,8 +257,9 @@ class EngineCore:
         return {"num_blocks": self.num_kv_blocks, "block_size": self.block_size,
                 "num_free_blocks": self.kv_cache_manager.num_free_blocks}
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
-        return self.executor.collective_rpc(method, args, kwargs)
+    def collective_rpc(self, method: str | bytes, args: tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        return self.executor.collective_rpc(method, tuple(args), kwargs, timeout_s=timeout)
 
     def profile(self, is_start: bool = True) -> list[Any]:
         """Start or stop every worker's profiler (sparrow.worker.profiler); stopping returns each

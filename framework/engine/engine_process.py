@@ -189,8 +189,10 @@ class EngineProcess:
                 future = self._pending_calls.pop(result.call_id, None)
             if future is not None:
                 if result.failure_message is not None:
+                    # A timeout (collective_rpc's) stays a TimeoutError, as it is in one process.
+                    error_cls = TimeoutError if result.failure_message.startswith("TimeoutError:") else RuntimeError
                     future.set_exception(
-                        RuntimeError(f"utility call failed in the engine core: {result.failure_message}"))
+                        error_cls(f"utility call failed in the engine core: {result.failure_message}"))
                 else:
                     try:
                         future.set_result(serial.decode_result(result.result))

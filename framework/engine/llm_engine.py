@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from sparrow.config import EngineConfig
@@ -14,6 +15,8 @@ from sparrow.engine.messages import EngineCoreOutput, EngineCoreOutputs, Schedul
 from sparrow.engine.setup import build_frontend, finalize_config
 from sparrow.engine.stats_log import StatsLogger
 from sparrow.errors import InvalidArgumentError, error_from_engine
+from sparrow.executor import rpc
+from sparrow.executor.rpc import check_rpc_call
 from sparrow.outputs import RequestOutput
 from sparrow.sampling_params import SamplingParams
 
@@ -217,8 +220,19 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.call_utility("reset_prefix_cache")
 
-    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
-        return self.engine_core.call_utility("collective_rpc", method, args)
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's: ``worker.method(*args, **kwargs)`` on every worker, or ``method(worker, *args,
+        **kwargs)`` for a function (sent pickled, so a lambda works; its result comes back as any
+        Python value); results in rank order. ``timeout``: seconds before a TimeoutError."""
+        check_rpc_call(timeout, args, kwargs)
+        results = self.engine_core.call_utility("collective_rpc", rpc.encode_method(method), list(args),
+                                                dict(kwargs or {}), timeout)
+        return rpc.load_results(method, results)
+
+    def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
+        """vLLM's: ``func(model)`` on every worker's model (a ``torch.nn.Module``); results in rank order."""
+        return self.collective_rpc(functools.partial(rpc.call_on_model, func))
 
     def start_profile(self) -> None:
         self.engine_core.call_utility("profile", True)

@@ -258,8 +258,16 @@ class LLM:
     def num_parameters(self) -> int:
         return self.llm_engine.collective_rpc("num_parameters")[0]
 
-    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
-        return self.llm_engine.collective_rpc(method, args)
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's: a worker method's name, or a function ``f(worker, *args, **kwargs)`` run on every
+        worker (see ``LLMEngine.collective_rpc``); results in rank order."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
+        """vLLM's: ``func(model)`` on every worker's model (a ``torch.nn.Module``), for inspecting
+        or changing weights in research code; results in rank order."""
+        return self.llm_engine.apply_model(func)
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()

@@ -46,8 +46,10 @@ class Executor(ABC):
             future.set_exception(exc)
         return future
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
-        """Call ``worker.method(*args, **kwargs)`` on every worker; results in rank order."""
+    def collective_rpc(self, method: str | bytes, args: tuple = (), kwargs: dict | None = None,
+                       timeout_s: float | None = None) -> list[Any]:
+        """Call ``worker.method(*args, **kwargs)`` on every worker, or a pickled function of the
+        worker (``sparrow.executor.rpc``); results in rank order; TimeoutError past ``timeout_s``."""
         raise NotImplementedError
 
     def check_health(self) -> None:

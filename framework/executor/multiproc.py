@@ -32,6 +32,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from sparrow.config import EngineConfig
 from sparrow.core.sched.output import SchedulerOutput
+from sparrow.executor import rpc
 from sparrow.executor import worker_proc as wp
 from sparrow.executor.abstract import Executor, KVCacheInfo
 from sparrow.executor.topology import NodeTopology
@@ -181,7 +182,7 @@ class MultiprocExecutor(Executor):
         replies = self._wait_replies(seq, {0}, self.execute_timeout_s, "execute_model", fatal=True)
         return self._output_decoder.decode(replies[0])
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+    def collective_rpc(self, method: str | bytes, args: tuple = (), kwargs: dict | None = None,
                        timeout_s: float | None = None) -> list[Any]:
         """``worker.method(*args, **kwargs)`` on every rank, results in rank order. Arguments and
         results cross processes as msgpack (builtins, msgspec Structs and dataclasses)."""
@@ -190,7 +191,7 @@ class MultiprocExecutor(Executor):
         payload = self._encoder.encode([method, list(args), dict(kwargs or {})])
         seq = self._send_all(wp.RPC, payload)
         replies = self._wait_replies(seq, set(range(self.world_size)), timeout_s,
-                                     f"collective_rpc({method!r})", fatal=False)
+                                     f"collective_rpc({rpc.describe(method)})", fatal=False)
         return [decode_result(self._generic_decoder.decode(replies[rank])) for rank in range(self.world_size)]
 
     def check_health(self) -> None:
@@ -229,7 +230,7 @@ class MultiprocExecutor(Executor):
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         message = f"{what} got no answer from ranks {sorted(ranks - replies.keys())} " \
-                                  f"within {timeout_s:.0f}s"
+                                  f"within {timeout_s:g}s"
                         if fatal:
                             self._die(message + f" ({ENV_EXECUTE_TIMEOUT})")
                         raise TimeoutError(message)

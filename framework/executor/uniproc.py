@@ -10,11 +10,15 @@ deferred output and goes on to the next step, which is fed the tokens on the dev
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from sparrow.config import EngineConfig
 from sparrow.core.sched.output import SchedulerOutput
+from sparrow.executor import rpc
 from sparrow.executor.abstract import Executor, KVCacheInfo, StepHandle
 from sparrow.platforms import resolve_platform
 from sparrow.plugins import check_hook_result, get_plugin_manager, import_object, kernel_default_only
@@ -57,11 +61,28 @@ class UniProcExecutor(Executor):
             raise RuntimeError(f"no plugin executed the model for platform {self.platform.name!r}")
         return output
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
-        call = getattr(self.worker, method)
+    def collective_rpc(self, method: str | bytes, args: tuple = (), kwargs: dict | None = None,
+                       timeout_s: float | None = None) -> list[Any]:
+        """``worker.method(*args, **kwargs)``, or a pickled function of the worker (sparrow.executor.rpc).
+        On the worker thread (async scheduling) the wait is bounded by ``timeout_s``; inline the call
+        runs to its end, and one that took longer than ``timeout_s`` is a TimeoutError all the same."""
+        if isinstance(method, bytes):
+            call = functools.partial(rpc.run_function, self.worker, method, args, kwargs)
+        else:
+            value = rpc.resolve(self.worker, method)
+            if not callable(value):
+                return [value]
+            call = functools.partial(value, *args, **(kwargs or {}))
         if self._thread is not None:
-            return [self._thread.submit(call, *args, **(kwargs or {})).result()]
-        return [call(*args, **(kwargs or {}))]
+            try:
+                return [self._thread.submit(call).result(timeout_s)]
+            except concurrent.futures.TimeoutError:
+                raise TimeoutError(f"collective_rpc({rpc.describe(method)}) took longer than {timeout_s} s") from None
+        started = time.monotonic()
+        result = call()
+        if timeout_s is not None and time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"collective_rpc({rpc.describe(method)}) took longer than {timeout_s} s")
+        return [result]
 
     def shutdown(self) -> None:
         if self._thread is not None:

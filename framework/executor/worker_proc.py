@@ -38,6 +38,7 @@ import zmq
 
 from sparrow.config import EngineConfig
 from sparrow.engine.launch import ChildProcess, start_process
+from sparrow.executor import rpc
 from sparrow.executor.topology import core_share
 
 logger = logging.getLogger(__name__)
@@ -235,8 +236,11 @@ class WorkerProc:
             raise RuntimeError(f"no plugin executed the model for platform {self.worker.platform.name!r}")
         return output
 
-    def call(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
-        """``worker.method(*args, **kwargs)``; a non-callable attribute is returned as is."""
+    def call(self, method: str | bytes, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        """``worker.method(*args, **kwargs)``, or a pickled function of the worker (sparrow.executor.rpc);
+        a non-callable attribute is returned as is."""
+        if isinstance(method, bytes):
+            return rpc.run_function(self.worker, method, args, kwargs)
         if method.startswith("_"):
             raise AttributeError(f"collective_rpc cannot call the private attribute {method!r}")
         target = self if method in self.PROC_METHODS else self.worker

@@ -554,13 +554,16 @@ def _bounded(body):
         def is_int(value):
             return isinstance(value, int) and not isinstance(value, bool)
 
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if is_int(body.get(key)) and body[key] > 4:
                 body[key] = 4
         # No limit means "all the room max_model_len leaves": hundreds of tokens.
         if "messages" in body:
             if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
                 body["max_completion_tokens"] = 4
+        elif "input" in body:  # /v1/responses
+            if body.get("max_output_tokens") is None:
+                body["max_output_tokens"] = 4
         elif body.get("max_tokens", 0) is None:
             body["max_tokens"] = 4
         if is_int(body.get("n")) and body["n"] > 2:

@@ -9,6 +9,8 @@
     GET  /v1/models/{id}       its model card (404 model_not_found for another id)
     POST /v1/completions       text or token-id prompts; stream: true for SSE
     POST /v1/chat/completions  chat messages through the tokenizer's chat template
+    POST /v1/responses         OpenAI's Responses API on the chat machinery (serving_responses)
+    GET, DELETE /v1/responses/{id}  a stored response (store: true, the default)
     POST /tokenize             text or chat messages -> token ids, as the endpoints above tokenize them
     POST /detokenize           token ids -> text
     GET  /tokenizer_info       the tokenizer's configuration (special tokens, chat template, ...)
@@ -34,7 +36,7 @@ import os
 import signal
 from typing import Any
 
-from fastapi import Body, FastAPI, Request
+from fastapi import Body, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -62,6 +64,7 @@ from sparrow.entrypoints.openai.protocol import (
     CompletionResponse,
     ErrorResponse,
 )
+from sparrow.entrypoints.openai.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
 from sparrow.entrypoints.openai.request_logger import request_logger_from_args
 from sparrow.entrypoints.openai.serving_chat import OpenAIServingChat
 from sparrow.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -72,6 +75,7 @@ from sparrow.entrypoints.openai.serving_models import (
     lora_modules_from_args,
     runtime_lora_updating,
 )
+from sparrow.entrypoints.openai.serving_responses import OpenAIServingResponses
 from sparrow.entrypoints.openai.serving_tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -168,9 +172,11 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
                              chat_template_content_format=content_format)
     tokenization = OpenAIServingTokenization(engine, model_names, chat_template=chat_template,
                                              chat_template_content_format=content_format)
+    responses = OpenAIServingResponses(engine, model_names, reasoner=chat.reasoner, chat_template=chat_template,
+                                       chat_template_content_format=content_format)
     lora_modules = lora_modules_from_args(engine, args)
     request_logger = request_logger_from_args(args)
-    for handler in (completions, chat, tokenization):
+    for handler in (completions, chat, tokenization, responses):
         handler.lora_modules = lora_modules
         handler.request_logger = request_logger
         handler.return_tokens_as_token_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
@@ -205,6 +211,20 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERROR_RESPONSES)
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/v1/responses", response_model=ResponseObject, responses=_ERROR_RESPONSES)
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await responses.create_response(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERROR_RESPONSES)
+    async def retrieve_response(response_id: str, stream: bool | None = None, starting_after: int | None = None,
+                                include: list[str] | None = Query(None)) -> Response:
+        return JSONResponse(responses.retrieve(response_id, stream=stream, starting_after=starting_after,
+                                               include=include))
+
+    @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=_ERROR_RESPONSES)
+    async def delete_response(response_id: str) -> DeletedResponse:
+        return responses.delete(response_id)
 
     # The body is one of two shapes (text or chat), told apart by its "messages" key.
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)

@@ -70,7 +70,7 @@ def bind_listeners(host: str, port: int) -> list[socket.socket]:
 
 
 # The endpoints whose requests --enable-server-load-tracking counts (vLLM's: those that run the model).
-_LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+_LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 
 
 class RequestTracker:

@@ -1,0 +1,221 @@
+"""A response's output items, built as its text is generated, and the stream's events on the way.
+
+One ``OutputBuilder`` per response is fed every engine output: each delta of a stream, or the whole
+text of a full response at once. Both go through the same ``feed``, so a stream's deltas add up to
+what the full response returns. With a reasoning parser (the engine's ``reasoning_parser``) the
+text is split first, as the chat endpoint splits it:
+
+    reasoning text  -> ReasoningItem  (output_index 0)    only when there is reasoning text
+    the answer      -> OutputMessage  (output_index 0|1)  always, unless the length limit cut the
+                                                          model off while it was still reasoning
+
+Each item opens and closes with OpenAI's events, in this order:
+
+    response.output_item.added     the item, in_progress, without content
+    response.content_part.added    an empty output_text (reasoning_text) part
+    response.output_text.delta     per piece of text (response.reasoning_text.delta)
+    response.output_text.done      the whole text    (response.reasoning_text.done)
+    response.content_part.done     the whole part
+    response.output_item.done      the whole item
+
+A reasoning parser yields all reasoning before the answer, so an item never reopens.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from sparrow.entrypoints.openai.protocol_responses import (
+    OutputMessage,
+    OutputText,
+    ReasoningItem,
+    ReasoningText,
+)
+from sparrow.entrypoints.openai.serving_engine import clamp_logprob, token_label
+from sparrow.outputs import CompletionOutput, Logprob
+
+Event = dict[str, Any]  # an event without its sequence_number (EventSequence numbers it)
+
+
+def new_id(prefix: str) -> str:
+    """OpenAI's id shape: ``resp_...``, ``msg_...``, ``rs_...``."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class EventSequence:
+    """Server-sent events with OpenAI's framing (``event:`` then ``data:``), numbered from 0."""
+
+    def __init__(self) -> None:
+        self.sequence_number = 0
+
+    def sse(self, event: Event) -> str:
+        numbered = {"type": event["type"], "sequence_number": self.sequence_number,
+                    **{key: value for key, value in event.items() if key != "type"}}
+        self.sequence_number += 1
+        return f"event: {event['type']}\ndata: {json.dumps(numbered)}\n\n"
+
+
+class OutputBuilder:
+    """``reasoner``: the reasoning parser, or None; ``top_logprobs``: with
+    include ["message.output_text.logprobs"], how many alternatives each answer token lists (None:
+    no logprobs); ``as_token_ids``: label tokens ``token_id:N`` (--return-tokens-as-token-ids)."""
+
+    def __init__(self, prompt_token_ids: Sequence[int], *, reasoner: Any = None, tokenizer: Any = None,
+                 top_logprobs: int | None = None, as_token_ids: bool = False) -> None:
+        self._reasoner = reasoner
+        self._split = reasoner.new_stream(prompt_token_ids) if reasoner is not None else None
+        self._tokenizer = tokenizer
+        self._top_logprobs = top_logprobs
+        self._as_token_ids = as_token_ids
+        self.reasoning = ""
+        self.answer = ""
+        self.token_ids: list[int] = []
+        self._reasoning_end: int | None = None  # index in token_ids of the token that ended the reasoning
+        self._logprobs: list[dict[str, Any]] = []  # one entry per generated token
+        self._released = 0  # entries of _logprobs already sent with a delta (or skipped as reasoning)
+        self.reasoning_id = new_id("rs")
+        self.message_id = new_id("msg")
+        self._reasoning_status: str | None = None  # None: no reasoning item; else in_progress, completed...
+        self._message_status: str | None = None  # None: no message item yet
+
+    # -- feeding -------------------------------------------------------------------------------
+    def feed(self, completion: CompletionOutput) -> list[Event]:
+        """The events for the next piece of output (the whole of it, for a full response)."""
+        start = len(self.token_ids)
+        self.token_ids += completion.token_ids
+        if self._reasoner is not None and self._reasoning_end is None:
+            for offset, token_id in enumerate(completion.token_ids):
+                if self._reasoner.ends_reasoning(token_id):
+                    self._reasoning_end = start + offset
+                    break
+        if self._top_logprobs is not None and completion.logprobs is not None:
+            self._logprobs += [self._entry(token_id, position)
+                               for token_id, position in zip(completion.token_ids, completion.logprobs)]
+        if self._split is None:
+            return self._pieces("", completion.text)
+        piece = self._split.feed(completion.text)
+        return self._pieces(piece.reasoning, piece.content)
+
+    def close(self, incomplete: bool) -> list[Event]:
+        """The events that end the output (``incomplete``: the length limit ended it)."""
+        events: list[Event] = []
+        if self._split is not None:
+            piece = self._split.finish()
+            events += self._pieces(piece.reasoning, piece.content)
+        status = "incomplete" if incomplete else "completed"
+        if self._reasoning_status == "in_progress":
+            events += self._close_reasoning(status)
+        if self._message_status is None and self._reasoning_status is None:
+            events += self._open_message()  # an empty answer is still a message
+        if self._message_status == "in_progress":
+            rest = self._release_logprobs()
+            if rest:  # logprobs of tokens that added no text (the end-of-sequence token)
+                events.append(self._delta("", rest))
+            self._message_status = status
+            part = self._part().model_dump(mode="json")
+            where = {"item_id": self.message_id, "output_index": self._message_index, "content_index": 0}
+            events += [{"type": "response.output_text.done", **where, "text": self.answer,
+                        "logprobs": part["logprobs"] or []},
+                       {"type": "response.content_part.done", **where, "part": part},
+                       {"type": "response.output_item.done", "output_index": self._message_index,
+                        "item": self._message().model_dump(mode="json")}]
+        return events
+
+    # -- the result ----------------------------------------------------------------------------
+    def items(self) -> list[ReasoningItem | OutputMessage]:
+        items: list[ReasoningItem | OutputMessage] = []
+        if self._reasoning_status is not None:
+            items.append(self._reasoning())
+        if self._message_status is not None:
+            items.append(self._message())
+        return items
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """The generated tokens that were reasoning: through the token that ended it."""
+        if self._split is None or not self._split.saw_reasoning:
+            return 0
+        return len(self.token_ids) if self._reasoning_end is None else self._reasoning_end + 1
+
+    # -- items ---------------------------------------------------------------------------------
+    @property
+    def _message_index(self) -> int:
+        return 0 if self._reasoning_status is None else 1
+
+    def _part(self) -> OutputText:
+        logprobs = self._logprobs[self.reasoning_tokens:] if self._top_logprobs is not None else None
+        return OutputText(text=self.answer, logprobs=logprobs)
+
+    def _message(self) -> OutputMessage:
+        return OutputMessage(id=self.message_id, status=self._message_status or "in_progress", content=[self._part()])
+
+    def _reasoning(self) -> ReasoningItem:
+        return ReasoningItem(id=self.reasoning_id, content=[ReasoningText(text=self.reasoning)],
+                             status=self._reasoning_status or "in_progress")
+
+    # -- events --------------------------------------------------------------------------------
+    def _pieces(self, reasoning: str, answer: str) -> list[Event]:
+        events: list[Event] = []
+        if reasoning and self._message_status is None:
+            if self._reasoning_status is None:
+                self._reasoning_status = "in_progress"
+                events += [{"type": "response.output_item.added", "output_index": 0,
+                            "item": ReasoningItem(id=self.reasoning_id, content=[],
+                                                  status="in_progress").model_dump(mode="json")},
+                           {"type": "response.content_part.added", "item_id": self.reasoning_id, "output_index": 0,
+                            "content_index": 0, "part": ReasoningText(text="").model_dump(mode="json")}]
+            self.reasoning += reasoning
+            events.append({"type": "response.reasoning_text.delta", "item_id": self.reasoning_id, "output_index": 0,
+                           "content_index": 0, "delta": reasoning})
+        if answer:
+            if self._reasoning_status == "in_progress":
+                events += self._close_reasoning("completed")
+            if self._message_status is None:
+                events += self._open_message()
+            self.answer += answer
+            events.append(self._delta(answer, self._release_logprobs()))
+        return events
+
+    def _close_reasoning(self, status: str) -> list[Event]:
+        self._reasoning_status = status
+        part = ReasoningText(text=self.reasoning).model_dump(mode="json")
+        where = {"item_id": self.reasoning_id, "output_index": 0, "content_index": 0}
+        return [{"type": "response.reasoning_text.done", **where, "text": self.reasoning},
+                {"type": "response.content_part.done", **where, "part": part},
+                {"type": "response.output_item.done", "output_index": 0,
+                 "item": self._reasoning().model_dump(mode="json")}]
+
+    def _open_message(self) -> list[Event]:
+        self._message_status = "in_progress"
+        empty = OutputText(text="", logprobs=[]).model_dump(mode="json")
+        return [{"type": "response.output_item.added", "output_index": self._message_index,
+                 "item": OutputMessage(id=self.message_id, status="in_progress", content=[]).model_dump(mode="json")},
+                {"type": "response.content_part.added", "item_id": self.message_id,
+                 "output_index": self._message_index, "content_index": 0, "part": empty}]
+
+    def _delta(self, text: str, logprobs: list[dict[str, Any]]) -> Event:
+        return {"type": "response.output_text.delta", "item_id": self.message_id, "output_index": self._message_index,
+                "content_index": 0, "delta": text, "logprobs": logprobs}
+
+    def _release_logprobs(self) -> list[dict[str, Any]]:
+        """The logprobs of the answer tokens generated since the last delta."""
+        start = max(self._released, self.reasoning_tokens)
+        self._released = max(start, len(self._logprobs))
+        return self._logprobs[start:self._released]
+
+    def _entry(self, token_id: int, position: dict[int, Logprob]) -> dict[str, Any]:
+        """One token's logprob entry: the chosen token and its ``top_logprobs`` most likely ones."""
+
+        def scored(other_id: int, entry: Logprob | None) -> dict[str, Any]:
+            text = entry.decoded_token if entry is not None and entry.decoded_token is not None \
+                else self._tokenizer.decode([other_id])
+            return {"token": token_label(other_id, text, self._as_token_ids),
+                    "logprob": clamp_logprob(entry.logprob if entry is not None else -9999.0),
+                    "bytes": list(text.encode("utf-8"))}
+
+        ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)[:self._top_logprobs or 0]
+        return {**scored(token_id, position.get(token_id)),
+                "top_logprobs": [scored(other_id, entry) for other_id, entry in ranked]}

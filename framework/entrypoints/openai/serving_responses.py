@@ -1,0 +1,274 @@
+"""POST /v1/responses (OpenAI's Responses API, as vLLM serves it), GET and DELETE /v1/responses/{id}.
+
+A request becomes a chat request (``responses_input``) and runs on the chat endpoint's machinery:
+its checks, chat template, generation-config defaults, structured outputs (``text.format``),
+SamplingParams, request logging and disconnect handling. Its output becomes OpenAI's output items
+(``responses_output``), whole or as a stream of OpenAI's events:
+
+    response.created, response.in_progress
+    the items' events (responses_output), one response.output_text.delta per piece of text
+    response.completed, or response.incomplete when the length limit ended it (as OpenAI sends it)
+
+Errors found before the first event are ordinary HTTP errors; a failure while generating ends the
+stream with an ``error`` event (OpenAI's error, naming the field) and ``response.failed``.
+
+``store`` (the default, as in OpenAI's API) keeps a finished response with its conversation in
+``ResponseStore``: the last ``MAX_STORED_RESPONSES``, in memory, gone with the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from sparrow.engine.exceptions import EngineDeadError
+from sparrow.entrypoints.openai.protocol_responses import (
+    DeletedResponse,
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputTokensDetails,
+    ResponseError,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+)
+from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_unicode
+from sparrow.entrypoints.openai.responses_input import (
+    Conversation,
+    chat_request_of,
+    check_request,
+    conversation_of,
+    in_responses_words,
+    wants_logprobs,
+)
+from sparrow.entrypoints.openai.responses_output import EventSequence, OutputBuilder, new_id
+from sparrow.entrypoints.openai.serving_chat import render_prompt
+from sparrow.entrypoints.openai.serving_engine import APIError, OpenAIServing, bad_request, engine_dead, field_error
+from sparrow.entrypoints.openai.streams import cancel_on_disconnect, merge_streams
+from sparrow.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+# How many finished responses (store: true) the server keeps, oldest dropped first. Each holds its
+# conversation's text, which fit the model's context: the store's memory is bounded by about
+# MAX_STORED_RESPONSES * max_model_len tokens of text, twice (the response and its conversation).
+MAX_STORED_RESPONSES = 256
+
+
+@dataclass(slots=True)
+class StoredResponse:
+    body: dict[str, Any]  # the response as it was served
+    turns: list[dict[str, Any]]  # its conversation as chat messages, without instructions, its reply last
+
+
+class ResponseStore:
+    """The last ``capacity`` stored responses, by id. The event loop is its only user: no lock."""
+
+    def __init__(self, capacity: int = MAX_STORED_RESPONSES) -> None:
+        self.capacity = capacity
+        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        return self._responses.get(response_id)
+
+    def put(self, response_id: str, stored: StoredResponse) -> None:
+        self._responses[response_id] = stored
+        while len(self._responses) > self.capacity:
+            self._responses.popitem(last=False)
+
+    def delete(self, response_id: str) -> bool:
+        return self._responses.pop(response_id, None) is not None
+
+
+def not_found(response_id: str) -> APIError:
+    return APIError(404, f"No response found with id {response_id!r} (the server keeps the last "
+                    f"{MAX_STORED_RESPONSES} responses created with store true, until it restarts)", "NotFoundError",
+                    param="response_id", code="response_not_found")
+
+
+@dataclass(slots=True)
+class Pending:
+    """One response being generated: what its final object is made of besides the output."""
+
+    request: ResponsesRequest
+    response_id: str
+    model: str
+    created_at: int
+    conversation: Conversation
+    prompt_tokens: int
+    temperature: float | None
+    top_p: float | None
+    cached_tokens: int = 0
+
+    def response(self, status: str, builder: OutputBuilder | None = None,
+                 error: ResponseError | None = None) -> ResponseObject:
+        request = self.request
+        text = request.text.model_dump(mode="json", by_alias=True, exclude_none=True) if request.text else None
+        usage = None
+        if builder is not None and status != "in_progress":
+            output_tokens = len(builder.token_ids)
+            usage = ResponseUsage(input_tokens=self.prompt_tokens,
+                                  input_tokens_details=InputTokensDetails(cached_tokens=self.cached_tokens),
+                                  output_tokens=output_tokens,
+                                  output_tokens_details=OutputTokensDetails(reasoning_tokens=builder.reasoning_tokens),
+                                  total_tokens=self.prompt_tokens + output_tokens)
+        return ResponseObject(
+            id=self.response_id, created_at=self.created_at, status=status, error=error, model=self.model,
+            incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
+            output=builder.items() if builder is not None and status != "in_progress" else [], usage=usage,
+            instructions=request.instructions, max_output_tokens=request.max_output_tokens,
+            max_tool_calls=request.max_tool_calls, metadata=request.metadata or {},
+            parallel_tool_calls=request.parallel_tool_calls is not False,
+            previous_response_id=request.previous_response_id, reasoning=request.reasoning,
+            store=request.store is not False, temperature=self.temperature, top_p=self.top_p,
+            text=text or {"format": {"type": "text"}}, tool_choice=request.tool_choice or "auto",
+            tools=request.tools or [], top_logprobs=request.top_logprobs or 0, user=request.user,
+            safety_identifier=request.safety_identifier)
+
+
+class OpenAIServingResponses(OpenAIServing):
+    """``reasoner``: the engine's reasoning parser (the chat endpoint's), or None; ``chat_template``
+    and ``chat_template_content_format``: the server's --chat-template and
+    --chat-template-content-format, as the chat endpoint renders with them."""
+
+    def __init__(self, engine: Any, served_model_names: list[str], *, reasoner: Any = None,
+                 chat_template: str | None = None, chat_template_content_format: str = "auto") -> None:
+        super().__init__(engine, served_model_names)
+        self.reasoner = reasoner
+        self.chat_template = chat_template
+        self.chat_template_content_format = chat_template_content_format
+        self.store = ResponseStore()
+
+    def new_request_id(self) -> str:
+        return new_id("resp")  # the engine's request id is the response's id
+
+    # -- routes ----------------------------------------------------------------------------------
+    async def create_response(self, request: ResponsesRequest, raw_request: Request) -> Response:
+        model = self.check_model(request.model)
+        try:
+            check_request(request, self.engine.input_processor.max_logprobs)
+        except RequestFieldError as exc:
+            raise field_error(exc) from None
+        previous = None
+        if request.previous_response_id is not None:
+            previous = self.store.get(request.previous_response_id)
+            if previous is None:
+                raise APIError(400, f"Previous response with id {request.previous_response_id!r} not found (the "
+                               f"server keeps the last {MAX_STORED_RESPONSES} responses created with store true, "
+                               "until it restarts)", "BadRequestError", param="previous_response_id",
+                               code="previous_response_not_found")
+        # Every string checked first, so that a bad one is named where the client wrote it.
+        await self.off_loop(check_unicode, request)
+        try:
+            conversation = conversation_of(request, previous.turns if previous is not None else [])
+            chat_request = chat_request_of(request, conversation)
+        except RequestFieldError as exc:
+            raise field_error(exc) from None
+        try:
+            return await self._create(request, raw_request, model, conversation, chat_request)
+        except APIError as exc:
+            raise in_responses_words(exc, conversation.sources) from None
+
+    def retrieve(self, response_id: str, *, stream: bool | None, starting_after: int | None,
+                 include: list[str] | None) -> dict[str, Any]:
+        for name, value in (("stream", stream), ("starting_after", starting_after), ("include", include)):
+            if value:  # these would replay a background response's events, or re-render it
+                raise APIError(400, f"{name}: not supported when retrieving a response (a stored response is "
+                               "returned whole, as it was served)", "BadRequestError", param=name, code="unsupported")
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise not_found(response_id)
+        return stored.body
+
+    def delete(self, response_id: str) -> DeletedResponse:
+        if not self.store.delete(response_id):
+            raise not_found(response_id)
+        return DeletedResponse(id=response_id)
+
+    # -- generation --------------------------------------------------------------------------------
+    async def _create(self, request: ResponsesRequest, raw_request: Request, model: str,
+                      conversation: Conversation, chat_request: Any) -> Response:
+        self.check_common(chat_request)
+        structured_outputs = await self.structured_outputs(chat_request)
+        prompt = await self.off_loop(render_prompt, self.engine.input_processor, chat_request, self.chat_template,
+                                     self.chat_template_content_format, default_param="messages")
+        prompt_ids = prompt["prompt_token_ids"]
+        top_logprobs = (request.top_logprobs or 0) if wants_logprobs(request) else None
+        params = self.sampling_params(chat_request, max_tokens=request.max_output_tokens, logprobs=top_logprobs,
+                                      stream=bool(request.stream), longest_prompt=len(prompt_ids),
+                                      structured_outputs=structured_outputs)
+        response_id = self.new_request_id()
+        streams = await self.submit(response_id, [prompt], params, request.priority,
+                                    self.lora_request_of(request.model), request=chat_request)
+        pending = Pending(request, response_id, model, int(time.time()), conversation, len(prompt_ids),
+                          params.temperature, params.top_p)
+        builder = OutputBuilder(prompt_ids, reasoner=self.reasoner, tokenizer=self.engine.tokenizer,
+                                top_logprobs=top_logprobs, as_token_ids=chat_request.return_tokens_as_token_ids)
+        if request.stream:
+            return StreamingResponse(self._stream(pending, builder, streams[0]), media_type="text/event-stream")
+        final = await cancel_on_disconnect(raw_request, self._collect(streams[0]))
+        if final is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        pending.cached_tokens = final.num_cached_tokens or 0
+        completion = final.outputs[0]
+        builder.feed(completion)
+        incomplete = completion.finish_reason == "length"
+        builder.close(incomplete)
+        return JSONResponse(self._finish(pending, builder, incomplete))
+
+    @staticmethod
+    async def _collect(stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+        final = None
+        try:
+            async for _, output in merge_streams([stream]):
+                final = output
+        except EngineDeadError as exc:
+            raise engine_dead(exc) from None
+        except ValueError as exc:
+            raise bad_request(exc) from None
+        assert final is not None
+        return final
+
+    def _finish(self, pending: Pending, builder: OutputBuilder, incomplete: bool) -> dict[str, Any]:
+        """The finished response's body, stored when the request asks for it."""
+        body = pending.response("incomplete" if incomplete else "completed", builder).model_dump(mode="json")
+        if pending.request.store is not False:
+            reply: dict[str, Any] = {"role": "assistant", "content": builder.answer}
+            if builder.reasoning:
+                reply["reasoning_content"] = builder.reasoning
+            self.store.put(pending.response_id, StoredResponse(body, [*pending.conversation.turns, reply]))
+        return body
+
+    async def _stream(self, pending: Pending, builder: OutputBuilder,
+                      stream: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[str]:
+        events = EventSequence()
+        started = pending.response("in_progress").model_dump(mode="json")
+        yield events.sse({"type": "response.created", "response": started})
+        yield events.sse({"type": "response.in_progress", "response": started})
+        incomplete = False
+        try:
+            async for _, output in merge_streams([stream]):
+                pending.cached_tokens = output.num_cached_tokens or pending.cached_tokens
+                for completion in output.outputs:
+                    incomplete = incomplete or completion.finish_reason == "length"
+                    for event in builder.feed(completion):
+                        yield events.sse(event)
+        except (EngineDeadError, ValueError) as exc:
+            error = engine_dead(exc) if isinstance(exc, EngineDeadError) else bad_request(exc)
+            error = in_responses_words(error, pending.conversation.sources)
+            yield events.sse({"type": "error", "code": error.code, "message": error.message, "param": error.param})
+            code = "server_error" if isinstance(exc, EngineDeadError) else "invalid_prompt"
+            failed = pending.response("failed", error=ResponseError(code=code, message=error.message))
+            yield events.sse({"type": "response.failed", "response": failed.model_dump(mode="json")})
+            return
+        for event in builder.close(incomplete):
+            yield events.sse(event)
+        body = self._finish(pending, builder, incomplete)
+        yield events.sse({"type": "response.incomplete" if incomplete else "response.completed", "response": body})

@@ -1,0 +1,351 @@
+"""POST /v1/responses (OpenAI's Responses API) through a real `sparrow serve` on 127.0.0.1 and the
+real `openai` client: `responses.create`, whole and streamed, the `responses.stream` helper,
+`responses.retrieve` / `delete` and `previous_response_id`, `text.format` structured outputs,
+logprobs, and a 400 naming each field the endpoint refuses.
+
+Model outputs are checked against Hugging Face transformers on the same model directory (greedy
+generation and log-softmax over the chat template's tokens), never against the engine's own
+output. The reasoning items are checked on the output builder alone, with the real Qwen3
+reasoning parser and a tokenizer that has `<think>` tokens (`tests.test_reasoning`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from sparrow.outputs import CompletionOutput
+from tests.test_server import API_KEY, MODEL_NAME, serve_for_module, wait_until
+
+INSTRUCTIONS = "Answer in one short sentence."
+MESSAGES = [
+    {"role": "user", "content": [{"type": "input_text", "text": "Name a colour."}]},
+    {"role": "assistant", "content": [{"type": "output_text", "text": "Blue.", "annotations": []}]},
+    {"type": "message", "role": "user", "content": "And a bird?"},
+]
+# The same conversation as chat messages, as the template sees it.
+CHAT = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "And a bird?"}]
+MAX_TOKENS = 8
+SCHEMA = {"type": "object", "properties": {
+    "n": {"type": "integer", "minimum": 0, "maximum": 99}, "kind": {"enum": ["cat", "dog"]}},
+    "required": ["n", "kind"], "additionalProperties": False}
+LOGPROBS = "message.output_text.logprobs"
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, tmp_path_factory):
+    yield from serve_for_module(qwen3_dir, tmp_path_factory, "responses-logs", "--enable-request-id-headers",
+                                "--enable-log-requests")
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def hf(qwen3_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(qwen3_dir)
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def hf_greedy(hf, ids: list[int], max_tokens: int) -> list[int]:
+    import torch
+
+    model, _ = hf
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def create(client, **kwargs):
+    return client.responses.create(model=MODEL_NAME, **{"temperature": 0.0, "max_output_tokens": MAX_TOKENS,
+                                                         **kwargs})
+
+
+def check_events(events: list, final_type: str = "response.completed") -> list[str]:
+    """OpenAI's event order for one message item, numbered 0, 1, ...; the text deltas."""
+    types = [event.type for event in events]
+    deltas = types.count("response.output_text.delta")
+    assert types == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * deltas,
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     final_type], types
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    final = events[-1].response
+    assert events[0].response.id == final.id and events[0].response.status == "in_progress"
+    message = final.output[0]
+    assert events[2].item.id == events[-2].item.id == message.id and events[2].item.status == "in_progress"
+    for event in events[3:-2]:
+        assert (event.item_id, event.output_index, event.content_index) == (message.id, 0, 0)
+    text = [event.delta for event in events if event.type == "response.output_text.delta"]
+    assert events[-4].text == "".join(text) == final.output_text
+    return text
+
+
+# -- whole responses --------------------------------------------------------------------------
+def test_greedy_text_and_usage_equal_hf(client, hf):
+    _, tokenizer = hf
+    raw = client.responses.with_raw_response.create(
+        model=MODEL_NAME, input=MESSAGES, instructions=INSTRUCTIONS, temperature=0.0, max_output_tokens=MAX_TOKENS,
+        metadata={"case": "greedy"}, user="u-1")
+    assert len(raw.headers["x-request-id"]) == 32  # --enable-request-id-headers
+    response = raw.parse()
+    ids = prompt_ids(tokenizer, CHAT)
+    generated = hf_greedy(hf, ids, MAX_TOKENS)
+    assert response.output_text == tokenizer.decode(generated, skip_special_tokens=True)
+    usage = response.usage
+    assert (usage.input_tokens, usage.output_tokens, usage.total_tokens) == (len(ids), len(generated),
+                                                                             len(ids) + len(generated))
+    assert usage.input_tokens_details.cached_tokens >= 0 and usage.output_tokens_details.reasoning_tokens == 0
+    assert response.id.startswith("resp_") and response.object == "response" and response.model == MODEL_NAME
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert message.content[0].type == "output_text" and message.content[0].annotations == []
+    assert response.status == ("incomplete" if len(generated) == MAX_TOKENS else "completed")
+    # The request's settings, echoed.
+    assert (response.instructions, response.metadata, response.user) == (INSTRUCTIONS, {"case": "greedy"}, "u-1")
+    assert (response.max_output_tokens, response.temperature, response.top_p) == (MAX_TOKENS, 0.0, 1.0)
+    assert (response.tools, response.tool_choice, response.parallel_tool_calls) == ([], "auto", True)
+    assert (response.truncation, response.text.format.type, response.previous_response_id) == ("disabled", "text",
+                                                                                              None)
+
+
+def test_max_output_tokens_ends_it_incomplete(client):
+    response = create(client, input="Count to ten.", max_output_tokens=3, extra_body={"ignore_eos": True})
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.output[0].status == "incomplete" and response.usage.output_tokens == 3
+    events = list(create(client, input="Count to ten.", max_output_tokens=3, extra_body={"ignore_eos": True},
+                         stream=True))
+    assert "".join(check_events(events, "response.incomplete")) == response.output_text
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+
+
+# -- streaming ------------------------------------------------------------------------------
+def test_both_sdk_stream_paths_equal_the_whole_text(client):
+    whole = create(client, input=MESSAGES, instructions=INSTRUCTIONS)
+    final_type = f"response.{whole.status}"
+    events = list(create(client, input=MESSAGES, instructions=INSTRUCTIONS, stream=True))
+    assert "".join(check_events(events, final_type)) == whole.output_text
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+    with client.responses.stream(model=MODEL_NAME, input=MESSAGES, instructions=INSTRUCTIONS, temperature=0.0,
+                                 max_output_tokens=MAX_TOKENS) as stream:
+        helper_events = list(stream)
+    assert "".join(check_events(helper_events, final_type)) == whole.output_text
+    # The helper's final response needs response.completed: an answer under a grammar ends by itself.
+    answer = {"format": {"type": "json_schema", "name": "answer", "schema": {"enum": ["yes", "no"]}}}
+    ended = create(client, input=MESSAGES, text=answer)
+    assert ended.status == "completed" and json.loads(ended.output_text) in ("yes", "no")
+    with client.responses.stream(model=MODEL_NAME, input=MESSAGES, temperature=0.0, max_output_tokens=MAX_TOKENS,
+                                 text=answer) as stream:
+        final = stream.get_final_response()
+    assert final.output_text == ended.output_text and final.status == "completed"
+
+
+def test_a_disconnected_stream_is_aborted(server):
+    before = server.metrics().get('sparrow:request_success_total{finished_reason="abort"}', 0.0)
+    body = {"model": MODEL_NAME, "input": "Go on.", "max_output_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if "response.output_text.delta" in line)
+    wait_until(lambda: server.metrics()["sparrow:num_requests_running"] == 0, what="the request to stop")
+    assert server.metrics()['sparrow:request_success_total{finished_reason="abort"}'] == before + 1
+    assert "Received request resp_" in server.log()  # --enable-log-requests logs it under the response id
+
+
+# -- the store ------------------------------------------------------------------------------
+def test_store_retrieve_and_continue_a_conversation(client, hf):
+    _, tokenizer = hf
+    first = create(client, input="Name a colour.", instructions="Be brief.", metadata={"turn": "1"})
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    # instructions are not carried over (OpenAI's rule); the new ones come first.
+    second = create(client, input="And a bird?", previous_response_id=first.id, instructions=INSTRUCTIONS)
+    expected = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "Name a colour."},
+                {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And a bird?"}]
+    assert second.usage.input_tokens == len(prompt_ids(tokenizer, expected))
+    assert second.previous_response_id == first.id
+    # The same conversation sent whole, the first reply as the SDK returned it.
+    resent = create(client, input=[{"role": "user", "content": "Name a colour."}, *first.output,
+                                   {"role": "user", "content": "And a bird?"}], instructions=INSTRUCTIONS)
+    assert (resent.output_text, resent.usage.input_tokens) == (second.output_text, second.usage.input_tokens)
+    third = create(client, input="And a fish?", previous_response_id=second.id)
+    continued = [*expected[1:], {"role": "assistant", "content": second.output_text},
+                 {"role": "user", "content": "And a fish?"}]
+    assert third.usage.input_tokens == len(prompt_ids(tokenizer, continued))
+
+    unstored = create(client, input="Name a colour.", store=False)
+    assert unstored.store is False
+    for response_id in (unstored.id, "resp_unknown"):
+        with pytest.raises(openai.NotFoundError) as info:
+            client.responses.retrieve(response_id)
+        assert info.value.body["param"] == "response_id"
+        with pytest.raises(openai.BadRequestError) as info:
+            create(client, input="Go on.", previous_response_id=response_id)
+        assert info.value.body["param"] == "previous_response_id"
+        assert info.value.body["code"] == "previous_response_not_found"
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(first.id)
+
+
+# -- structured outputs and logprobs ----------------------------------------------------------
+class Pet(BaseModel):
+    kind: Literal["cat", "dog"]
+    age: int = Field(ge=0, le=30)
+
+
+def test_text_format_json_schema_and_json_object(client, hf):
+    for seed in (1, 2):
+        response = create(client, input="A pet as JSON.", temperature=1.0, max_output_tokens=120,
+                          text={"format": {"type": "json_schema", "name": "pet", "schema": SCHEMA, "strict": True}},
+                          extra_body={"seed": seed})
+        assert response.status == "completed", response.output_text
+        jsonschema.validate(json.loads(response.output_text), SCHEMA)
+        assert response.text.format.type == "json_schema"
+    parsed = client.responses.parse(model=MODEL_NAME, input="A pet.", text_format=Pet, temperature=1.0,
+                                    max_output_tokens=120)
+    assert isinstance(parsed.output_parsed, Pet)
+    # A random model rarely closes an open-ended object: biased braces make the shortest one likely.
+    braces = {str(hf[1].convert_tokens_to_ids(token)): 100 for token in ("{", "}")}
+    anything = create(client, input="Some JSON.", max_output_tokens=120, text={"format": {"type": "json_object"}},
+                      extra_body={"logit_bias": braces})
+    assert anything.status == "completed" and isinstance(json.loads(anything.output_text), dict)
+
+
+def test_logprobs_equal_hfs_log_softmax_streamed_and_not(client, hf):
+    import torch
+
+    model, tokenizer = hf
+    kwargs = dict(input="Name a colour.", include=[LOGPROBS], top_logprobs=2, extra_body={"ignore_eos": True})
+    response = create(client, **kwargs)
+    entries = response.output[0].content[0].logprobs
+    ids = prompt_ids(tokenizer, [{"role": "user", "content": "Name a colour."}])
+    generated = hf_greedy(hf, ids, MAX_TOKENS)
+    assert len(entries) == response.usage.output_tokens == len(generated)
+    with torch.no_grad():
+        log_softmax = model(torch.tensor([ids + generated])).logits[0, len(ids) - 1:-1].log_softmax(-1)
+    for position, entry in enumerate(entries):
+        assert entry.logprob == pytest.approx(log_softmax[position, generated[position]].item(), abs=1e-3)
+        top = log_softmax[position].topk(2).values.tolist()
+        assert [alternative.logprob for alternative in entry.top_logprobs] == pytest.approx(top, abs=1e-3)
+    events = list(create(client, stream=True, **kwargs))
+    streamed = [entry for event in events if event.type == "response.output_text.delta" for entry in event.logprobs]
+    assert [(entry.token, entry.logprob) for entry in streamed] == [(entry.token, entry.logprob) for entry in entries]
+
+
+# -- refusals -------------------------------------------------------------------------------
+REFUSED = [
+    (dict(tools=[{"type": "function", "name": "f", "parameters": {}}]), "tools"),
+    (dict(tool_choice="required"), "tool_choice"),
+    (dict(truncation="auto"), "truncation"),
+    (dict(background=True), "background"),
+    (dict(reasoning={"effort": "low"}), "reasoning"),
+    (dict(include=["reasoning.encrypted_content"]), "include"),
+    (dict(top_logprobs=2), "top_logprobs"),
+    (dict(text={"format": {"type": "json_schema", "name": "x"}}), "text.format"),
+    (dict(text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}), "text.format"),
+    (dict(text={"format": {"type": "text"}, "verbosity": "low"}), "text.verbosity"),
+    (dict(metadata={str(key): "v" for key in range(17)}), "metadata"),
+    (dict(max_output_tokens=10_000), "max_output_tokens"),
+    (dict(extra_body={"conversation": "conv_1"}), "conversation"),
+    (dict(extra_body={"prompt_cache_key": "k"}), "prompt_cache_key"),
+    (dict(extra_body={"response_format": {"type": "json_object"}}), "response_format"),
+    (dict(extra_body={"bogus": 1}), "bogus"),
+    (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]),
+     "input[0].content"),
+    (dict(input=[{"role": "user", "content": [{"type": "input_text", "text": "a", "bogus": 1}]}]),
+     "input[0].content[0].bogus"),
+    (dict(input=[{"role": "bot", "content": "Hi"}]), "input[0].role"),
+    (dict(input=[{"type": "function_call_output", "call_id": "c", "output": "{}"}]), "input[0].type"),
+    (dict(input=[{"role": "user", "content": "Hi"}, {"type": "reasoning", "summary": [],
+                                                      "content": [{"type": "reasoning_text", "text": "x"}]}]),
+     "input[1]"),
+    (dict(input=[]), "input"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), REFUSED, ids=[param for _, param in REFUSED])
+def test_refused_fields_are_400s_naming_them(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        create(client, **{"input": "Hi", **fields})
+    body = info.value.body
+    assert body["param"] == param and body["message"].startswith(param.split("[")[0]), body
+    assert body["type"] == "BadRequestError"
+
+
+def test_raw_bodies_are_checked_as_the_chat_endpoints_are(server):
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    for body, param in ((b'{"input": "Hi", "temperature": "1"}', "temperature"),
+                        (b'{"input": [{"role": "user", "content": "\\ud800"}]}', "input"),
+                        (b'{"model": "other", "input": "Hi"}', "model")):
+        response = httpx.post(server.url + "/v1/responses", content=body, headers=headers, timeout=30)
+        assert response.status_code in (400, 404) and response.json()["error"]["param"] == param, response.text
+    response = httpx.get(server.url + "/v1/responses/resp_x?stream=true", headers=headers)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "stream"
+    assert httpx.post(server.url + "/v1/responses", json={"input": "Hi"}).status_code == 401
+
+
+# -- reasoning items (the output builder, with the real parser) --------------------------------
+@pytest.fixture(scope="module")
+def think_tokenizer(qwen3_dir, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from tests.test_reasoning import add_think_tokens
+
+    return AutoTokenizer.from_pretrained(add_think_tokens(qwen3_dir, tmp_path_factory.mktemp("think") / "model"))
+
+
+def build(tokenizer, text: str, chunked: bool, incomplete: bool = False):
+    from sparrow.entrypoints.openai.responses_output import OutputBuilder
+    from sparrow.reasoning import Qwen3ReasoningParser
+
+    prompt = tokenizer("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).input_ids
+    builder = OutputBuilder(prompt, reasoner=Qwen3ReasoningParser(tokenizer), tokenizer=tokenizer)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    pieces = [[token_id] for token_id in ids] if chunked else [ids]
+    events = []
+    for piece in pieces:
+        events += builder.feed(CompletionOutput(0, tokenizer.decode(piece), piece, None, None))
+    events += builder.close(incomplete)
+    return builder, ids, events
+
+
+def test_reasoning_is_an_item_before_the_message_whole_and_streamed(think_tokenizer):
+    text = "<think>\nA colour, then.</think>\n\nBlue."
+    whole, ids, _ = build(think_tokenizer, text, chunked=False)
+    streamed, _, events = build(think_tokenizer, text, chunked=True)
+    for builder in (whole, streamed):
+        reasoning, message = builder.items()
+        assert (reasoning.type, reasoning.content[0].text, reasoning.status) == ("reasoning", "\nA colour, then.",
+                                                                                 "completed")
+        assert (message.content[0].text, message.status) == ("\n\nBlue.", "completed")
+        assert builder.reasoning_tokens == ids.index(think_tokenizer.convert_tokens_to_ids("</think>")) + 1
+    kinds = [event["type"] for event in events]
+    first_text = kinds.index("response.output_text.delta")
+    assert kinds[:2] == ["response.output_item.added", "response.content_part.added"]
+    assert kinds[first_text - 5:first_text] == ["response.reasoning_text.done", "response.content_part.done",
+                                                "response.output_item.done", "response.output_item.added",
+                                                "response.content_part.added"]
+    assert [event["output_index"] for event in events if "delta" in event] == \
+        [0] * kinds.count("response.reasoning_text.delta") + [1] * kinds.count("response.output_text.delta")
+    # Cut off while reasoning: the reasoning item alone, incomplete.
+    cut, _, _ = build(think_tokenizer, "<think>\nStill thinking", chunked=True, incomplete=True)
+    [reasoning] = cut.items()
+    assert (reasoning.status, reasoning.content[0].text) == ("incomplete", "\nStill thinking")

@@ -259,7 +259,9 @@ class EngineCore:
 
     def collective_rpc(self, method: str | bytes, args: tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None) -> list[Any]:
-        return self.executor.collective_rpc(method, tuple(args), kwargs, timeout_s=timeout)
+        # timeout_s only when asked for: an executor plugin written before it existed still works.
+        extra = {} if timeout is None else {"timeout_s": timeout}
+        return self.executor.collective_rpc(method, tuple(args), kwargs, **extra)
 
     def profile(self, is_start: bool = True) -> list[Any]:
         """Start or stop every worker's profiler (sparrow.worker.profiler); stopping returns each

@@ -40,6 +40,7 @@ from sparrow.entrypoints.openai.serving_engine import (
     OpenAIServing,
     bad_request,
     clamp_logprob,
+    collect_final,
     engine_dead,
     field_error,
     token_label,
@@ -221,23 +222,10 @@ class OpenAIServingChat(OpenAIServing):
         if request.stream:
             return StreamingResponse(self._stream(request_id, model, request.n, streams[0], reply, parsers),
                                      media_type="text/event-stream")
-        final = await cancel_on_disconnect(raw_request, self._collect(streams[0]))
+        final = await cancel_on_disconnect(raw_request, collect_final(streams[0]))
         if final is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         return JSONResponse(self._response(request_id, model, final, reply, parsers).model_dump(mode="json"))
-
-    @staticmethod
-    async def _collect(stream: Any) -> RequestOutput:
-        final = None
-        try:
-            async for _, output in merge_streams([stream]):
-                final = output
-        except EngineDeadError as exc:
-            raise engine_dead(exc) from None
-        except ValueError as exc:
-            raise bad_request(exc) from None
-        assert final is not None
-        return final
 
     def _logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | None,
                   reply: Reply) -> ChatCompletionLogProbs | None:

@@ -28,6 +28,7 @@ from sparrow.entrypoints.openai.serving_engine import (
     OpenAIServing,
     bad_request,
     clamp_logprob,
+    collect_finals,
     engine_dead,
     field_error,
     token_label,
@@ -202,23 +203,11 @@ class OpenAIServingCompletion(OpenAIServing):
             return StreamingResponse(self._stream(request_id, model, n, streams, include_usage, shape,
                                                   request.return_tokens_as_token_ids, continuous),
                                      media_type="text/event-stream")
-        finals = await cancel_on_disconnect(raw_request, self._collect(streams))
+        finals = await cancel_on_disconnect(raw_request, collect_finals(streams))
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         response = self._response(request_id, model, n, finals, shape, request.return_tokens_as_token_ids)
         return JSONResponse(response.model_dump(mode="json"))
-
-    @staticmethod
-    async def _collect(streams: list) -> list[RequestOutput]:
-        finals: dict[int, RequestOutput] = {}
-        try:
-            async for index, output in merge_streams(streams):
-                finals[index] = output
-        except EngineDeadError as exc:
-            raise engine_dead(exc) from None
-        except ValueError as exc:
-            raise bad_request(exc) from None  # the engine core rejected a request
-        return [finals[index] for index in range(len(streams))]
 
     def _response(self, request_id: str, model: str, n: int, finals: list[RequestOutput],
                   shape: Echo, as_token_ids: bool) -> CompletionResponse:

@@ -140,6 +140,27 @@ def logit_bias(value: dict[str, float] | None) -> dict[int, float] | None:
                        param="logit_bias", code="invalid_value") from None
 
 
+async def collect_finals(streams: list[AsyncGenerator[RequestOutput, None]]) -> list[RequestOutput]:
+    """Every stream's last output, in the streams' order (a whole, non-streamed response); the
+    engine's failures as the HTTP errors they are."""
+    from sparrow.entrypoints.openai.streams import merge_streams
+
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for index, output in merge_streams(streams):
+            finals[index] = output
+    except EngineDeadError as exc:
+        raise engine_dead(exc) from None
+    except ValueError as exc:
+        raise bad_request(exc) from None  # the engine core rejected a request
+    return [finals[index] for index in range(len(streams))]
+
+
+async def collect_final(stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+    """One stream's last output (see ``collect_finals``)."""
+    return (await collect_finals([stream]))[0]
+
+
 class OpenAIServing:
     """Base of the endpoint handlers: one per endpoint, built once per app."""
 

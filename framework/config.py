@@ -92,6 +92,10 @@ class ParallelConfig(_Section):
                                     "copy of the model.")
     data_parallel_rank: int = Field(0, ge=0, description="This engine core's index under data parallelism "
                                     "(set by the frontend; picks its devices after the lower ranks').")
+    worker_extension_cls: str | None = Field(
+        None, min_length=1, description="vLLM's: a class ('package.module:Class' or 'package.module.Class') whose "
+        "methods are added to every worker, to call with collective_rpc('method') (RLHF weight sync, "
+        "probes); it may not replace anything of the worker's.")
     distributed_executor_backend: Literal["uni", "mp"] | None = Field(
         None, description="uni: the worker runs in the engine-core process; mp: one process per rank "
         "(default: uni for one rank, mp for several).")

@@ -71,3 +71,24 @@ def test_bad_calls_are_value_errors_naming_the_argument_and_the_engine_carries_o
     output = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2, ignore_eos=True),
                           use_tqdm=False)[0]
     assert len(output.outputs[0].token_ids) == 2
+
+
+def test_a_worker_extension_adds_methods_called_by_name(qwen3_dir):
+    """vLLM's worker_extension_cls, as RLHF code uses it: its methods run on the worker (``self``
+    is the worker) and are called by name; one that would replace the worker's is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from sparrow.config import ConfigError
+
+    hf = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32, local_files_only=True)
+    expected = float(hf.model.embed_tokens.weight.detach().double().sum())
+    with LLM(qwen3_dir, dtype="float32", max_model_len=128, num_kv_blocks=32,
+             worker_extension_cls="tests.worker_extension.ProbeExtension") as llm:  # vLLM's dotted form
+        assert llm.collective_rpc("embedding_sum") == [pytest.approx(expected, rel=1e-9)]
+        assert llm.collective_rpc("scale_embeddings", args=(2.0,)) == [True]
+        assert llm.collective_rpc("embedding_sum") == [pytest.approx(2 * expected, rel=1e-9)]
+    for path, message in [("tests.worker_extension:ClashingExtension", "defines load_model, which the worker"),
+                          ("tests.worker_extension:NoSuchClass", "cannot import"),
+                          ("tests.worker_extension:torch", "is a module, not a class")]:
+        with pytest.raises(ConfigError, match=f"worker_extension_cls.*{message}"):
+            LLM(qwen3_dir, worker_extension_cls=path)

@@ -35,6 +35,7 @@ What is checked:
     budgets                chunked prefill off needs max_num_batched_tokens >= max_model_len (a
                            longer prompt could never be scheduled); max_model_len >= 2
     async_scheduling       no speculative decoding or KV connector
+    worker_extension_cls   imports, is a class, and replaces nothing of the platform's worker
     parallel               the model's heads and MLP split evenly over tensor_parallel_size;
                            data_parallel_rank < data_parallel_size
 """
@@ -373,6 +374,13 @@ def check_engine_config(config: EngineConfig, hf_config: Any = None, platform: A
         platform = resolve_configured_platform(config.device.device, registry)
     check_platform_settings(config, platform, hf_config)
     check_communicator(config, platform, registry)
+    if config.parallel.worker_extension_cls:
+        from sparrow.executor.worker_extension import check_worker_extension
+
+        try:
+            check_worker_extension(config.parallel.worker_extension_cls, platform.worker_cls)
+        except ValueError as exc:
+            raise _error("worker_extension_cls", str(exc)) from None
     check_quantization(config, hf_config, platform)
     check_speculative(config, hf_config)
     check_budgets(config)

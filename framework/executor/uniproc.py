@@ -20,8 +20,9 @@ from sparrow.config import EngineConfig
 from sparrow.core.sched.output import SchedulerOutput
 from sparrow.executor import rpc
 from sparrow.executor.abstract import Executor, KVCacheInfo, StepHandle
+from sparrow.executor.worker_extension import worker_class
 from sparrow.platforms import resolve_platform
-from sparrow.plugins import check_hook_result, get_plugin_manager, import_object, kernel_default_only
+from sparrow.plugins import check_hook_result, get_plugin_manager, kernel_default_only
 from sparrow.worker.outputs import ModelRunnerOutput
 
 
@@ -29,7 +30,7 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.platform = resolve_platform(config.device.device)
-        worker_cls = import_object(self.platform.worker_cls)
+        worker_cls = worker_class(self.platform.worker_cls, config)
         self.worker = worker_cls(config=config, platform=self.platform, rank=0, local_rank=0,
                                  world_size=1, distributed_init_method=None)
         self._execute = execute_step(get_plugin_manager(), self.worker, defer=bool(config.scheduler.async_scheduling))

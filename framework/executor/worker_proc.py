@@ -40,6 +40,7 @@ from sparrow.config import EngineConfig
 from sparrow.engine.launch import ChildProcess, start_process
 from sparrow.executor import rpc
 from sparrow.executor.topology import core_share
+from sparrow.executor.worker_extension import worker_class
 
 logger = logging.getLogger(__name__)
 
@@ -155,12 +156,12 @@ class WorkerProc:
     def __init__(self, spec: WorkerSpec, sock: zmq.Socket) -> None:
         from sparrow.executor.uniproc import execute_step
         from sparrow.platforms import resolve_platform
-        from sparrow.plugins import get_plugin_manager, import_object
+        from sparrow.plugins import get_plugin_manager
 
         self.spec = spec
         self.sock = sock
         platform = resolve_platform(spec.config.device.device)
-        worker_cls = import_object(platform.worker_cls)
+        worker_cls = worker_class(platform.worker_cls, spec.config)
         self.worker = worker_cls(config=spec.config, platform=platform, rank=spec.rank, local_rank=spec.local_rank,
                                  world_size=spec.world_size, distributed_init_method=spec.distributed_init_method)
         # Overlapped scheduling: a step returns before its sampled tokens reach the host; rank 0

@@ -190,6 +190,11 @@ def test_server_default_max_tokens_is_cut_to_the_context(server, hf):
     ids = [5] * 510
     response = post(server, "/v1/completions", {"prompt": ids, "max_tokens": None, "ignore_eos": True}).json()
     assert response["usage"]["completion_tokens"] == 2
+    # Each prompt of a batch has its own room (as in vLLM): the short one gets the file's 12.
+    response = post(server, "/v1/completions", {"prompt": [ids, [5] * 10], "max_tokens": None,
+                                                "ignore_eos": True}).json()
+    assert sorted(len(choice["text"]) > 0 for choice in response["choices"]) == [True, True]
+    assert response["usage"]["completion_tokens"] == 2 + 12
     # A max_tokens the request asks for is not cut: it is a 400 naming it.
     refused = post(server, "/v1/completions", {"prompt": ids, "max_tokens": 5})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"

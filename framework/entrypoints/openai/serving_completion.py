@@ -192,8 +192,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                           logprobs=request.logprobs, stream=bool(request.stream),
                                           longest_prompt=max(len(prompt["prompt_token_ids"]) for prompt in prompts),
                                           prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs)
-            streams = await self.submit(request_id, prompts, params, request.priority,
-                                        self.lora_request_of(request.model), request=request)
+            streams = await self.submit(request_id, prompts, self.per_prompt(params, prompts, request.max_tokens),
+                                        request.priority, self.lora_request_of(request.model), request=request)
         n = request.n
         shape = Echo(echo, echo_only, request.logprobs is not None, request.prompt_logprobs is not None)
         if request.stream:

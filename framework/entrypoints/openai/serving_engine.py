@@ -362,26 +362,37 @@ class OpenAIServing:
             return stream
         return logger_.logged(request_id, stream, output_kind)
 
-    async def submit(self, request_id: str, prompts: list[Any], params: SamplingParams,
+    def per_prompt(self, params: SamplingParams, prompts: list[dict[str, Any]],
+                   max_tokens: int | None) -> list[SamplingParams]:
+        """``params`` for each prompt: a default max_tokens (the request set none) is cut to the
+        room each prompt leaves, as vLLM cuts it, rather than to the longest prompt's."""
+        if max_tokens is not None or len(prompts) == 1:
+            return [params] * len(prompts)
+        limits = [self.resolve_max_tokens(None, len(prompt["prompt_token_ids"])) for prompt in prompts]
+        return [params if limit == params.max_tokens else params.clone(max_tokens=limit) for limit in limits]
+
+    async def submit(self, request_id: str, prompts: list[Any], params: SamplingParams | list[SamplingParams],
                      priority: int, lora_request: Any = None, request: Any = None
                      ) -> list[AsyncGenerator[RequestOutput, None]]:
         """Validate and submit every prompt before any response is sent, so that an invalid one
-        is a 400 and costs the others nothing; one stream of outputs per prompt. ``request``: the
-        API request, whose grammar field an engine-side grammar failure then names."""
+        is a 400 and costs the others nothing; one stream of outputs per prompt. ``params``: for
+        all prompts, or one per prompt. ``request``: the API request, whose grammar field an
+        engine-side grammar failure then names."""
         engine = self.engine
         submitted: list[str] = []
         streams = []
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
         try:
-            for index, prompt in enumerate(prompts):
+            for index, (prompt, prompt_params) in enumerate(zip(prompts, params_list)):
                 sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
-                self.log_inputs(sub_id, prompt, params, lora_request)
-                collector = await engine.add_request(sub_id, prompt, params, priority=priority,
+                self.log_inputs(sub_id, prompt, prompt_params, lora_request)
+                collector = await engine.add_request(sub_id, prompt, prompt_params, priority=priority,
                                                      lora_request=lora_request)
                 submitted.append(sub_id)
                 stream = engine.stream_outputs(sub_id, collector)
-                if params.structured_outputs is not None and request is not None:
+                if prompt_params.structured_outputs is not None and request is not None:
                     stream = grammar_errors_named(stream, request)
-                streams.append(self.logged(sub_id, stream, params.output_kind))
+                streams.append(self.logged(sub_id, stream, prompt_params.output_kind))
         except ValueError as exc:
             await engine.abort(submitted)
             raise bad_request(exc, default_param="prompt") from None

@@ -1,7 +1,9 @@
 """POST /v1/responses (OpenAI's Responses API) through a real `sparrow serve` on 127.0.0.1 and the
 real `openai` client: `responses.create`, whole and streamed, the `responses.stream` helper,
 `responses.retrieve` / `delete` and `previous_response_id`, `text.format` structured outputs,
-logprobs, and a 400 naming each field the endpoint refuses.
+logprobs, function tools (calls forced by tool_choice required or named, so every argument object
+validates with `jsonschema`; the two-turn tool loop), and a 400 naming each field the endpoint
+refuses.
 
 Model outputs are checked against Hugging Face transformers on the same model directory (greedy
 generation and log-softmax over the chat template's tokens), never against the engine's own
@@ -36,12 +38,24 @@ SCHEMA = {"type": "object", "properties": {
     "n": {"type": "integer", "minimum": 0, "maximum": 99}, "kind": {"enum": ["cat", "dog"]}},
     "required": ["n", "kind"], "additionalProperties": False}
 LOGPROBS = "message.output_text.logprobs"
+WEATHER = {"type": "object", "properties": {
+    "city": {"enum": ["Paris", "Rome", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+        "additionalProperties": False}
+# The Responses API's flat function tools, and the same as the chat template sees them.
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather forecast", "parameters": WEATHER,
+          "strict": True},
+         {"type": "function", "name": "get_time", "parameters": TIME, "strict": True}]
+CHAT_TOOLS = [{"type": "function", "function": {key: value for key, value in tool.items() if key != "type"}}
+              for tool in TOOLS]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir, tmp_path_factory):
     yield from serve_for_module(qwen3_dir, tmp_path_factory, "responses-logs", "--enable-request-id-headers",
-                                "--enable-log-requests")
+                                "--enable-log-requests", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +72,8 @@ def hf(qwen3_dir):
     return model, AutoTokenizer.from_pretrained(qwen3_dir)
 
 
-def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -250,9 +264,105 @@ def test_logprobs_equal_hfs_log_softmax_streamed_and_not(client, hf):
     assert [(entry.token, entry.logprob) for entry in streamed] == [(entry.token, entry.logprob) for entry in entries]
 
 
+# -- function tools ---------------------------------------------------------------------------
+def check_call(call, name: str | None = None) -> None:
+    assert call.type == "function_call" and call.status == "completed", call
+    assert call.id.startswith("fc_") and call.call_id.startswith("call_")
+    assert call.name == name if name else call.name in SCHEMAS
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+def check_call_events(events: list) -> str:
+    """OpenAI's event order for one function call item, numbered 0, 1, ...; its arguments."""
+    types = [event.type for event in events]
+    deltas = types.count("response.function_call_arguments.delta")
+    assert types == ["response.created", "response.in_progress", "response.output_item.added",
+                     *["response.function_call_arguments.delta"] * deltas, "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"], types
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    [call] = events[-1].response.output
+    added = events[2].item
+    assert (added.type, added.id, added.call_id, added.name) == ("function_call", call.id, call.call_id, call.name)
+    assert (added.arguments, added.status) == ("", "in_progress") and events[-2].item == call
+    for event in events[3:-2]:
+        assert (event.item_id, event.output_index) == (call.id, 0)
+    arguments = "".join(event.delta for event in events[3:-3])
+    assert arguments == events[-3].arguments == call.arguments
+    return arguments
+
+
+def test_required_and_named_tool_choices_call_a_function_whole_and_streamed(client):
+    kwargs = dict(input="What is the weather in Paris?", tools=TOOLS, max_output_tokens=120, temperature=1.0)
+    calls = []
+    for choice, name in (("required", None), ({"type": "function", "name": "get_time"}, "get_time")):
+        whole = create(client, tool_choice=choice, parallel_tool_calls=False, extra_body={"seed": 3}, **kwargs)
+        [call] = whole.output
+        check_call(call, name)
+        assert whole.status == "completed" and whole.output_text == "" and whole.to_dict()["tool_choice"] == choice
+        assert [tool.name for tool in whole.tools] == ["get_weather", "get_time"]
+        events = list(create(client, tool_choice=choice, parallel_tool_calls=False, extra_body={"seed": 3},
+                             stream=True, **kwargs))
+        assert check_call_events(events) == call.arguments and events[-1].response.output[0].name == call.name
+        calls.append(call)
+    # The SDK's stream helper assembles the call from the same events.
+    with client.responses.stream(model=MODEL_NAME, tool_choice="required", parallel_tool_calls=False,
+                                 extra_body={"seed": 3}, **kwargs) as stream:
+        final = stream.get_final_response()
+    assert (final.output[0].name, final.output[0].arguments) == (calls[0].name, calls[0].arguments)
+
+
+def test_the_two_turn_tool_loop_renders_the_call_and_its_output(client, hf):
+    _, tokenizer = hf
+    question = {"role": "user", "content": "What is the weather in Paris?"}
+    # Parallel calls allowed: the calls of one turn become one assistant message.
+    first = create(client, input=[question], tools=TOOLS, tool_choice="required", max_output_tokens=400,
+                   temperature=1.0, extra_body={"seed": 4})
+    calls = first.output
+    for call in calls:
+        check_call(call)
+    assert client.responses.retrieve(first.id).output == calls  # stored with its calls
+    answers = [{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"} for call in calls]
+    expected = [question, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": json.loads(
+            call.arguments)}} for call in calls]},
+        *[{"role": "tool", "tool_call_id": call.call_id, "content": "Sunny"} for call in calls]]
+    input_tokens = len(prompt_ids(tokenizer, expected, CHAT_TOOLS))
+    # The output sent back with the results, or the results alone after previous_response_id.
+    resent = create(client, input=[question, *calls, *answers], tools=TOOLS)
+    continued = create(client, input=answers, previous_response_id=first.id, tools=TOOLS, tool_choice="none")
+    assert resent.usage.input_tokens == continued.usage.input_tokens == input_tokens
+    assert continued.output[0].type == "message"
+    with pytest.raises(openai.BadRequestError) as info:  # a result of no call made before
+        create(client, input=answers, tools=TOOLS)
+    assert info.value.body["param"] == "input[0].call_id"
+
+
+def test_auto_without_the_servers_flag_is_the_chat_endpoints_refusal():
+    from sparrow.entrypoints.openai.protocol_responses import ResponsesRequest
+    from sparrow.entrypoints.openai.request_checks import RequestFieldError
+    from sparrow.entrypoints.openai.responses_input import chat_request_of, conversation_of
+    from sparrow.entrypoints.openai.tool_calling import resolve_tool_choice
+
+    request = ResponsesRequest.model_validate({"input": "Hi", "tools": TOOLS})
+    chat = chat_request_of(request, conversation_of(request, []))
+    assert resolve_tool_choice(chat, auto_enabled=True).kind == "auto"  # the default with tools, as on chat
+    with pytest.raises(RequestFieldError, match="requires --enable-auto-tool-choice") as info:
+        resolve_tool_choice(chat, auto_enabled=False)
+    assert info.value.param == "tool_choice"
+
+
 # -- refusals -------------------------------------------------------------------------------
+FUNCTION = {"type": "function", "name": "f"}
 REFUSED = [
-    (dict(tools=[{"type": "function", "name": "f", "parameters": {}}]), "tools"),
+    (dict(tools=[{"type": "web_search"}]), "tools[0].type"),
+    (dict(tools=[{"type": "function", "parameters": {}}]), "tools[0].name"),
+    (dict(tools=[{**FUNCTION, "parameters": "{}"}]), "tools[0].parameters"),
+    (dict(tools=[{**FUNCTION, "bogus": 1}]), "tools[0].bogus"),
+    (dict(tools=[{"type": "function", "function": FUNCTION}]), "tools[0].function"),
+    (dict(tools=[{**FUNCTION, "parameters": {"type": "no-such-type"}}], tool_choice={**FUNCTION}), "tools"),
+    (dict(tools=[FUNCTION], tool_choice={"type": "function", "name": "g"}), "tool_choice"),
+    (dict(tools=[FUNCTION], tool_choice={"type": "web_search_preview"}), "tool_choice"),
+    (dict(tools=[FUNCTION], tool_choice="required", text={"format": {"type": "json_object"}}), "tool_choice"),
     (dict(tool_choice="required"), "tool_choice"),
     (dict(truncation="auto"), "truncation"),
     (dict(background=True), "background"),
@@ -273,7 +383,12 @@ REFUSED = [
     (dict(input=[{"role": "user", "content": [{"type": "input_text", "text": "a", "bogus": 1}]}]),
      "input[0].content[0].bogus"),
     (dict(input=[{"role": "bot", "content": "Hi"}]), "input[0].role"),
-    (dict(input=[{"type": "function_call_output", "call_id": "c", "output": "{}"}]), "input[0].type"),
+    (dict(input=[{"type": "function_call_output", "call_id": "c", "output": "{}"}]), "input[0].call_id"),
+    (dict(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]), "input[0].arguments"),
+    (dict(input=[{"role": "user", "content": "Hi"}, {"type": "function_call", "call_id": "c", "name": "f"}]),
+     "input[1].arguments"),
+    (dict(input=[{"role": "user", "content": "Hi", "call_id": "c"}]), "input[0].call_id"),
+    (dict(input=[{"type": "file_search_call", "id": "fs_1"}]), "input[0].type"),
     (dict(input=[{"role": "user", "content": "Hi"}, {"type": "reasoning", "summary": [],
                                                       "content": [{"type": "reasoning_text", "text": "x"}]}]),
      "input[1]"),

@@ -173,7 +173,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     tokenization = OpenAIServingTokenization(engine, model_names, chat_template=chat_template,
                                              chat_template_content_format=content_format)
     responses = OpenAIServingResponses(engine, model_names, reasoner=chat.reasoner, chat_template=chat_template,
-                                       chat_template_content_format=content_format)
+                                       chat_template_content_format=content_format,
+                                       tool_parser_cls=chat.tool_parser_cls, enable_auto_tools=chat.enable_auto_tools)
     lora_modules = lora_modules_from_args(engine, args)
     request_logger = request_logger_from_args(args)
     for handler in (completions, chat, tokenization, responses):

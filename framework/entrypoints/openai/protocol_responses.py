@@ -2,15 +2,19 @@
 
 The request is checked as the chat endpoint's is (``request_checks``): a key no model here declares
 is a 400 naming it, at any depth. Some OpenAI fields are declared only so that their neutral value
-is accepted (``background: false``, ``truncation: "disabled"``, ``tools: []``); ``responses_input``
-refuses the others, naming them. vLLM's sampling extras that the chat endpoint implements (top_k,
-seed, ignore_eos, ...) are declared with the chat endpoint's bounds and handed to it unchanged.
+is accepted (``background: false``, ``truncation: "disabled"``); ``responses_input``
+refuses the others, naming them. ``tools`` and ``tool_choice`` stay dicts, checked by
+``responses_tools`` (``FunctionTool``), so that a web_search tool is "not supported" rather than
+a list of unknown keys. vLLM's sampling extras that the chat endpoint implements (top_k, seed,
+ignore_eos, ...) are declared with the chat endpoint's bounds and handed to it unchanged.
 
 A response serializes to what the ``openai`` SDK's ``Response`` parses:
 
     Response  id "resp_...", status completed | incomplete (incomplete_details.reason) | failed
       output  [ReasoningItem]  only with a reasoning parser, when the model reasoned
               [OutputMessage]  role assistant, content [OutputText {text, annotations: [], logprobs}]
+              [FunctionCallItem ...]  one per tool call {id "fc_...", call_id "call_...", name,
+                               arguments (JSON text)}, after the message (if any)
       usage   input_tokens (input_tokens_details.cached_tokens), output_tokens
               (output_tokens_details.reasoning_tokens), total_tokens
       + the request's settings, echoed (instructions, max_output_tokens, metadata, text, ...)
@@ -30,10 +34,11 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 # -- the request ------------------------------------------------------------------------------
 class InputItem(RequestModel):
-    """One item of ``input``: a message (``type`` "message" or absent), or a reasoning item, as the
-    SDK sends them and as a response's ``output`` returns them, so that ``input=[*previous.output,
-    {...}]`` carries a conversation on. Content parts stay dicts: ``responses_input`` checks them,
-    so that an image part is "not supported" rather than a list of unknown keys."""
+    """One item of ``input``: a message (``type`` "message" or absent), a reasoning item, a
+    function_call or a function_call_output, as the SDK sends them and as a response's ``output``
+    returns them, so that ``input=[*previous.output, {...}]`` carries a conversation on. Content
+    parts stay dicts: ``responses_input`` checks them, so that an image part is "not supported"
+    rather than a list of unknown keys; it also refuses the fields of another item type."""
 
     type: str | None = None
     role: str | None = None
@@ -44,6 +49,22 @@ class InputItem(RequestModel):
     # A reasoning item's: summary parts (this server writes none) and OpenAI's encrypted reasoning.
     summary: list[dict[str, Any]] | None = None
     encrypted_content: str | None = None
+    # A function_call's (call_id, name, arguments: JSON text) and a function_call_output's (call_id, output).
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[dict[str, Any]] | None = None
+
+
+class FunctionTool(RequestModel):
+    """A function tool in the Responses API's flat shape (the chat endpoint's nests all but
+    ``type`` under ``function``)."""
+
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class TextFormat(RequestModel):
@@ -87,8 +108,8 @@ class ResponsesRequest(RequestModel):
     parallel_tool_calls: bool | None = True
     truncation: str | None = Field("disabled", description='Only "disabled": a prompt too long is a 400.')
     tool_choice: str | dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = Field(None, description="Refused unless empty: tools are served by "
-                                                                 "/v1/chat/completions.")
+    tools: list[dict[str, Any]] | None = Field(None, description='Function tools: {"type": "function", "name", '
+                                                                 '"description", "parameters", "strict"}.')
     max_tool_calls: int | None = Field(None, ge=1, le=INT32_MAX)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     include: list[str] | None = Field(None, description='Only "message.output_text.logprobs".')
@@ -132,6 +153,15 @@ class OutputMessage(OpenAIBaseModel):
     role: Literal["assistant"] = "assistant"
     status: str  # completed, or incomplete when the length limit cut it
     content: list[OutputText]
+
+
+class FunctionCallItem(OpenAIBaseModel):
+    id: str  # fc_...
+    type: Literal["function_call"] = "function_call"
+    call_id: str  # call_...: what a function_call_output answers
+    name: str
+    arguments: str  # a JSON object, as text
+    status: str  # in_progress (while streamed), completed, or incomplete when the length limit cut it
 
 
 class ReasoningText(OpenAIBaseModel):
@@ -180,7 +210,7 @@ class ResponseObject(OpenAIBaseModel):
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     model: str
-    output: list[ReasoningItem | OutputMessage] = Field(default_factory=list)
+    output: list[ReasoningItem | OutputMessage | FunctionCallItem] = Field(default_factory=list)
     usage: ResponseUsage | None = None
     # the request's settings
     instructions: str | None = None

@@ -8,17 +8,24 @@ conversation, and errors in the words of the fields the client sent.
     input [items]         -> one message per message item (developer is rendered as system, the
                              role chat templates know); a reasoning item becomes the
                              reasoning_content of the assistant message right after it
+      function_call       -> a tool call ({"id": call_id, "function": {name, arguments}}) of the
+                             assistant message right before it (a message item or calls, as a
+                             response's output lists them), else of a new one without content
+      function_call_output -> {"role": "tool", "tool_call_id": call_id, "content": output}, for a
+                             call made earlier in the conversation
+    tools, tool_choice    -> the chat endpoint's (``responses_tools``): its tool calling, as is
 
 The chat machinery then checks, renders and samples exactly as for /v1/chat/completions. Its
-errors name chat fields (``messages[3].content``, ``response_format``, ``max_tokens``), which
+errors name chat fields (``messages[3].content``, ``response_format``, ``max_tokens``,
+``messages[2].tool_calls[0].function.arguments``, ``tools[0].function.parameters``), which
 ``in_responses_words`` turns back into this request's (``input[1].content``, ``text.format``,
-``max_output_tokens``).
+``max_output_tokens``, ``input[4].arguments``, ``tools[0].parameters``).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -26,6 +33,7 @@ from pydantic import ValidationError
 from sparrow.entrypoints.openai.protocol import ChatCompletionRequest
 from sparrow.entrypoints.openai.protocol_responses import CHAT_PASS_THROUGH, InputItem, ResponsesRequest
 from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_fields, not_supported, refuse_key
+from sparrow.entrypoints.openai.responses_tools import chat_tool_fields, check_tools, tool_call, tool_message
 from sparrow.entrypoints.openai.serving_engine import APIError
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -34,7 +42,9 @@ TEXT_PART_TYPES = ("input_text", "output_text")
 FORMAT_TYPES = ("text", "json_object", "json_schema")
 # OpenAI's bounds on metadata.
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
-_TOOLS_HINT = "; function tools are served by /v1/chat/completions (tools, tool_choice)"
+# The fields of each input item type, besides type, id and status (what an output item carries).
+ITEM_FIELDS = {"message": ("role", "content"), "reasoning": ("content", "summary", "encrypted_content"),
+               "function_call": ("call_id", "name", "arguments"), "function_call_output": ("call_id", "output")}
 # OpenAI Responses fields this server does not implement: a 400 saying so rather than "unknown field".
 NOT_SUPPORTED: dict[str, str] = {
     "conversation": "conversations (the Conversations API; use previous_response_id)",
@@ -60,6 +70,8 @@ class Conversation:
 
     messages: list[dict[str, Any]]  # as ChatCompletionRequest takes them
     sources: list[str]  # per message: "instructions", "previous_response_id", "input" or "input[i]"
+    # Per message made of input items with tool calls: the item of each call ("input[i]").
+    call_sources: dict[int, list[str]] = field(default_factory=dict)
 
     @property
     def turns(self) -> list[dict[str, Any]]:
@@ -80,22 +92,14 @@ def check_request(request: ResponsesRequest, max_logprobs: int) -> None:
         if name in CHAT_NAMES:
             raise RequestFieldError(f"{name}: not a field of /v1/responses (the chat endpoint's); use "
                                     f"{CHAT_NAMES[name]}", name, code="unknown_field")
-    # Before the keys are checked: a tool call item's keys are not unknown, its type is unsupported.
+    # Before the keys are checked: another item type's keys are not unknown, its type is unsupported.
     for index, item in enumerate(request.input if isinstance(request.input, list) else ()):
         kind = item.type or "message"
-        if kind not in ("message", "reasoning"):
-            hint = _TOOLS_HINT if kind.startswith("function_call") else "; supported: message, reasoning"
-            raise not_supported(f"input[{index}].type", f"an input item of type {kind!r}", hint)
+        if kind not in ITEM_FIELDS:
+            raise not_supported(f"input[{index}].type", f"an input item of type {kind!r}",
+                                f"; supported: {', '.join(ITEM_FIELDS)}")
+    check_tools(request)  # before the keys too: a web_search tool's type is what is unsupported
     check_fields(request)
-    if request.tools:
-        raise not_supported("tools", "calling tools on /v1/responses", _TOOLS_HINT)
-    choice = request.tool_choice
-    if isinstance(choice, str) and choice not in ("auto", "none", "required"):
-        raise RequestFieldError(f"tool_choice: auto, none, required or a named function, got {choice!r}",
-                                "tool_choice")
-    if choice is not None and choice not in ("auto", "none"):
-        raise RequestFieldError(f"tool_choice: {choice!r} needs tools, and tools are not supported on /v1/responses "
-                                f"yet{_TOOLS_HINT}", "tool_choice", code="unsupported")
     if request.truncation not in (None, "disabled"):
         if request.truncation == "auto":
             raise not_supported("truncation", 'truncation "auto" (dropping the start of a conversation that does not '
@@ -164,6 +168,7 @@ def conversation_of(request: ResponsesRequest, previous: list[dict[str, Any]]) -
     then the input."""
     messages: list[dict[str, Any]] = []
     sources: list[str] = []
+    call_sources: dict[int, list[str]] = {}
     if request.instructions is not None:
         messages.append({"role": "system", "content": request.instructions})
         sources.append("instructions")
@@ -176,12 +181,28 @@ def conversation_of(request: ResponsesRequest, previous: list[dict[str, Any]]) -
         reasoning: tuple[int, str] | None = None  # a reasoning item waiting for its assistant message
         for index, item in enumerate(request.input):
             kind = item.type or "message"
+            _check_item_fields(index, item, kind)
             if kind == "reasoning":
                 if reasoning is not None:
                     raise _misplaced_reasoning(reasoning[0])
                 reasoning = (index, _reasoning_text(index, item))
                 continue
-            message = _message(index, item)
+            if kind == "function_call":
+                call = tool_call(index, item)
+                last = len(messages) - 1
+                if reasoning is None and last >= 0 and messages[last]["role"] == "assistant" and \
+                        sources[last].startswith("input["):
+                    # One more call of the assistant turn right before it (a response's output lists
+                    # its message, then its calls).
+                    messages[last].setdefault("tool_calls", []).append(call)
+                    call_sources.setdefault(last, []).append(f"input[{index}]")
+                    continue
+                call_sources[len(messages)] = [f"input[{index}]"]
+                message = {"role": "assistant", "content": None, "tool_calls": [call]}
+            elif kind == "function_call_output":
+                message = tool_message(index, item, _content(f"input[{index}].output", item.output), messages)
+            else:
+                message = _message(index, item)
             if reasoning is not None:
                 if message["role"] != "assistant":
                     raise _misplaced_reasoning(reasoning[0])
@@ -194,7 +215,15 @@ def conversation_of(request: ResponsesRequest, previous: list[dict[str, Any]]) -
     if not messages:
         raise RequestFieldError("input: the conversation is empty (no instructions, no previous response and no "
                                 "input items)", "input")
-    return Conversation(messages, sources)
+    return Conversation(messages, sources, call_sources)
+
+
+def _check_item_fields(index: int, item: InputItem, kind: str) -> None:
+    """Refuse a field of another item type (a message's call_id, a reasoning item's role)."""
+    allowed = ("type", "id", "status", *ITEM_FIELDS[kind])
+    for name in type(item).model_fields:
+        if name not in allowed and getattr(item, name) is not None:
+            raise RequestFieldError(f"input[{index}].{name}: a {kind} item has no {name}", f"input[{index}].{name}")
 
 
 def _misplaced_reasoning(index: int) -> RequestFieldError:
@@ -208,16 +237,17 @@ def _message(index: int, item: InputItem) -> dict[str, Any]:
         got = "none" if item.role is None else repr(item.role)
         raise RequestFieldError(f"{where}.role: a message's role is user, system, developer or assistant, got {got}",
                                 f"{where}.role")
-    for name in ("summary", "encrypted_content"):
-        if getattr(item, name) is not None:
-            raise RequestFieldError(f"{where}.{name}: only a reasoning item has {name}", f"{where}.{name}")
     if item.content is None:
         raise RequestFieldError(f"{where}.content: a message needs content, a string or a list of input_text parts",
                                 f"{where}.content")
-    content: Any = item.content
+    return {"role": ROLES[item.role], "content": _content(f"{where}.content", item.content)}
+
+
+def _content(path: str, content: Any) -> Any:
+    """A message's content (a function_call_output's output): a string, or text parts."""
     if isinstance(content, list):
-        content = [{"type": "text", "text": text} for text in _part_texts(f"{where}.content", content)]
-    return {"role": ROLES[item.role], "content": content}
+        return [{"type": "text", "text": text} for text in _part_texts(path, content)]
+    return content
 
 
 def _part_texts(path: str, parts: list[dict[str, Any]]) -> list[str]:
@@ -252,8 +282,6 @@ def _reasoning_text(index: int, item: InputItem) -> str:
     if item.summary:
         raise not_supported(f"{where}.summary", "reasoning summaries", "; send the reasoning as content "
                             '[{"type": "reasoning_text", "text": ...}]')
-    if item.role is not None:
-        raise RequestFieldError(f"{where}.role: a reasoning item has no role", f"{where}.role")
     parts = item.content if isinstance(item.content, list) else []
     if isinstance(item.content, str):
         raise RequestFieldError(f'{where}.content: a list of {{"type": "reasoning_text", "text": ...}} parts',
@@ -277,6 +305,7 @@ def chat_request_of(request: ResponsesRequest, conversation: Conversation) -> Ch
                             "max_completion_tokens": request.max_output_tokens, "stream": bool(request.stream)}
     for name in CHAT_PASS_THROUGH:
         body[name] = getattr(request, name)
+    body.update(chat_tool_fields(request))
     if wants_logprobs(request):
         body.update(logprobs=True, top_logprobs=request.top_logprobs or 0)
     fmt = request.text.format if request.text is not None else None
@@ -292,23 +321,30 @@ def chat_request_of(request: ResponsesRequest, conversation: Conversation) -> Ch
 
 
 # -- errors in the client's words -----------------------------------------------------------
-_MESSAGE = re.compile(r"\bmessages\[(\d+)\](\.[a-z_]+)?")
-_RENAMES = [(re.compile(r"\bresponse_format\.json_schema\.schema\b"), "text.format.schema"),
+_MESSAGE = re.compile(r"\bmessages\[(\d+)\](?:\.tool_calls\[(\d+)\](?:\.function)?)?(\.[a-z_]+)?")
+_RENAMES = [(re.compile(r"\b(tools\[\d+\])\.function\b"), r"\1"),
+            (re.compile(r"\bresponse_format\.json_schema\.schema\b"), "text.format.schema"),
             (re.compile(r"\bresponse_format(\.json_schema)?\b"), "text.format"),
             (re.compile(r"\bmax_(completion_)?tokens\b"), "max_output_tokens"),
             (re.compile(r"^messages\b"), "input")]
 
 
-def in_responses_words(exc: APIError, sources: list[str]) -> APIError:
+def in_responses_words(exc: APIError, conversation: Conversation) -> APIError:
     """An error of the chat machinery with this request's field names: ``messages[k].content`` as
     where the client wrote message k (``input[2].content``; ``instructions``,
-    ``previous_response_id`` or a string ``input`` as they are), ``response_format`` as
-    ``text.format``, ``max_tokens`` as ``max_output_tokens``."""
+    ``previous_response_id`` or a string ``input`` as they are), a tool call's
+    ``messages[k].tool_calls[j].function.arguments`` as its function_call item's
+    ``input[i].arguments``, ``tools[i].function.parameters`` as ``tools[i].parameters``,
+    ``response_format`` as ``text.format``, ``max_tokens`` as ``max_output_tokens``."""
+    sources = conversation.sources
 
     def source(match: re.Match[str]) -> str:
         index = int(match.group(1))
         where = sources[index] if index < len(sources) else "input"
-        return where + (match.group(2) or "") if where.startswith("input[") else where
+        calls = conversation.call_sources.get(index)
+        if calls is not None and match.group(2) is not None and int(match.group(2)) < len(calls):
+            where = calls[int(match.group(2))]
+        return where + (match.group(3) or "") if where.startswith("input[") else where
 
     def rename(text: str) -> str:
         text = _MESSAGE.sub(source, text)

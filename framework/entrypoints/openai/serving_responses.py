@@ -2,8 +2,10 @@
 
 A request becomes a chat request (``responses_input``) and runs on the chat endpoint's machinery:
 its checks, chat template, generation-config defaults, structured outputs (``text.format``),
-SamplingParams, request logging and disconnect handling. Its output becomes OpenAI's output items
-(``responses_output``), whole or as a stream of OpenAI's events:
+SamplingParams, request logging and disconnect handling, and its tool calling (``tool_calling``:
+tool_choice auto parsed with the server's --tool-call-parser, required and named generated under a
+grammar; ``responses_tools``). Its output becomes OpenAI's output items (``responses_output``: a
+message, function calls), whole or as a stream of OpenAI's events:
 
     response.created, response.in_progress
     the items' events (responses_output), one response.output_text.delta per piece of text
@@ -29,6 +31,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sparrow.engine.exceptions import EngineDeadError
+from sparrow.entrypoints.openai.chat_output import ReplyParsers
 from sparrow.entrypoints.openai.protocol_responses import (
     DeletedResponse,
     IncompleteDetails,
@@ -50,8 +53,16 @@ from sparrow.entrypoints.openai.responses_input import (
 )
 from sparrow.entrypoints.openai.responses_output import EventSequence, OutputBuilder, new_id
 from sparrow.entrypoints.openai.serving_chat import render_prompt
-from sparrow.entrypoints.openai.serving_engine import APIError, OpenAIServing, bad_request, engine_dead, field_error
+from sparrow.entrypoints.openai.serving_engine import (
+    APIError,
+    OpenAIServing,
+    bad_request,
+    collect_final,
+    engine_dead,
+    field_error,
+)
 from sparrow.entrypoints.openai.streams import cancel_on_disconnect, merge_streams
+from sparrow.entrypoints.openai.tool_calling import resolve_tool_choice, tool_structured_outputs
 from sparrow.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -65,7 +76,8 @@ MAX_STORED_RESPONSES = 256
 @dataclass(slots=True)
 class StoredResponse:
     body: dict[str, Any]  # the response as it was served
-    turns: list[dict[str, Any]]  # its conversation as chat messages, without instructions, its reply last
+    turns: list[dict[str, Any]]  # its conversation as chat messages, without instructions, its reply
+    # (with its tool calls) last
 
 
 class ResponseStore:
@@ -136,12 +148,16 @@ class Pending:
 class OpenAIServingResponses(OpenAIServing):
     """``reasoner``: the engine's reasoning parser (the chat endpoint's), or None; ``chat_template``
     and ``chat_template_content_format``: the server's --chat-template and
-    --chat-template-content-format, as the chat endpoint renders with them."""
+    --chat-template-content-format, as the chat endpoint renders with them; ``tool_parser_cls`` and
+    ``enable_auto_tools``: the chat endpoint's (--tool-call-parser, --enable-auto-tool-choice)."""
 
     def __init__(self, engine: Any, served_model_names: list[str], *, reasoner: Any = None,
-                 chat_template: str | None = None, chat_template_content_format: str = "auto") -> None:
+                 chat_template: str | None = None, chat_template_content_format: str = "auto",
+                 tool_parser_cls: type | None = None, enable_auto_tools: bool = False) -> None:
         super().__init__(engine, served_model_names)
         self.reasoner = reasoner
+        self.tool_parser_cls = tool_parser_cls
+        self.enable_auto_tools = enable_auto_tools and tool_parser_cls is not None
         self.chat_template = chat_template
         self.chat_template_content_format = chat_template_content_format
         self.store = ResponseStore()
@@ -174,7 +190,7 @@ class OpenAIServingResponses(OpenAIServing):
         try:
             return await self._create(request, raw_request, model, conversation, chat_request)
         except APIError as exc:
-            raise in_responses_words(exc, conversation.sources) from None
+            raise in_responses_words(exc, conversation) from None
 
     def retrieve(self, response_id: str, *, stream: bool | None, starting_after: int | None,
                  include: list[str] | None) -> dict[str, Any]:
@@ -196,7 +212,14 @@ class OpenAIServingResponses(OpenAIServing):
     async def _create(self, request: ResponsesRequest, raw_request: Request, model: str,
                       conversation: Conversation, chat_request: Any) -> Response:
         self.check_common(chat_request)
-        structured_outputs = await self.structured_outputs(chat_request)
+        try:
+            tool_choice = resolve_tool_choice(chat_request, auto_enabled=self.enable_auto_tools)
+        except RequestFieldError as exc:
+            raise field_error(exc) from None
+        if tool_choice.forced:
+            structured_outputs = await self.off_loop(tool_structured_outputs, chat_request, tool_choice)
+        else:
+            structured_outputs = await self.structured_outputs(chat_request)
         prompt = await self.off_loop(render_prompt, self.engine.input_processor, chat_request, self.chat_template,
                                      self.chat_template_content_format, default_param="messages")
         prompt_ids = prompt["prompt_token_ids"]
@@ -209,11 +232,14 @@ class OpenAIServingResponses(OpenAIServing):
                                     self.lora_request_of(request.model), request=chat_request)
         pending = Pending(request, response_id, model, int(time.time()), conversation, len(prompt_ids),
                           params.temperature, params.top_p)
+        tools = ReplyParsers(chat_request, tool_choice, prompt_ids, self.engine.tokenizer,
+                             tool_parser_cls=self.tool_parser_cls).stream() if tool_choice.kind != "none" else None
         builder = OutputBuilder(prompt_ids, reasoner=self.reasoner, tokenizer=self.engine.tokenizer,
-                                top_logprobs=top_logprobs, as_token_ids=chat_request.return_tokens_as_token_ids)
+                                top_logprobs=top_logprobs, as_token_ids=chat_request.return_tokens_as_token_ids,
+                                tools=tools)
         if request.stream:
             return StreamingResponse(self._stream(pending, builder, streams[0]), media_type="text/event-stream")
-        final = await cancel_on_disconnect(raw_request, self._collect(streams[0]))
+        final = await cancel_on_disconnect(raw_request, collect_final(streams[0]))
         if final is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         pending.cached_tokens = final.num_cached_tokens or 0
@@ -223,27 +249,11 @@ class OpenAIServingResponses(OpenAIServing):
         builder.close(incomplete)
         return JSONResponse(self._finish(pending, builder, incomplete))
 
-    @staticmethod
-    async def _collect(stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
-        final = None
-        try:
-            async for _, output in merge_streams([stream]):
-                final = output
-        except EngineDeadError as exc:
-            raise engine_dead(exc) from None
-        except ValueError as exc:
-            raise bad_request(exc) from None
-        assert final is not None
-        return final
-
     def _finish(self, pending: Pending, builder: OutputBuilder, incomplete: bool) -> dict[str, Any]:
         """The finished response's body, stored when the request asks for it."""
         body = pending.response("incomplete" if incomplete else "completed", builder).model_dump(mode="json")
         if pending.request.store is not False:
-            reply: dict[str, Any] = {"role": "assistant", "content": builder.answer}
-            if builder.reasoning:
-                reply["reasoning_content"] = builder.reasoning
-            self.store.put(pending.response_id, StoredResponse(body, [*pending.conversation.turns, reply]))
+            self.store.put(pending.response_id, StoredResponse(body, [*pending.conversation.turns, builder.turn()]))
         return body
 
     async def _stream(self, pending: Pending, builder: OutputBuilder,
@@ -262,7 +272,7 @@ class OpenAIServingResponses(OpenAIServing):
                         yield events.sse(event)
         except (EngineDeadError, ValueError) as exc:
             error = engine_dead(exc) if isinstance(exc, EngineDeadError) else bad_request(exc)
-            error = in_responses_words(error, pending.conversation.sources)
+            error = in_responses_words(error, pending.conversation)
             yield events.sse({"type": "error", "code": error.code, "message": error.message, "param": error.param})
             code = "server_error" if isinstance(exc, EngineDeadError) else "invalid_prompt"
             failed = pending.response("failed", error=ResponseError(code=code, message=error.message))

@@ -184,6 +184,21 @@ def test_the_stats_line_counts_a_real_engines_prefix_cache_lookups_once(qwen3_di
         assert latest.prefix_cache_hits > 0
         assert (engine.stat_logger.prefix_cache_queries, engine.stat_logger.prefix_cache_hits) == \
             (latest.prefix_cache_queries, latest.prefix_cache_hits)
+        # vLLM's LLM.get_metrics(): the same counts, as the objects vLLM's reader returns.
+        from sparrow.engine.metrics_reader import Counter, Gauge, Histogram
+
+        metrics = {metric.name: metric for metric in llm.get_metrics()}
+        assert isinstance(metrics["sparrow:prefix_cache_hits"], Counter)
+        assert metrics["sparrow:prefix_cache_hits"].value == latest.prefix_cache_hits
+        assert metrics["sparrow:prompt_tokens"].value == 2 * 80
+        assert metrics["sparrow:generation_tokens"].value == 2 * 4
+        assert isinstance(metrics["sparrow:num_requests_running"], Gauge)
+        assert metrics["sparrow:num_requests_running"].value == 0
+        ttft = metrics["sparrow:time_to_first_token_seconds"]
+        assert isinstance(ttft, Histogram) and ttft.count == 2 and ttft.buckets["+Inf"] == 2
+        assert ttft.labels == {"model_name": qwen3_dir}
+    with LLM(qwen3_dir, max_model_len=256) as quiet, pytest.raises(ValueError, match="disable_log_stats=False"):
+        quiet.get_metrics()
 
 
 # -- AsyncLLM -----------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from sparrow.core.kv_cache_utils import request_capacity_tokens
 from sparrow.engine.async_inputs import check_request_fields, request_params
 from sparrow.engine.input_processor import PromptType
 from sparrow.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from sparrow.engine.metrics import EngineMetrics
 from sparrow.engine.setup import build_frontend, finalize_config
 from sparrow.engine.stats_log import StatsLogger
 from sparrow.errors import InvalidArgumentError, error_from_engine
@@ -61,6 +62,10 @@ class LLMEngine:
         if observability.disable_log_stats is False:
             self.stat_logger = StatsLogger(observability.log_stats_interval,
                                            num_engines=self.config.parallel.data_parallel_size)
+        # The Prometheus metrics the server exposes, read by get_metrics() (only with the stats on).
+        self.metrics: EngineMetrics | None = None
+        if self.stat_logger is not None:
+            self.metrics = EngineMetrics(self.config.model.served_model_name or "sparrow-tiny")
         # engine-core request id -> prompt length, for the stats line (kept only while it is on)
         self._prompt_lens: dict[str, int] = {}
         # Outputs of a step that also raised (another request failed): handed out by the next step.
@@ -125,6 +130,8 @@ class LLMEngine:
             for child in children:
                 if self.stat_logger is not None:
                     self._prompt_lens[child.request_id] = len(child.prompt_token_ids)
+                if self.metrics is not None:
+                    self.metrics.request_added(child.request_id, child.arrival_time)
                 self.engine_core.add_request(child)
         except BaseException:
             self._abort_quietly([request.request_id])
@@ -152,6 +159,8 @@ class LLMEngine:
         engine_ids = self.output_processor.abort_requests(request_ids)
         for engine_id in engine_ids:
             self._prompt_lens.pop(engine_id, None)
+            if self.metrics is not None:
+                self.metrics.request_finished(engine_id, "abort")
         self.engine_core.abort_requests(engine_ids)
 
     def _abort_quietly(self, request_ids: list[str]) -> None:
@@ -194,6 +203,8 @@ class LLMEngine:
         if processed.reqs_to_abort:
             for engine_id in processed.reqs_to_abort:
                 self._prompt_lens.pop(engine_id, None)
+                if self.metrics is not None:  # stopped here, by a stop string
+                    self.metrics.request_finished(engine_id, "stop")
             self.engine_core.abort_requests(processed.reqs_to_abort)
         if failures:
             self.abort_request(list(failures))
@@ -207,16 +218,33 @@ class LLMEngine:
     def _record_stats(self, outputs: EngineCoreOutputs) -> None:
         stat_logger = self.stat_logger
         assert stat_logger is not None
+        metrics = self.metrics
         if outputs.scheduler_stats is not None:
             stat_logger.record_scheduler_stats(outputs.scheduler_stats)
+            if metrics is not None:
+                metrics.record_scheduler_stats(outputs.scheduler_stats)
         if outputs.outputs:
             stat_logger.record_outputs(outputs.outputs, self._prompt_lens)
+            if metrics is not None:
+                metrics.record_outputs(outputs.outputs, self._prompt_lens)
             for output in outputs.outputs:
                 if output.finish_reason is not None:
                     self._prompt_lens.pop(output.request_id, None)
+                    if metrics is not None:
+                        metrics.request_finished(output.request_id, str(output.finish_reason))
         stat_logger.maybe_log()
 
     # -- utilities --------------------------------------------------------------------------
+    def get_metrics(self) -> list[Any]:
+        """vLLM's: the engine's metrics (``sparrow.engine.metrics_reader``: Counter, Gauge, Vector,
+        Histogram), the ones the server exposes at /metrics; needs ``disable_log_stats=False``."""
+        if self.metrics is None:
+            raise InvalidArgumentError("get_metrics: the engine keeps no statistics; build it with "
+                                       "disable_log_stats=False", "disable_log_stats")
+        from sparrow.engine.metrics_reader import snapshot
+
+        return snapshot(self.metrics.registry)
+
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.call_utility("reset_prefix_cache")
 

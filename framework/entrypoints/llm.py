@@ -264,6 +264,11 @@ class LLM:
         worker (see ``LLMEngine.collective_rpc``); results in rank order."""
         return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
 
+    def get_metrics(self) -> list[Any]:
+        """vLLM's: the engine's metrics as objects (``sparrow.engine.metrics_reader``: Counter,
+        Gauge, Vector, Histogram, each with its name and labels); needs ``disable_log_stats=False``."""
+        return self.llm_engine.get_metrics()
+
     def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
         """vLLM's: ``func(model)`` on every worker's model (a ``torch.nn.Module``), for inspecting
         or changing weights in research code; results in rank order."""

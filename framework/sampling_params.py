@@ -10,8 +10,6 @@ every integer fits the 64-bit integers the wire (msgpack) and the sampler carry.
 from __future__ import annotations
 
 import enum
-import math
-import numbers
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -19,60 +17,15 @@ from typing import Any
 import msgspec
 
 from sparrow.errors import InvalidArgumentError
+from sparrow.param_checks import INT64_MAX, INT64_MIN, _bool, _fail, _float, _int, _token_ids  # noqa: F401
 
 _SAMPLING_EPS = 1e-5
-INT64_MIN = -(2**63)
-INT64_MAX = 2**63 - 1
 
 
 class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0  # every output holds everything generated so far
     DELTA = 1  # every output holds only what is new
     FINAL_ONLY = 2  # one output, when the request finishes
-
-
-_MAX_SHOWN_CHARS = 60
-
-
-def _fail(field: str, requirement: str, value: Any, *, path: str | None = None) -> None:
-    """Raise naming ``field`` in the message; ``path`` is the error's field when the message's
-    name is not one (``logit_bias key``)."""
-    shown = repr(value)
-    if len(shown) > _MAX_SHOWN_CHARS:
-        shown = shown[:_MAX_SHOWN_CHARS] + "..."
-    raise InvalidArgumentError(f"SamplingParams.{field} {requirement}, got {shown} ({type(value).__name__})",
-                               path or field)
-
-
-def _int(field: str, value: Any, minimum: int = INT64_MIN, maximum: int = INT64_MAX, *, path: str | None = None) -> int:
-    """``value`` as a Python int in [minimum, maximum]; numpy integers are converted."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        _fail(field, "must be an integer", value, path=path)
-    value = int(value)
-    if not minimum <= value <= maximum:
-        _fail(field, f"must be an integer in [{minimum}, {maximum}]", value, path=path)
-    return value
-
-
-def _float(field: str, value: Any) -> float:
-    """``value`` as a finite Python float (ints and numpy numbers are converted)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        _fail(field, "must be a number", value)
-    try:
-        converted = float(value)
-    except (OverflowError, ValueError):
-        converted = math.inf
-    if not math.isfinite(converted):
-        _fail(field, "must be a finite number", value)
-    return converted
-
-
-def _bool(field: str, value: Any) -> bool:
-    # numpy's bool is not a bool subclass; it is recognised by its type rather than importing numpy.
-    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
-        return bool(value)
-    _fail(field, "must be True or False", value)
-    return False  # unreachable
 
 
 class StructuredOutputsParams(
@@ -147,13 +100,6 @@ STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 _OLDER_NAMES = ("guided_decoding", "logits_processors")
 # vLLM's name for StructuredOutputsParams before 0.11 (``SamplingParams(guided_decoding=...)``).
 GuidedDecodingParams = StructuredOutputsParams
-
-
-def _token_ids(field: str, values: Any) -> list[int]:
-    # Any iterable of integers (a list, a tuple, a numpy array), never a string or a dict.
-    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
-        _fail(field, "must be a list of token ids", values)
-    return [_int(f"{field}[{index}]", value, 0) for index, value in enumerate(values)]
 
 
 class SamplingParams(

@@ -26,7 +26,8 @@ LAYOUT = {"sparrow": "framework", "sparrow_schedulers": "plugins/schedulers", "s
 CHECKED = ("sparrow.hookspecs", "sparrow.core", "sparrow.ops", "sparrow.plugins", "sparrow.config",
            "sparrow.config_base", "sparrow.config_model",
            "sparrow.interfaces", "sparrow.wire", "sparrow.errors", "sparrow.platforms", "sparrow.sample",
-           "sparrow.worker", "sparrow.executor", "sparrow.utils")
+           "sparrow.worker", "sparrow.executor", "sparrow.utils", "sparrow.param_checks",
+           "sparrow.plugin_files")
 
 
 def build_tree(dest: Path) -> None:

@@ -10,9 +10,8 @@ from typing import Any
 
 from sparrow.engine.arg_utils import AsyncEngineArgs  # noqa: F401 - re-exported
 from sparrow.errors import InvalidArgumentError
+from sparrow.param_checks import INT64_MAX, INT64_MIN
 from sparrow.sampling_params import SamplingParams
-
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def check_request_fields(request_id: Any, prompt: Any, arrival_time: Any, priority: Any, trace_headers: Any,
@@ -24,7 +23,7 @@ def check_request_fields(request_id: Any, prompt: Any, arrival_time: Any, priori
         raise InvalidArgumentError(f"request_id must be a non-empty string, got {request_id!r} "
                                    f"({type(request_id).__name__})", "request_id")
     if isinstance(priority, bool) or not isinstance(priority, numbers.Integral) \
-            or not _INT64_MIN <= int(priority) <= _INT64_MAX:
+            or not INT64_MIN <= int(priority) <= INT64_MAX:
         raise InvalidArgumentError(f"priority of request {request_id!r} must be a 64-bit integer, got "
                                    f"{priority!r} ({type(priority).__name__})", "priority")
     if arrival_time is not None:

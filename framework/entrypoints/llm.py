@@ -13,11 +13,11 @@ from sparrow.engine.async_inputs import request_params
 from sparrow.engine.llm_engine import LLMEngine
 from sparrow.errors import InvalidArgumentError
 from sparrow.outputs import RequestOutput
+from sparrow.param_checks import INT64_MAX, INT64_MIN
 from sparrow.sampling_params import SamplingParams
 
 ChatMessages = Sequence[Mapping[str, Any]]
 
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _pooling_refused(method: str) -> InvalidArgumentError:
@@ -27,7 +27,7 @@ def _pooling_refused(method: str) -> InvalidArgumentError:
 
 def _check_priority(index: int, value: Any) -> int:
     """priority[index] as an int the engine core carries (numpy integers accepted)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not _INT64_MIN <= value <= _INT64_MAX:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not INT64_MIN <= value <= INT64_MAX:
         raise ValueError(f"priority[{index}] must be a 64-bit integer, got {value!r}")
     return int(value)
 

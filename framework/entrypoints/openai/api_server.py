@@ -262,7 +262,8 @@ def tool_parser_class(args: argparse.Namespace | None) -> type | None:
     """The --tool-call-parser's class (None when not set), after loading --tool-parser-plugin's
     file; ValueError naming the flag when the name is not registered or --enable-auto-tool-choice
     lacks a parser."""
-    from sparrow.plugins import get_registry, load_plugin_file, resolve_parser
+    from sparrow.plugin_files import load_plugin_file
+    from sparrow.plugins import get_registry, resolve_parser
 
     plugin_file = getattr(args, "tool_parser_plugin", None)
     if plugin_file is not None:

@@ -128,9 +128,8 @@ class LLMEngine:
         children = self.output_processor.add_request(request, text)
         try:
             for child in children:
-                if self.stat_logger is not None:
+                if self.metrics is not None:  # with the stats line
                     self._prompt_lens[child.request_id] = len(child.prompt_token_ids)
-                if self.metrics is not None:
                     self.metrics.request_added(child.request_id, child.arrival_time)
                 self.engine_core.add_request(child)
         except BaseException:
@@ -219,19 +218,17 @@ class LLMEngine:
         stat_logger = self.stat_logger
         assert stat_logger is not None
         metrics = self.metrics
+        assert metrics is not None  # kept exactly when the stats line is
         if outputs.scheduler_stats is not None:
             stat_logger.record_scheduler_stats(outputs.scheduler_stats)
-            if metrics is not None:
-                metrics.record_scheduler_stats(outputs.scheduler_stats)
+            metrics.record_scheduler_stats(outputs.scheduler_stats)
         if outputs.outputs:
             stat_logger.record_outputs(outputs.outputs, self._prompt_lens)
-            if metrics is not None:
-                metrics.record_outputs(outputs.outputs, self._prompt_lens)
+            metrics.record_outputs(outputs.outputs, self._prompt_lens)
             for output in outputs.outputs:
                 if output.finish_reason is not None:
                     self._prompt_lens.pop(output.request_id, None)
-                    if metrics is not None:
-                        metrics.request_finished(output.request_id, str(output.finish_reason))
+                    metrics.request_finished(output.request_id, str(output.finish_reason))
         stat_logger.maybe_log()
 
     # -- utilities --------------------------------------------------------------------------

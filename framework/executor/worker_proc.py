@@ -242,12 +242,7 @@ class WorkerProc:
         a non-callable attribute is returned as is."""
         if isinstance(method, bytes):
             return rpc.run_function(self.worker, method, args, kwargs)
-        if method.startswith("_"):
-            raise AttributeError(f"collective_rpc cannot call the private attribute {method!r}")
-        target = self if method in self.PROC_METHODS else self.worker
-        value = getattr(target, method, None)
-        if value is None and not hasattr(target, method):
-            raise AttributeError(f"the worker ({type(self.worker).__name__}) has no method {method!r}")
+        value = rpc.resolve(self if method in self.PROC_METHODS else self.worker, method)
         return value(*args, **kwargs) if callable(value) else value
 
     def close(self) -> None:

@@ -46,8 +46,8 @@ from sparrow.entrypoints.openai.protocol_responses import (
     ReasoningItem,
     ReasoningText,
 )
-from sparrow.entrypoints.openai.serving_engine import clamp_logprob, token_label
-from sparrow.outputs import CompletionOutput, Logprob
+from sparrow.entrypoints.openai.serving_engine import logprob_entry
+from sparrow.outputs import CompletionOutput
 
 Event = dict[str, Any]  # an event without its sequence_number (EventSequence numbers it)
 Item = ReasoningItem | OutputMessage | FunctionCallItem
@@ -108,7 +108,8 @@ class OutputBuilder:
                     self._reasoning_end = start + offset
                     break
         if self._top_logprobs is not None and completion.logprobs is not None:
-            self._logprobs += [self._entry(token_id, position)
+            self._logprobs += [logprob_entry(token_id, position, self._top_logprobs, self._tokenizer,
+                                             self._as_token_ids)
                                for token_id, position in zip(completion.token_ids, completion.logprobs)]
         if self._split is None:
             return self._pieces("", completion.text)
@@ -276,17 +277,3 @@ class OutputBuilder:
         start = max(self._released, self.reasoning_tokens)
         self._released = max(start, len(self._logprobs))
         return self._logprobs[start:self._released]
-
-    def _entry(self, token_id: int, position: dict[int, Logprob]) -> dict[str, Any]:
-        """One token's logprob entry: the chosen token and its ``top_logprobs`` most likely ones."""
-
-        def scored(other_id: int, entry: Logprob | None) -> dict[str, Any]:
-            text = entry.decoded_token if entry is not None and entry.decoded_token is not None \
-                else self._tokenizer.decode([other_id])
-            return {"token": token_label(other_id, text, self._as_token_ids),
-                    "logprob": clamp_logprob(entry.logprob if entry is not None else -9999.0),
-                    "bytes": list(text.encode("utf-8"))}
-
-        ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)[:self._top_logprobs or 0]
-        return {**scored(token_id, position.get(token_id)),
-                "top_logprobs": [scored(other_id, entry) for other_id, entry in ranked]}

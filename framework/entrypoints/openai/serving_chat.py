@@ -29,7 +29,6 @@ from sparrow.entrypoints.openai.protocol import (
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
-    ChatCompletionTopLogprob,
     ChatMessage,
     DeltaMessage,
     ToolCall,
@@ -39,11 +38,10 @@ from sparrow.entrypoints.openai.serving_engine import (
     APIError,
     OpenAIServing,
     bad_request,
-    clamp_logprob,
     collect_final,
     engine_dead,
     field_error,
-    token_label,
+    logprob_entry,
     usage,
 )
 from sparrow.entrypoints.openai.streams import cancel_on_disconnect, merge_streams
@@ -232,22 +230,10 @@ class OpenAIServingChat(OpenAIServing):
         if logprobs is None:
             return None
         tokenizer = self.engine.tokenizer
-
-        def entry_of(token_id: int, decoded: str | None, logprob: float) -> dict[str, Any]:
-            text = decoded if decoded is not None else tokenizer.decode([token_id])
-            return {"token": token_label(token_id, text, reply.as_token_ids), "logprob": clamp_logprob(logprob),
-                    "bytes": list(text.encode("utf-8"))}
-
-        content = []
-        for token_id, position in zip(token_ids, logprobs):
-            chosen = position.get(token_id)
-            ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)[:reply.top_logprobs]
-            content.append(ChatCompletionLogProb(
-                **entry_of(token_id, chosen.decoded_token if chosen else None, chosen.logprob if chosen else -9999.0),
-                top_logprobs=[ChatCompletionTopLogprob(**entry_of(other_id, entry.decoded_token, entry.logprob))
-                              for other_id, entry in ranked],
-            ))
-        return ChatCompletionLogProbs(content=content)
+        return ChatCompletionLogProbs(content=[
+            ChatCompletionLogProb(**logprob_entry(token_id, position, reply.top_logprobs, tokenizer,
+                                                  reply.as_token_ids))
+            for token_id, position in zip(token_ids, logprobs)])
 
     def _response(self, request_id: str, model: str, final: RequestOutput, reply: Reply,
                   parsers: ReplyParsers) -> ChatCompletionResponse:

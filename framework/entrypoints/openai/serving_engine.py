@@ -48,6 +48,23 @@ def token_label(token_id: int, text: str, as_token_id: bool) -> str:
     return f"token_id:{token_id}" if as_token_id else text
 
 
+def logprob_entry(token_id: int, position: dict[int, Logprob], top_k: int, tokenizer: Any,
+                  as_token_id: bool) -> dict[str, Any]:
+    """One generated token's logprobs in the chat and responses endpoints' shape: the chosen
+    token (its text, logprob, UTF-8 bytes) and its ``top_k`` most likely ones, by rank."""
+
+    def scored(other_id: int, entry: Logprob | None) -> dict[str, Any]:
+        text = entry.decoded_token if entry is not None and entry.decoded_token is not None \
+            else tokenizer.decode([other_id])
+        return {"token": token_label(other_id, text, as_token_id),
+                "logprob": clamp_logprob(entry.logprob if entry is not None else LOGPROB_FLOOR),
+                "bytes": list(text.encode("utf-8"))}
+
+    ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)[:top_k]
+    return {**scored(token_id, position.get(token_id)),
+            "top_logprobs": [scored(other_id, entry) for other_id, entry in ranked]}
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> UsageInfo:
     """``cached_tokens``: the prompt tokens the prefix cache held (None: no prompt_tokens_details)."""
     details = None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)

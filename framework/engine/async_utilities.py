@@ -18,7 +18,6 @@ from sparrow.config import EngineConfig
 from sparrow.engine.messages import SchedulerStats
 from sparrow.errors import InvalidArgumentError
 from sparrow.executor import rpc
-from sparrow.executor.rpc import check_rpc_call
 from sparrow.lora.engine import check_lora_request
 from sparrow.outputs import RequestOutput
 
@@ -95,9 +94,7 @@ class AsyncEngineUtilities:
     async def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
                              args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         """vLLM's (see ``LLMEngine.collective_rpc``): a worker method's name, or a function of the worker."""
-        check_rpc_call(timeout, args, kwargs)
-        results = await self._call_utility("collective_rpc", rpc.encode_method(method), list(args),
-                                           dict(kwargs or {}), timeout)
+        results = await self._call_utility("collective_rpc", *rpc.utility_args(method, timeout, args, kwargs))
         return rpc.load_results(method, results)
 
     async def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:

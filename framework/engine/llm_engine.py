@@ -17,7 +17,6 @@ from sparrow.engine.setup import build_frontend, finalize_config
 from sparrow.engine.stats_log import StatsLogger
 from sparrow.errors import InvalidArgumentError, error_from_engine
 from sparrow.executor import rpc
-from sparrow.executor.rpc import check_rpc_call
 from sparrow.outputs import RequestOutput
 from sparrow.sampling_params import SamplingParams
 
@@ -250,9 +249,7 @@ class LLMEngine:
         """vLLM's: ``worker.method(*args, **kwargs)`` on every worker, or ``method(worker, *args,
         **kwargs)`` for a function (sent pickled, so a lambda works; its result comes back as any
         Python value); results in rank order. ``timeout``: seconds before a TimeoutError."""
-        check_rpc_call(timeout, args, kwargs)
-        results = self.engine_core.call_utility("collective_rpc", rpc.encode_method(method), list(args),
-                                                dict(kwargs or {}), timeout)
+        results = self.engine_core.call_utility("collective_rpc", *rpc.utility_args(method, timeout, args, kwargs))
         return rpc.load_results(method, results)
 
     def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:

@@ -46,6 +46,12 @@ def check_rpc_call(timeout: Any, args: Any, kwargs: Any) -> None:
         raise InvalidArgumentError("collective_rpc: kwargs must be a dict with string keys", "kwargs")
 
 
+def utility_args(method: Any, timeout: Any, args: Any, kwargs: Any) -> tuple[Any, ...]:
+    """The engine core's ``collective_rpc`` utility arguments for a caller's call, checked."""
+    check_rpc_call(timeout, args, kwargs)
+    return encode_method(method), list(args), dict(kwargs or {}), timeout
+
+
 def resolve(worker: Any, method: str) -> Any:
     """``worker``'s attribute ``method`` (a method to call, or a value, which is returned as is)."""
     if method.startswith("_"):

@@ -65,6 +65,9 @@ class ModelConfig(_Section):
     quantization: str | None = Field(
         None, description="Quantization method for the weights: a name a plugin registers (`sparrow plugins` "
         "lists them) (default: none, the weights run in dtype).")
+    enable_sleep_mode: bool = Field(
+        False, description="Allow LLM.sleep() / wake_up(): release the KV cache and the weights' device memory "
+        "while another program uses the device (RLHF), then take it back.")
     trust_remote_code: bool = Field(
         False, description="Let transformers run the Python code a model or tokenizer directory ships for its config "
         "or tokenizer class (auto_map in config.json / tokenizer_config.json); only for directories you trust. The "

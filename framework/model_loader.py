@@ -135,7 +135,10 @@ class SafetensorsLoader(ModelLoader):
         safetensors_files(model_dir)
 
     def load_weights(self, model: torch.nn.Module, model_dir: Path, tp: ParallelContext | None) -> None:
-        model.load_weights(iter_safetensors(model_dir, tp))  # type: ignore[operator]
+        loaded = model.load_weights(iter_safetensors(model_dir, tp))  # type: ignore[operator]
+        check_loaded = getattr(model, "check_loaded", None)  # a plugin's model may check for itself
+        if callable(check_loaded) and isinstance(loaded, set):
+            check_loaded(loaded)
 
 
 class DummyLoader(ModelLoader):

@@ -138,11 +138,42 @@ def test_packed_linear_matches_the_reference(rows):
 
 
 @needs_onednn
-def test_a_packed_weight_refuses_loading_again():
+def test_a_packed_weight_takes_new_weights_and_a_fused_shard_keeps_the_others():
+    """An RLHF update after binding: loading into a packed weight unpacks it, loads, repacks."""
+    qkv = QKVParallelLinear(16, 4, 2, 1, bias=False)  # q: 8 rows, k: 4, v: 4
+    _filled(qkv)
+    dense = qkv.weight.detach().clone()
+    bind_ops(qkv, "cpu")
+    assert qkv.weight.is_mkldnn
+    new_k = torch.randn(4, 16)
+    qkv.weight.weight_loader(qkv.weight, new_k, "k")
+    assert qkv.weight.is_mkldnn  # packed again
+    expected = torch.cat([dense[:8], new_k, dense[12:]])
+    x = torch.randn(5, 16)
+    torch.testing.assert_close(qkv(x), torch.nn.functional.linear(x, expected), rtol=1e-4, atol=1e-4)
+    # Loaded twice: the first load's rows stay, only the newly loaded ones change.
+    new_q = torch.randn(8, 16)
+    qkv.weight.weight_loader(qkv.weight, new_q, "q")
+    expected = torch.cat([new_q, new_k, dense[12:]])
+    torch.testing.assert_close(qkv(x), torch.nn.functional.linear(x, expected), rtol=1e-4, atol=1e-4)
+
+
+def test_a_weight_an_implementation_cannot_unpack_refuses_loading_again():
+    from sparrow.ops.base import OpImpl
+
+    class Transposed(OpImpl):
+        name = "transposed"
+
+        def process_weights(self):
+            self.layer.replace_parameter("weight", self.layer.weight.t().contiguous())
+
     layer = ColumnParallelLinear(16, 8)
     _filled(layer)
-    bind_ops(layer, "cpu")
-    with pytest.raises(RuntimeError, match="repacked by a platform op"):
+    impl = Transposed(layer)
+    layer.bind_impl(impl)
+    impl.process_weights()
+    with pytest.raises(RuntimeError, match=r"ColumnParallelLinear\.weight was repacked by the transposed "
+                                           "implementation after loading, which cannot unpack it"):
         layer.weight.weight_loader(layer.weight, torch.zeros(8, 16))
 
 
@@ -162,6 +193,10 @@ def test_packing_keeps_a_tied_embedding_dense():
     torch.testing.assert_close(head.compute_logits(hidden), expected, rtol=1e-5, atol=1e-5)
     assert head.compute_logits(hidden).dtype == torch.float32
     torch.testing.assert_close(embedding(torch.tensor([1, 2])), table[[1, 2]])
+    # New weights loaded into the shared table reach the head's packed copy.
+    new_table = torch.randn(32, 16)
+    embedding.weight.weight_loader(embedding.weight, new_table)
+    torch.testing.assert_close(head.compute_logits(hidden), hidden @ new_table.T, rtol=1e-4, atol=1e-4)
 
 
 @needs_onednn

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import socket
@@ -53,7 +54,7 @@ def is_running(pid: int) -> bool:
 
 
 class Server:
-    def __init__(self, model_dir: str, log_path: Path, *extra: str) -> None:
+    def __init__(self, model_dir: str, log_path: Path, *extra: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -64,7 +65,8 @@ class Server:
             "--disable-access-log", *extra,
         ]
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **env} if env else None)
         deadline = time.monotonic() + 120
         while True:
             if self.proc.poll() is not None:
@@ -115,10 +117,12 @@ class Server:
         self._log.close()
 
 
-def serve_for_module(model_dir: str, tmp_path_factory, name: str, *extra: str, server_cls: type | None = None):
+def serve_for_module(model_dir: str, tmp_path_factory, name: str, *extra: str, server_cls: type | None = None,
+                     env: dict[str, str] | None = None):
     """The body of a module-scoped server fixture (``yield from`` it): a real ``sparrow serve``
-    with ``extra`` flags, stopped at the end, which must exit cleanly."""
-    srv = (server_cls or Server)(model_dir, tmp_path_factory.mktemp(name) / "server.log", *extra)
+    with ``extra`` flags (and ``env`` over this process's environment), stopped at the end, which
+    must exit cleanly."""
+    srv = (server_cls or Server)(model_dir, tmp_path_factory.mktemp(name) / "server.log", *extra, env=env)
     yield srv
     srv.stop()
     assert srv.proc.returncode == 0, srv.log()

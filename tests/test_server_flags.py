@@ -51,7 +51,8 @@ def server(model_dir, template_file, tmp_path_factory):
                                 "--response-role", "bot", "--enable-log-requests", "--enable-log-outputs",
                                 "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
                                 "--max-log-len", str(MAX_LOG_LEN),
-                                "--root-path", ROOT_PATH, server_cls=FlagsServer)
+                                "--root-path", ROOT_PATH, "--enable-sleep-mode", server_cls=FlagsServer,
+                                env={"SPARROW_SERVER_DEV_MODE": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -307,3 +308,30 @@ def test_disable_log_requests_is_the_default_and_contradicts_enable():
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1] == ("sparrow: error: --disable-log-requests and "
                                                       "--enable-log-requests contradict each other; give one")
+
+
+def test_dev_mode_endpoints_sleep_wake_up_and_call_the_workers(server, client, http):
+    """vLLM's development endpoints (SPARROW_SERVER_DEV_MODE=1), as an RLHF trainer drives a
+    colocated server: sleep, refused requests while asleep, wake up, collective_rpc by name."""
+    def complete():
+        return client.completions.create(model=MODEL_NAME, prompt="hello there", max_tokens=4, temperature=0)
+
+    before = complete().choices[0].text
+    assert http.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert http.post("/sleep", params={"level": 1}).status_code == 200
+    assert http.get("/is_sleeping").json() == {"is_sleeping": True}
+    with pytest.raises(openai.BadRequestError, match="asleep"):
+        complete()
+    assert http.post("/wake_up", params={"tags": "weights"}).status_code == 200
+    assert http.get("/is_sleeping").json() == {"is_sleeping": True}  # the KV cache still sleeps
+    assert http.post("/wake_up").status_code == 200
+    assert complete().choices[0].text == before
+    assert http.post("/collective_rpc", json={"method": "is_sleeping"}).json() == {"results": [False]}
+    assert http.post("/reset_prefix_cache").status_code == 200
+    for method, path, kwargs, param in [("post", "/sleep", {"params": {"level": 3}}, "level"),
+                                        ("post", "/wake_up", {"params": {"tags": "activations"}}, "tags"),
+                                        ("post", "/collective_rpc", {"json": {"method": "no_such_method"}}, "method")]:
+        response = getattr(http, method)(path, **kwargs)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
+    assert complete().choices[0].text == before

@@ -7,6 +7,7 @@ chunked, so the persistent batches of both ranks are exercised the way serving d
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -48,6 +49,7 @@ def generate(llm: LLM):
             for o in outputs]
 
 
+@functools.lru_cache(maxsize=None)  # one single-device run per model directory
 def reference_outputs(model_dir: str):
     llm = LLM(model_dir, multiprocess=False, **ENGINE_ARGS)
     try:
@@ -126,9 +128,17 @@ def worker_pids(llm: LLM) -> dict[int, int]:
 
 
 def test_killing_a_worker_fails_in_flight_requests_promptly(model_dirs):
-    llm = LLM(model_dirs["llama"], tensor_parallel_size=2, **ENGINE_ARGS)
+    llm = LLM(model_dirs["llama"], tensor_parallel_size=2, enable_sleep_mode=True, **ENGINE_ARGS)
     engine = llm.llm_engine
     try:
+        check_matches_tp1(llm, model_dirs["llama"])
+        # Sleep mode reaches every rank: level 2 discards both ranks' shards (the final norm reads
+        # zeros after waking), and reload_weights reads each rank's shard of the checkpoint again.
+        llm.sleep(level=2)
+        assert llm.is_sleeping()
+        llm.wake_up()
+        assert llm.apply_model(lambda model: float(model.model.norm.weight.abs().sum())) == [0.0, 0.0]
+        llm.collective_rpc("reload_weights")
         check_matches_tp1(llm, model_dirs["llama"])
         pids = worker_pids(llm)
         assert sorted(pids) == [0, 1] and all(is_running(pid) for pid in pids.values())

@@ -91,6 +91,21 @@ class AsyncEngineUtilities:
     async def get_kv_cache_info(self) -> dict[str, int]:
         return await self._call_utility("get_kv_cache_info")
 
+    async def sleep(self, level: int = 1) -> None:
+        """vLLM's (see ``LLMEngine.sleep``)."""
+        from sparrow.worker.sleep_mode import check_sleep
+
+        check_sleep(self.config, level)
+        await self._call_utility("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        from sparrow.worker.sleep_mode import check_wake_up_tags
+
+        await self._call_utility("wake_up", check_wake_up_tags(tags))
+
+    async def is_sleeping(self) -> bool:
+        return await self._call_utility("is_sleeping")
+
     async def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
                              args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         """vLLM's (see ``LLMEngine.collective_rpc``): a worker method's name, or a function of the worker."""

@@ -27,6 +27,7 @@ from sparrow.plugins import (
     resolve_hook,
     resolve_parser,
 )
+from sparrow.worker.sleep_mode import SLEEP_TAGS, check_sleep, check_wake_up_tags
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class EngineCore:
         # Structured outputs: built on the first constrained request (it loads the tokenizer).
         self._structured_output: Any = None
         self._grammar_pending: dict[str, Request] = {}  # req_id -> request whose grammar compiles
+        self._sleeping_tags: set[str] = set()  # sleep mode: the tags sleep() released and not woken
         # Overlapped scheduling: the steps started and not yet collected, oldest first (None: off).
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle]] | None = None
         if config.scheduler.async_scheduling:
@@ -79,6 +81,9 @@ class EngineCore:
         """Raises ValueError when the request can never run; any other exception means adding it
         failed, and the scheduler keeps nothing of it. Either way the caller fails that request
         alone (``EngineCoreProc`` answers it with an error output)."""
+        if self._sleeping_tags:
+            raise ValueError(f"the engine is asleep ({', '.join(sorted(self._sleeping_tags))} released by sleep()); "
+                             "call wake_up() before adding requests")
         check_request(request, vocab_size=self.vocab_size, max_model_len=self.config.model.max_model_len or 0)
         core_request = Request(
             request_id=request.request_id,
@@ -256,6 +261,25 @@ class EngineCore:
     def get_kv_cache_info(self) -> dict[str, int]:
         return {"num_blocks": self.num_kv_blocks, "block_size": self.block_size,
                 "num_free_blocks": self.kv_cache_manager.num_free_blocks}
+
+    # Sleep mode (vLLM's sleep / wake_up / is_sleeping; sparrow.worker.sleep_mode): while any
+    # tag sleeps, requests are refused.
+    def sleep(self, level: int = 1) -> None:
+        check_sleep(self.config, level)
+        if self.has_unfinished_requests():
+            raise ValueError(f"sleep: {self.scheduler.get_num_unfinished_requests()} requests are in flight; "
+                             "let them finish or abort them first")
+        self.scheduler.reset_prefix_cache()  # the KV cache's contents are discarded
+        self.executor.collective_rpc("sleep", (level,))
+        self._sleeping_tags = set(SLEEP_TAGS)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        tags = check_wake_up_tags(tags)
+        self.executor.collective_rpc("wake_up", (tags,))
+        self._sleeping_tags -= set(SLEEP_TAGS if tags is None else tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self._sleeping_tags)
 
     def collective_rpc(self, method: str | bytes, args: tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None) -> list[Any]:

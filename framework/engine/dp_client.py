@@ -326,8 +326,8 @@ def _combine(method: str, results: list[Any]) -> Any:
     """Per-core utility results -> one result.
 
     get_kv_cache_info: the smallest core's num_blocks (any request may land on any core), summed
-    free blocks; reset_prefix_cache: True only if every core reset; collective_rpc and profile:
-    every core's worker results, core after core; get_scheduler_stats: combined like the stats of outputs;
+    free blocks; reset_prefix_cache: True only if every core reset; is_sleeping: whether any core
+    sleeps; collective_rpc and profile: every core's worker results, core after core; get_scheduler_stats: combined like the stats of outputs;
     any other method: the first core's result (the call still reached every core).
     """
     if method == "get_kv_cache_info":
@@ -337,6 +337,8 @@ def _combine(method: str, results: list[Any]) -> Any:
         return combined
     if method == "reset_prefix_cache":
         return all(results)
+    if method == "is_sleeping":
+        return any(results)
     if method in ("collective_rpc", "profile"):
         return [item for result in results for item in result]
     if method == "get_scheduler_stats":

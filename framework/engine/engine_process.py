@@ -189,8 +189,10 @@ class EngineProcess:
                 future = self._pending_calls.pop(result.call_id, None)
             if future is not None:
                 if result.failure_message is not None:
-                    # A timeout (collective_rpc's) stays a TimeoutError, as it is in one process.
-                    error_cls = TimeoutError if result.failure_message.startswith("TimeoutError:") else RuntimeError
+                    # A timeout (collective_rpc's) stays a TimeoutError, and a refused argument a
+                    # ValueError, as they are in one process.
+                    error_cls = {"TimeoutError": TimeoutError, "ValueError": ValueError}.get(
+                        result.failure_message.partition(":")[0], RuntimeError)
                     future.set_exception(
                         error_cls(f"utility call failed in the engine core: {result.failure_message}"))
                 else:

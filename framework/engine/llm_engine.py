@@ -244,6 +244,23 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.call_utility("reset_prefix_cache")
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's: release the KV cache (discarded) and the weights (level 1: offloaded to host
+        memory; level 2: discarded) while no request runs; needs ``enable_sleep_mode=True``."""
+        from sparrow.worker.sleep_mode import check_sleep
+
+        check_sleep(self.config, level)
+        self.engine_core.call_utility("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's: take back the memory of ``tags`` ("weights", "kv_cache"; default both)."""
+        from sparrow.worker.sleep_mode import check_wake_up_tags
+
+        self.engine_core.call_utility("wake_up", check_wake_up_tags(tags))
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.call_utility("is_sleeping")
+
     def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
         """vLLM's: ``worker.method(*args, **kwargs)`` on every worker, or ``method(worker, *args,

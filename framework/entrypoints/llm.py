@@ -233,6 +233,19 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's: free the device memory of the KV cache (discarded) and the weights (level 1:
+        offloaded to host memory; level 2: discarded, to be loaded again after ``wake_up``) while
+        no request runs, e.g. for an RLHF trainer on the same device. Needs ``enable_sleep_mode=True``."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's: take back the memory of ``tags``: "weights", "kv_cache" (default: both)."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
     def start_profile(self) -> None:
         """Start ``torch.profiler`` in every worker (vLLM's name); with ``SPARROW_TORCH_PROFILER_DIR``
         set, :meth:`stop_profile` writes each rank's Chrome trace there."""

@@ -74,8 +74,10 @@ class VocabParallelEmbedding(CustomOp):
                 f"({self.num_embeddings}, {self.embedding_dim})"
             )
         num_rows = self.vocab_end - self.vocab_start
-        copy_checked(param.data[:num_rows], narrow_loaded(loaded, 0, self.vocab_start, num_rows))
-        param.data[num_rows:].zero_()
+        table = param.detach()  # not .data: the copy moves the parameter's version counter, which tells a
+        # tied LM head that keeps a packed copy of this table to pack it again
+        copy_checked(table[:num_rows], narrow_loaded(loaded, 0, self.vocab_start, num_rows))
+        table[num_rows:].zero_()
 
     def layer_repr(self) -> str:
         return (

@@ -248,11 +248,13 @@ class LlamaForCausalLM(nn.Module):
         return names
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        """Load Hugging Face-named tensors; returns the names used.
+        """Load Hugging Face-named tensors; returns the checkpoint names loaded.
 
         q/k/v and gate/up projections are fused on the fly; rotary caches and, with tied
-        embeddings, ``lm_head.weight`` are skipped. Raises :class:`MissingWeightsError` naming the
-        tensors the checkpoint lacks, and ValueError naming unknown or misshapen ones.
+        embeddings, ``lm_head.weight`` are skipped. Raises ValueError naming unknown or misshapen
+        tensors. A partial set is loaded as given (vLLM's contract: an RLHF weight update sends
+        one tensor at a time); the model loader checks a checkpoint was whole with
+        :meth:`check_loaded`.
         """
         params = dict(self.named_parameters())
         expected = self.checkpoint_names()
@@ -280,10 +282,14 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"{type(self).__name__} has no parameter for checkpoint tensors: {_listing(unexpected)}"
             )
-        missing = sorted(set(expected) - loaded)
+        return loaded
+
+    def check_loaded(self, loaded: set[str]) -> None:
+        """Raise :class:`MissingWeightsError` naming the checkpoint tensors ``loaded`` (what
+        :meth:`load_weights` returned) lacks."""
+        missing = sorted(set(self.checkpoint_names()) - loaded)
         if missing:
             raise MissingWeightsError(f"checkpoint is missing tensors: {_listing(missing)}")
-        return loaded
 
 
 def _listing(names: list[str], limit: int = 20) -> str:

@@ -9,6 +9,7 @@ post-process (pack) the layer's weights; then called on every forward.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import torch
@@ -36,7 +37,16 @@ class OpImpl:
 
     def process_weights(self) -> None:
         """Called once per layer after its weights loaded, before the first forward. May repack a
-        weight into the implementation's own layout with ``self.layer.replace_parameter``."""
+        weight into the implementation's own layout with ``self.layer.replace_parameter``; it runs
+        again after each later load into a repacked weight (see :meth:`unpack_weights`)."""
+
+    def unpack_weights(self) -> dict[str, torch.Tensor] | None:
+        """The weights :meth:`process_weights` repacked, back in their loaded layout (name ->
+        tensor of the original shape and dtype), or None when this implementation cannot give them
+        back (the default). When it can, the layer takes new weights after binding (RLHF weight
+        updates through ``model.load_weights``, ``collective_rpc("reload_weights")``): each load
+        into a repacked weight unpacks, loads into the dense weights, and repacks."""
+        return None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
@@ -74,9 +84,15 @@ class CustomOp(nn.Module):
 
     def replace_parameter(self, name: str, tensor: torch.Tensor) -> None:
         """Swap parameter ``name`` for ``tensor`` (a packed layout). The old one is released unless
-        another module shares it; loading weights into the replaced parameter is refused."""
+        another module shares it. Loading weights into the replaced parameter later goes through
+        the implementation's ``unpack_weights`` (refused where it has none)."""
+        old = getattr(self, name, None)
+        if isinstance(old, nn.Parameter) and not getattr(old, "repacked", False):
+            # What the loaded parameter carried (its weight_loader, layout): restored on unpacking.
+            self.__dict__.setdefault("_loaded_param_attrs", {})[name] = dict(vars(old))
         param = nn.Parameter(tensor, requires_grad=False)
-        param.weight_loader = _packed_after_loading  # type: ignore[attr-defined]
+        param.repacked = True  # type: ignore[attr-defined]
+        param.weight_loader = functools.partial(_load_into_repacked, self, name)  # type: ignore[attr-defined]
         setattr(self, name, param)
 
     def layer_repr(self) -> str:
@@ -92,6 +108,24 @@ class CustomOp(nn.Module):
         return f"{base}, {label}" if base else label
 
 
-def _packed_after_loading(*_args: Any, **_kwargs: Any) -> None:
-    raise RuntimeError("this weight was repacked by a platform op after loading; build a new model to load "
-                       "weights again")
+def _load_into_repacked(layer: CustomOp, name: str, _param: nn.Parameter, loaded: Any, *args: Any,
+                        **kwargs: Any) -> None:
+    """The weight loader of a repacked parameter: unpack the layer's repacked weights, load
+    ``loaded`` into the dense one as the original loader does (a fused shard keeps the others),
+    and let the implementation repack them."""
+    impl = layer.op_impl
+    dense = impl.unpack_weights() if impl is not None else None
+    if impl is None or dense is None:
+        owner = f"the {impl.name or type(impl).__name__} implementation" if impl is not None else "a platform op"
+        raise RuntimeError(f"{type(layer).__name__}.{name} was repacked by {owner} after loading, which cannot "
+                           "unpack it; build a new model to load new weights")
+    attrs = layer.__dict__.get("_loaded_param_attrs", {})
+    for dense_name, tensor in dense.items():
+        param = nn.Parameter(tensor, requires_grad=False)
+        for key, value in attrs.get(dense_name, {}).items():
+            setattr(param, key, value)
+        setattr(layer, dense_name, param)
+    target = getattr(layer, name)
+    with torch.no_grad():
+        target.weight_loader(target, loaded, *args, **kwargs)
+        impl.process_weights()

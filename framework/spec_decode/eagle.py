@@ -128,6 +128,7 @@ def checkpoint_tensor_names(model_dir: str) -> set[str]:
 
 def load_eagle_head(model_dir: str, runner: Any) -> EagleHead:
     from sparrow.model_loader import get_hf_config, iter_safetensors
+    from sparrow.models.llama import LlamaForCausalLM
     from sparrow.ops import bind_ops
 
     hf_config = get_hf_config(model_dir, runner.config.model.trust_remote_code)  # the target's setting
@@ -139,7 +140,8 @@ def load_eagle_head(model_dir: str, runner: Any) -> EagleHead:
     with torch.no_grad():
         head = EagleHead(hf_config, checkpoint_tensor_names(model_dir), target, type(target.attn_backend),
                          runner.dtype, runner.device)
-        head.load_weights(iter_safetensors(model_dir, target.tp))
+        loaded = head.load_weights(iter_safetensors(model_dir, target.tp))
+        LlamaForCausalLM.check_loaded(head, loaded)  # type: ignore[arg-type]
     bind_ops(head, runner.config.device.device)
     return head.eval()
 

@@ -175,6 +175,42 @@ class WorkerBase:
 
         return dataclasses.asdict(self._lora_manager().stats)
 
+    # -- sleep mode and weights (LLM.sleep / wake_up, collective_rpc("reload_weights")) ----------
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        """Release the KV cache and the weights' device memory (sparrow.worker.sleep_mode);
+        returns the bytes released per tag."""
+        assert self.model_runner is not None
+        released = self.sleep_state.sleep(self.model_runner, level)
+        logger.info("rank %d asleep (level %d): released %s", self.rank, level,
+                    ", ".join(f"{tag} {size / 2**20:.1f} MiB" for tag, size in released.items()))
+        return released
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.sleep_state.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_state.sleeping
+
+    @property
+    def sleep_state(self) -> Any:
+        from sparrow.worker.sleep_mode import WorkerSleep
+
+        if "_sleep_state" not in self.__dict__:
+            self._sleep_state = WorkerSleep()
+        return self._sleep_state
+
+    def reload_weights(self) -> None:
+        """vLLM's: load the checkpoint into the model again, with the configured loader (after
+        ``sleep(level=2)``, or to undo a weight update); repacked weights are repacked."""
+        from pathlib import Path
+
+        from sparrow.model_loader import get_model_loader
+
+        assert self.model_runner is not None and self.config.model.model is not None
+        with torch.no_grad():
+            get_model_loader(self.config).load_weights(self.model_runner.model, Path(self.config.model.model),
+                                                       self.tp)
+
     # -- profiling (the engine core's profile, LLM.start_profile / stop_profile) -----------------
     def start_profile(self) -> None:
         self.profiler.start()

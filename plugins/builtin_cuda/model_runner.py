@@ -168,6 +168,12 @@ class CudaModelRunner(ModelRunner):
             if graphs is not None and graphs.capture():
                 forward.graphs = graphs
 
+    def drop_cuda_graphs(self) -> None:
+        """Forget every captured graph (sleep mode: they read memory that is about to move)."""
+        self.step_graphs = None
+        for forward in self.proposer.graph_forwards() if self.proposer is not None else ():
+            forward.graphs = None
+
     def build_step_graphs(self, **graph_kwargs: Any) -> StepGraphs | None:
         """The step graphs this model and backend allow, not yet captured (None: eager only);
         ``graph_kwargs`` go to StepGraphs (tests pass a stand-in graph type to run on the CPU)."""

@@ -51,3 +51,18 @@ class CudaWorker(WorkerBase):
         assert isinstance(self.model_runner, CudaModelRunner)
         if not self.config.device.enforce_eager:
             self.model_runner.capture_cuda_graphs()
+
+    # -- sleep mode: graphs hold the addresses of the memory sleep releases --------------------
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        assert isinstance(self.model_runner, CudaModelRunner)
+        torch.cuda.synchronize(self.device)
+        self.model_runner.drop_cuda_graphs()  # their pool is released too
+        released = super().sleep(level)
+        torch.cuda.empty_cache()  # back to the driver, for another process
+        return released
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        super().wake_up(tags)
+        assert isinstance(self.model_runner, CudaModelRunner)
+        if not self.sleep_state.sleeping and not self.config.device.enforce_eager:
+            self.model_runner.capture_cuda_graphs()  # over the storages' new addresses

@@ -5,7 +5,9 @@ batch sizes (8-64 rows) it is slow: on the 2-vCPU benchmark VM (AMD EPYC) a stac
 benchmark model's linears runs at 35-100 GFLOP/s through sgemm and at 90-195 GFLOP/s through
 oneDNN with the weight reordered once into its blocked layout (about 1.2x at prefill sizes too).
 The packed weight is an opaque oneDNN tensor that replaces the layer's dense parameter; a tied LM
-head keeps the dense table it shares with the embedding and holds its packed copy itself.
+head keeps the dense table it shares with the embedding and holds its packed copy itself. New
+weights loaded after packing (``model.load_weights``, an RLHF update) are unpacked into, then
+packed again; a tied head repacks when the shared table changes.
 
 ``SPARROW_CPU_PACKED_LINEAR=0`` turns this off.
 """
@@ -71,14 +73,22 @@ class OneDnnLinear(OpImpl):
     def process_weights(self) -> None:
         layer = self.layer
         packed = _pack(layer.weight)
+        self.tied_version: int | None = None
         if getattr(layer, "tied", False):
-            # The embedding reads the dense table it shares with this head: leave it in place.
+            # The embedding reads the dense table it shares with this head: leave it in place, and
+            # repack when new weights are loaded into it (its version counter moves).
             self.packed = packed
+            self.tied_version = layer.weight._version
         else:
             layer.replace_parameter("weight", packed)  # the dense copy is released
             self.packed = layer.weight
 
+    def unpack_weights(self) -> dict[str, torch.Tensor] | None:
+        return {"weight": self.layer.weight.to_dense()} if self.tied_version is None else None
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[0] == 0:  # oneDNN rejects empty inputs
             return x.new_empty(*x.shape[:-1], self.out_features)
+        if self.tied_version is not None and self.tied_version != self.layer.weight._version:
+            self.process_weights()  # new weights were loaded into the shared table
         return self._linear(x, self.packed, bias, "none", [], "")

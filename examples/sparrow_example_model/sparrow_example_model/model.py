@@ -138,7 +138,11 @@ class GraniteForCausalLM(nn.Module):
             param = params[param_name]
             getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
             loaded.add(param_name)
-        missing = sorted(set(params) - loaded - ({"lm_head.weight"} if self.config.tie_word_embeddings else set()))
+        return loaded  # a partial set is fine here (an RLHF weight update): the loader checks a whole one
+
+    def check_loaded(self, loaded: set[str]) -> None:
+        """Called by the model loader with what ``load_weights`` returned for the whole checkpoint."""
+        params = {name for name, _ in self.named_parameters()}
+        missing = sorted(params - loaded - ({"lm_head.weight"} if self.config.tie_word_embeddings else set()))
         if missing:
             raise ValueError(f"checkpoint is missing tensors for: {', '.join(missing)}")
-        return loaded

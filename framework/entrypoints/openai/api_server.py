@@ -246,6 +246,10 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
 
     if lora_modules is not None and runtime_lora_updating():
         add_lora_routes(app, lora_modules)
+    from sparrow.entrypoints.openai.dev_routes import add_dev_routes, dev_mode
+
+    if dev_mode():
+        add_dev_routes(app, engine)
     if os.environ.get(ENV_PROFILER_DIR):  # as vLLM: the routes exist only where traces have a home
         @app.post("/start_profile")
         async def start_profile() -> Response:

@@ -1,0 +1,141 @@
+"""Sleep mode on a worker (vLLM's ``LLM.sleep`` / ``wake_up``): free the device memory of the KV
+cache and the weights while another program (an RLHF trainer, say) uses the device, then take it
+back.
+
+* ``sleep(level=1)``: the KV cache is discarded; the weights are offloaded to host memory (on a
+  CPU device they are host memory already and stay where they are).
+* ``sleep(level=2)``: both are discarded. After ``wake_up`` the weights hold zeros until new ones
+  are loaded (``collective_rpc("reload_weights")`` reads the checkpoint again, or an RLHF update
+  through ``model.load_weights``).
+* ``wake_up(tags)``: ``"weights"`` and/or ``"kv_cache"`` (default both) take their memory back;
+  the KV cache comes back zeroed (the engine core reset its prefix cache before sleeping).
+
+Memory is released by shrinking each tensor's storage to nothing and grown back in place on
+waking, so every module, view and list keeps the tensors it holds; only their addresses change
+(the CUDA worker captures its graphs again). Tensors without a storage of their own (oneDNN's
+packed weights) are kept as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SLEEP_TAGS = ("weights", "kv_cache")
+
+
+def check_sleep(config: Any, level: Any) -> None:
+    """ValueError naming ``enable_sleep_mode`` or ``level`` when ``sleep(level)`` cannot run."""
+    if not config.model.enable_sleep_mode:
+        raise ValueError("sleep() needs an engine started with enable_sleep_mode=True")
+    if isinstance(level, bool) or level not in (1, 2):
+        raise ValueError(f"sleep: level must be 1 (offload the weights, discard the KV cache) or 2 (discard "
+                         f"both), got {level!r}")
+
+
+def check_wake_up_tags(tags: Any) -> list[str] | None:
+    """``wake_up``'s tags as a list (None: every tag); ValueError naming ``tags``."""
+    if tags is None:
+        return None
+    if isinstance(tags, str) or not isinstance(tags, (list, tuple, set)) \
+            or not all(tag in SLEEP_TAGS for tag in tags):
+        raise ValueError(f"wake_up: tags must be a list of {', '.join(map(repr, SLEEP_TAGS))} (or None for both), "
+                         f"got {tags!r}")
+    return list(tags)
+
+
+class _Released:
+    """Storages shrunk to nothing, with their sizes and (offloaded) contents."""
+
+    def __init__(self, tensors: list[torch.Tensor], offload: bool, keep: _Released | None = None) -> None:
+        self.storages: list[tuple[Any, int, torch.Tensor | None]] = []
+        self.keep = keep  # released alongside, restored first (buffers beside parameters)
+        seen: set[int] = {storage.data_ptr() for storage, _, _ in keep.storages} if keep is not None else set()
+        for tensor in tensors:
+            if tensor.layout != torch.strided or tensor.is_mkldnn:
+                continue  # an opaque packed tensor: no storage to shrink
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in seen or storage.nbytes() == 0:
+                continue
+            seen.add(storage.data_ptr())
+            if offload and storage.device.type == "cpu":
+                continue  # offloading host memory to host memory frees nothing: kept as it is
+            saved = None
+            if offload:
+                saved = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+                saved.copy_(torch.tensor([], dtype=torch.uint8, device=storage.device).set_(storage))
+            self.storages.append((storage, storage.nbytes(), saved))
+        for storage, _, _ in self.storages:
+            storage.resize_(0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for _, size, _ in self.storages) + (self.keep.nbytes if self.keep is not None else 0)
+
+    def restore(self) -> None:
+        """Grow every storage back: the offloaded contents copied in, the rest zeroed."""
+        if self.keep is not None:
+            self.keep.restore()
+        for storage, size, saved in self.storages:
+            storage.resize_(size)
+            view = torch.tensor([], dtype=torch.uint8, device=storage.device).set_(storage)
+            if saved is not None:
+                view.copy_(saved)
+            else:
+                view.zero_()
+
+
+class WorkerSleep:
+    """One worker's sleep state: what each tag released, until it is woken."""
+
+    def __init__(self) -> None:
+        self.level = 0  # 0: awake
+        self.released: dict[str, _Released] = {}
+
+    @property
+    def sleeping(self) -> bool:
+        return bool(self.released)
+
+    def sleep(self, runner: Any, level: int) -> dict[str, int]:
+        """Release the KV cache and the weights of ``runner``; returns the bytes released per tag."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep: level must be 1 or 2, got {level!r}")
+        if self.released:
+            raise ValueError(f"sleep: already asleep (level {self.level}); call wake_up first")
+        parameters, buffers = weight_tensors(runner)
+        self.released = {
+            "kv_cache": _Released(kv_cache_tensors(runner), offload=False),
+            # Buffers (rotary tables: no checkpoint has them) are offloaded at either level.
+            "weights": _Released(parameters, offload=level == 1, keep=_Released(buffers, offload=True)),
+        }
+        self.level = level
+        return {tag: released.nbytes for tag, released in self.released.items()}
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        for tag in SLEEP_TAGS if tags is None else tags:
+            released = self.released.pop(tag, None)
+            if released is not None:
+                released.restore()
+        if not self.released:
+            self.level = 0
+
+
+def kv_cache_tensors(runner: Any) -> list[torch.Tensor]:
+    """The runner's KV cache tensors, a speculative proposer's own cache included."""
+    cache = getattr(getattr(runner, "proposer", None), "cache", None)
+    return [*runner.kv_caches, *(getattr(cache, "kv_caches", None) or [])]
+
+
+def weight_tensors(runner: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The parameters, and the buffers, of the runner's model and of a proposer's models (a
+    draft model, an EAGLE head)."""
+    models = [runner.model]
+    proposer = getattr(runner, "proposer", None)
+    if proposer is not None:
+        models += [forward.model for forward in proposer.graph_forwards()]
+    return ([param for model in models for param in model.parameters()],
+            [buffer for model in models for buffer in model.buffers()])

@@ -65,6 +65,9 @@ class ModelConfig(_Section):
     quantization: str | None = Field(
         None, description="Quantization method for the weights: a name a plugin registers (`sparrow plugins` "
         "lists them) (default: none, the weights run in dtype).")
+    skip_tokenizer_init: bool = Field(
+        False, description="Load no tokenizer (vLLM's): prompts must be token ids, outputs carry token ids and "
+        "empty text; stop strings, chat, bad_words, structured outputs and a reasoning parser are refused.")
     enable_sleep_mode: bool = Field(
         False, description="Allow LLM.sleep() / wake_up(): release the KV cache and the weights' device memory "
         "while another program uses the device (RLHF), then take it back.")

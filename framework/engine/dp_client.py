@@ -327,8 +327,9 @@ def _combine(method: str, results: list[Any]) -> Any:
 
     get_kv_cache_info: the smallest core's num_blocks (any request may land on any core), summed
     free blocks; reset_prefix_cache: True only if every core reset; is_sleeping: whether any core
-    sleeps; collective_rpc and profile: every core's worker results, core after core; get_scheduler_stats: combined like the stats of outputs;
-    any other method: the first core's result (the call still reached every core).
+    sleeps; collective_rpc and profile: every core's worker results, core after core;
+    get_scheduler_stats: combined like the stats of outputs; any other method: the first core's
+    result (the call still reached every core).
     """
     if method == "get_kv_cache_info":
         combined = dict(min(results, key=lambda info: info["num_blocks"]))

@@ -339,6 +339,9 @@ class InputProcessor:
                     raise InvalidArgumentError(f"{field_name}: token id {token_id} is outside the vocabulary "
                                                f"[0, {self.vocab_size}) ({name})", field_name)
         if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise InvalidArgumentError(f"structured_outputs need a tokenizer, and this engine has none "
+                                           f"(skip_tokenizer_init=True) ({name})", "structured_outputs")
             # Parsed here, so that a bad schema, regex or grammar is the caller's ValueError (a
             # 400) and never reaches the engine core; xgrammar is imported only when used.
             from sparrow.structured_output.grammar import check_structured_outputs

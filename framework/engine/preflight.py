@@ -83,7 +83,7 @@ def check_model_dir(model: str) -> Path:
 
 
 def check_model_files(model: str, tokenizer: str | None, load_format: str = "auto",
-                      registry: Registry | None = None) -> None:
+                      registry: Registry | None = None, check_tokenizer: bool = True) -> None:
     """Weights (as the ``load_format`` loader reads them) and tokenizer files are where the engine
     will look for them."""
     from sparrow.model_loader import WeightFileError, model_loader_class
@@ -98,6 +98,8 @@ def check_model_files(model: str, tokenizer: str | None, load_format: str = "aut
     except WeightFileError as exc:
         hint = " (load_format 'auto' reads *.safetensors files)" if load_format in ("auto", "safetensors") else ""
         raise _error("model", f"{exc}{hint}") from None
+    if not check_tokenizer:  # skip_tokenizer_init
+        return
     tokenizer_dir = Path(tokenizer or model).expanduser()
     default_note = " (the tokenizer defaults to the model directory)" if tokenizer in (None, model) else ""
     if not tokenizer_dir.is_dir():
@@ -364,8 +366,14 @@ def check_engine_config(config: EngineConfig, hf_config: Any = None, platform: A
     registry = get_registry()
     check_model_dir(model)
     check_plugin_names(config, registry)
-    check_model_files(model, config.model.tokenizer, config.load.load_format, registry)
-    check_tokenizer_mode(config)
+    skip_tokenizer = config.model.skip_tokenizer_init
+    check_model_files(model, None if skip_tokenizer else config.model.tokenizer, config.load.load_format, registry,
+                      check_tokenizer=not skip_tokenizer)
+    if skip_tokenizer and config.model.reasoning_parser is not None:
+        raise _error("reasoning_parser", f"{config.model.reasoning_parser!r} reads the tokenizer's tokens; "
+                     "not with skip_tokenizer_init=True")
+    if not skip_tokenizer:
+        check_tokenizer_mode(config)
     if hf_config is None:
         from sparrow.model_loader import model_hf_config
 

@@ -244,8 +244,8 @@ def build_frontend(config: EngineConfig) -> Frontend:
     from sparrow.model_loader import model_hf_config
 
     model_dir = config.model.model
-    tokenizer = frontend_tokenizer(config.model.tokenizer, config.model.trust_remote_code,
-                                   config.model.tokenizer_mode)
+    tokenizer = None if config.model.skip_tokenizer_init else frontend_tokenizer(
+        config.model.tokenizer, config.model.trust_remote_code, config.model.tokenizer_mode)
     hf_config = model_hf_config(config.model)
     processor_classes = []
     if config.model.logits_processors:  # checked by the pre-flight; the built-ins need no validation

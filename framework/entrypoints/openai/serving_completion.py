@@ -84,7 +84,9 @@ class CompletionLogprobsBuilder:
         self.offset = 0
 
     def token_text(self, token_id: int, decoded: str | None) -> str:
-        return decoded if decoded is not None else self.tokenizer.decode([token_id])
+        if decoded is not None:
+            return decoded
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""  # skip_tokenizer_init
 
     def label(self, token_id: int, decoded: str | None) -> str:
         if self.as_token_ids:
@@ -98,7 +100,7 @@ class CompletionLogprobsBuilder:
         out = out if out is not None else CompletionLogProbs()
         for token_id, position in zip(token_ids, logprobs):
             if position is None:
-                text = self.tokenizer.decode([token_id])
+                text = self.token_text(token_id, None)
                 out.tokens.append(token_label(token_id, text, self.as_token_ids))
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)

@@ -165,8 +165,13 @@ class OpenAIServing:
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "BadRequestError",
                            param="stream_options", code="invalid_value")
-        if self.return_tokens_as_token_ids:  # the server's default; a request can only turn it on
+        if self.return_tokens_as_token_ids or self.engine.tokenizer is None:
+            # The server's default (a request can only turn it on), or the only way to name
+            # tokens without a tokenizer (skip_tokenizer_init).
             request.return_tokens_as_token_ids = True
+        if self.engine.tokenizer is None and getattr(request, "echo", False):
+            raise APIError(400, "echo needs the prompt's text, and this server has no tokenizer "
+                           "(skip_tokenizer_init)", "BadRequestError", param="echo", code="invalid_value")
         if self.enable_force_include_usage and request.stream:
             options = request.stream_options or StreamOptions()
             request.stream_options = options.model_copy(update={"include_usage": True})

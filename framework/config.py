@@ -36,10 +36,22 @@ class CacheConfig(_Section):
                                           "activations and the KV cache, in (0, 1].")
     num_kv_blocks: int | None = Field(None, gt=0, description="Number of KV cache blocks, instead of sizing the "
                                       "cache from memory (default: measured).")
+    num_gpu_blocks_override: int | None = Field(None, gt=0, description="vLLM's name for num_kv_blocks (with "
+                                                "it, both must agree).")
     kv_cache_dtype: str = Field(
         "auto", description="Storage dtype of the KV cache: auto (the model's dtype); bfloat16 (a float32 "
         "model's cache in half the memory; CPU only); or fp8 / fp8_e4m3 (float8_e4m3fn with a per-tensor scale "
         "per layer, half the memory of bf16; CUDA only).")
+
+    @model_validator(mode="after")
+    def _num_gpu_blocks_override(self) -> CacheConfig:
+        override = self.num_gpu_blocks_override
+        if override is not None and override != self.num_kv_blocks:
+            if self.num_kv_blocks is not None:
+                raise ValueError(f"num_gpu_blocks_override={override} and num_kv_blocks={self.num_kv_blocks} "
+                                 "disagree; give one of them")
+            object.__setattr__(self, "num_kv_blocks", override)  # not an assignment: that would validate again
+        return self
 
     @field_validator("kv_cache_dtype")
     @classmethod
@@ -219,6 +231,38 @@ class PluginsConfig(_Section):
 # seed (vLLM's), where the default is 0.
 NONE_IS_A_VALUE = frozenset({"seed"})
 
+# vLLM engine arguments Sparrow does not take, and why: a script written for vLLM gets the reason
+# rather than "unknown engine argument".
+VLLM_ARGUMENTS_NOT_TAKEN = {
+    "swap_space": "Sparrow preempts by recomputation and never swaps KV blocks to host memory, so there is no "
+                  "swap space to size",
+    "cpu_offload_gb": "weights are not offloaded to host memory while serving (sleep mode offloads them between "
+                      "rollouts: enable_sleep_mode)",
+    "preemption_mode": "preemption always recomputes",
+    "compilation_config": "Sparrow does not compile the model with torch.compile; CUDA graphs are on unless "
+                          "enforce_eager=True",
+    "max_seq_len_to_capture": "CUDA graphs cover decode steps up to max_num_seqs and mixed steps up to 512 tokens",
+    "limit_mm_per_prompt": "Sparrow serves text-only models",
+    "mm_processor_kwargs": "Sparrow serves text-only models",
+    "enable_expert_parallel": "experts are split by tensor parallelism over their intermediate size",
+    "kv_transfer_config": "give kv_connector, kv_role and kv_connector_extra_config instead",
+    "speculative_model": "vLLM's older argument: give speculative_config={'model': ..., 'num_speculative_tokens': N}",
+    "num_speculative_tokens": "vLLM's older argument: give speculative_config={..., 'num_speculative_tokens': N}",
+    "num_scheduler_steps": "a vLLM V0 argument; V1, like Sparrow, schedules every step",
+    "use_v2_block_manager": "a vLLM V0 argument; Sparrow has one block manager",
+    "otlp_traces_endpoint": "Sparrow has no OpenTelemetry tracing; its metrics are Prometheus's (/metrics)",
+}
+
+
+def check_engine_argument_name(name: str, owners: dict[str, str]) -> None:
+    """ConfigError for a name that is not an engine argument: why, for a vLLM argument Sparrow
+    does not take; else the valid names."""
+    if name in owners:
+        return
+    if name in VLLM_ARGUMENTS_NOT_TAKEN:
+        raise ConfigError(f"engine argument {name!r} (vLLM's) is not taken: {VLLM_ARGUMENTS_NOT_TAKEN[name]}")
+    raise ConfigError(f"unknown engine argument {name!r}; valid arguments: {', '.join(sorted(owners))}")
+
 
 class EngineConfig(BaseModel):
     # validate_assignment: a platform's check_and_update_config may replace a whole section.
@@ -262,10 +306,7 @@ class EngineConfig(BaseModel):
         owners = cls.field_names()
         grouped: dict[str, dict[str, Any]] = {section: {} for section in cls.sections()}
         for key, value in kwargs.items():
-            if key not in owners:
-                raise ConfigError(
-                    f"unknown engine argument {key!r}; valid arguments: {', '.join(sorted(owners))}"
-                )
+            check_engine_argument_name(key, owners)
             if value is None and key not in NONE_IS_A_VALUE:  # the default (an optional field's is None)
                 continue
             grouped[owners[key]][key] = value

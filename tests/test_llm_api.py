@@ -191,6 +191,9 @@ def test_unknown_engine_argument_lists_valid_ones():
 
     with pytest.raises(ConfigError, match="unknown engine argument 'max_seqs'.*max_num_seqs"):
         LLM(max_seqs=3)
+    # A vLLM argument Sparrow does not take says why.
+    with pytest.raises(ConfigError, match="'swap_space' \\(vLLM's\\) is not taken: Sparrow preempts by recomputation"):
+        LLM(swap_space=4)
     with pytest.raises(ConfigError, match="block_size"):
         LLM(block_size=-4)
 

@@ -35,9 +35,12 @@ def test_token_ids_in_token_ids_out_equal_hf(weights_only_dir):
                                pad_token_id=0)[0, len(PROMPT):].tolist()
     with pytest.raises(ConfigError, match="tokenizer"):  # without the flag, the missing tokenizer is named
         LLM(weights_only_dir, dtype="float32", max_model_len=64, num_kv_blocks=8)
-    llm = LLM(weights_only_dir, dtype="float32", max_model_len=64, num_kv_blocks=8, skip_tokenizer_init=True)
+    # num_gpu_blocks_override: vLLM's name for num_kv_blocks.
+    llm = LLM(weights_only_dir, dtype="float32", max_model_len=64, num_gpu_blocks_override=8,
+              skip_tokenizer_init=True)
     try:
         assert llm.get_tokenizer() is None
+        assert llm.collective_rpc("determine_num_kv_blocks") == [8]
         [out] = llm.generate({"prompt_token_ids": PROMPT},
                              SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1),
                              use_tqdm=False)

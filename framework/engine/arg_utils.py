@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from sparrow.config import NONE_IS_A_VALUE, ConfigError, EngineConfig
+from sparrow.config import NONE_IS_A_VALUE, EngineConfig, check_engine_argument_name
 
 __all__ = ["AsyncEngineArgs", "EngineArgs"]
 
@@ -34,9 +34,7 @@ class EngineArgs:
 
     @staticmethod
     def _check_name(name: str) -> None:
-        owners = EngineConfig.field_names()
-        if name not in owners:
-            raise ConfigError(f"unknown engine argument {name!r}; valid arguments: {', '.join(sorted(owners))}")
+        check_engine_argument_name(name, EngineConfig.field_names())
 
     def __setattr__(self, name: str, value: Any) -> None:
         self._check_name(name)

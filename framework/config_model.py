@@ -59,6 +59,10 @@ class ModelConfig(_Section):
         None, description="How the model marks its reasoning: qwen3, deepseek_r1 (<think>...</think>) or a "
         "plugin's. The server splits reasoning_content from content, and structured outputs apply only after "
         "the reasoning ends (default: none).")
+    reasoning_parser_plugin: str | None = Field(
+        None, description="A Python file that registers reasoning parsers (a sparrow_register_reasoning_parsers "
+        "hook implementation), loaded in every engine process before reasoning_parser is looked up: a parser "
+        "that is not an installed plugin (default: none).")
     logits_processors: list[str] | None = Field(
         None, description="Logits processors to enable besides the built-ins: names registered by plugins "
         "(`sparrow plugins` lists them) or qualified names package.module:Class (default: the built-ins only).")

@@ -42,3 +42,11 @@ def load_plugin_file(path: str, flag: str, hook_name: str, pm: pluggy.PluginMana
                          f"with sparrow.hookspecs.hookimpl)")
     check_contract(module, name)
     register_plugin(pm, module, name)
+
+
+
+def load_reasoning_parser_plugin(path: str | None) -> None:
+    """The ``reasoning_parser_plugin`` engine argument's file, loaded in this process (each engine
+    process calls this before it looks ``reasoning_parser`` up); nothing when None."""
+    if path is not None:
+        load_plugin_file(path, "reasoning_parser_plugin", "sparrow_register_reasoning_parsers")

@@ -190,9 +190,11 @@ class EngineCore:
     def structured_output_manager(self) -> Any:
         if self._structured_output is None:
             from sparrow.engine.setup import model_eos_token_ids
+            from sparrow.plugin_files import load_reasoning_parser_plugin
             from sparrow.structured_output.manager import StructuredOutputManager
 
             model = self.config.model
+            load_reasoning_parser_plugin(model.reasoning_parser_plugin)  # this process has not loaded it
             if self.vocab_size is None or not model.tokenizer:
                 raise ValueError("structured outputs need the model's vocabulary size and tokenizer, "
                                  "which this engine core could not read")

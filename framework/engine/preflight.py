@@ -52,6 +52,7 @@ from pydantic import ValidationError
 
 from sparrow.config import ConfigError, EngineConfig, _describe
 from sparrow.hub_cache import looks_like_hub_id
+from sparrow.plugin_files import load_reasoning_parser_plugin
 from sparrow.plugins import Registry, check_attention_backend, get_plugin_manager, get_registry, import_object
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,15 @@ def check_tokenizer_mode(config: EngineConfig) -> None:
 # -- plugin names ---------------------------------------------------------------------------------
 def _registered(names: Any) -> str:
     return ", ".join(sorted(names)) or "none"
+
+
+def load_plugin_files(config: EngineConfig) -> None:
+    """Load the plugin files engine arguments name (``reasoning_parser_plugin``) into this
+    process, before its registry is read; ConfigError naming the argument."""
+    try:
+        load_reasoning_parser_plugin(config.model.reasoning_parser_plugin)
+    except ValueError as exc:
+        raise _error("reasoning_parser_plugin", str(exc).removeprefix("reasoning_parser_plugin: ")) from None
 
 
 def check_plugin_names(config: EngineConfig, registry: Registry) -> None:
@@ -363,6 +373,7 @@ def check_engine_config(config: EngineConfig, hf_config: Any = None, platform: A
     model = config.model.model
     if model is None:
         raise _error("model", "is not resolved; call sparrow.engine.setup.finalize_config first")
+    load_plugin_files(config)
     registry = get_registry()
     check_model_dir(model)
     check_plugin_names(config, registry)

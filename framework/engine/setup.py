@@ -15,6 +15,7 @@ from sparrow.engine.preflight import (
     check_engine_config,
     check_model_dir,
     check_plugin_names,
+    load_plugin_files,
     resolve_configured_platform,
 )
 from sparrow.hub_cache import resolve_hub_id  # spec_decode.config imports it from here
@@ -110,6 +111,7 @@ def finalize_config(config: EngineConfig) -> EngineConfig:
     })
     # Deep: the platform's hook changes sections in place, and the caller's config must stay as given.
     finalized = config.model_copy(deep=True, update={"model": model})
+    load_plugin_files(finalized)
     registry = get_registry()
     # Names are checked before the platform is resolved, so a wrong one is reported as itself.
     check_plugin_names(finalized, registry)

@@ -303,8 +303,12 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from sparrow.entrypoints.cli import engine_kwargs
+    from sparrow.entrypoints.openai.server_flags import check_serve_flags
     from sparrow.entrypoints.openai.lifecycle import Server, bind_listeners
 
+    # TLS and --log-config-file (applied now); the ``sparrow`` command checked them before importing
+    # this module.
+    uvicorn_kwargs = check_serve_flags(args)
     tool_parser_class(args)  # a wrong parser name is reported before the model loads
     kwargs = engine_kwargs(args)
     if getattr(args, "lora_modules", None) and not kwargs.get("enable_lora"):
@@ -331,8 +335,8 @@ def run_server(args: argparse.Namespace) -> int:
         raise
     try:
         tracker = build_app(engine, args).state.request_tracker  # the app inside its request counter
-        config = uvicorn.Config(tracker, log_level=args.uvicorn_log_level, access_log=not args.disable_access_log,
-                                root_path=getattr(args, "root_path", "") or "",
+        config = uvicorn.Config(tracker, access_log=not args.disable_access_log,
+                                root_path=getattr(args, "root_path", "") or "", **uvicorn_kwargs,
                                 # A backstop only: requests are ended before uvicorn shuts down.
                                 timeout_graceful_shutdown=5)
         server = Server(config, engine, tracker, args.shutdown_timeout)

@@ -12,6 +12,13 @@ import json
 import os
 from typing import Any
 
+from sparrow.entrypoints.openai.server_flags import (  # noqa: F401 - re-exported
+    apply_log_config,
+    check_serve_flags,
+    load_log_config,
+    tls_options,
+)
+
 DEFAULT_MAX_REQUEST_BODY_BYTES = 10 * 1024 * 1024
 ENV_API_KEY = "SPARROW_API_KEY"
 # The same values as lifecycle.DEFAULT_SHUTDOWN_TIMEOUT_S, serving_models.ENV_RUNTIME_LORA and
@@ -23,13 +30,15 @@ ENV_PROFILER_DIR = "SPARROW_TORCH_PROFILER_DIR"
 
 
 def _run_server(args: argparse.Namespace) -> int:
+    # The flags checked here fail in a blink, before the server stack (and torch) is imported.
+    check_serve_flags(args)
     from sparrow.entrypoints.openai.api_server import run_server
 
     return run_server(args)
 
 
 def _port(value: str) -> int:
-    # 0 asks the system for a free port (the start-up line "serving ... on http://HOST:PORT" names
+    # 0 asks the system for a free port (the start-up line "serving ... on http(s)://HOST:PORT" names
     # it); anything outside 0-65535 is not a TCP port, whatever the socket library makes of it.
     try:
         port = int(value)
@@ -154,6 +163,14 @@ def _root_path(value: str) -> str:
     return value
 
 
+def _cert_reqs(value: str) -> int:
+    # Python's ssl.CERT_NONE, CERT_OPTIONAL and CERT_REQUIRED (uvicorn's --ssl-cert-reqs).
+    if value.strip() not in ("0", "1", "2"):
+        raise argparse.ArgumentTypeError(f"must be 0 (ssl.CERT_NONE), 1 (ssl.CERT_OPTIONAL) or 2 (ssl.CERT_REQUIRED), "
+                                         f"got {value!r}")
+    return int(value)
+
+
 def _lora_module(value: str) -> dict[str, Any]:
     # serving_models needs the server stack: imported only when --lora-modules is given.
     from sparrow.entrypoints.openai.serving_models import parse_lora_module
@@ -197,9 +214,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help='CORS: request headers allowed from those origins, a JSON list (default: ["*"])')
     server.add_argument("--allow-credentials", action="store_true",
                         help="CORS: let those origins send cookies and HTTP auth (default: off)")
-    server.add_argument("--uvicorn-log-level", default="info",
+    server.add_argument("--uvicorn-log-level", default=None,
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
-                        help="log level of the HTTP server's own messages (default: info)")
+                        help="log level of the HTTP server's own messages (default: info; with --log-config-file, "
+                             "the file's)")
     server.add_argument("--disable-access-log", "--disable-uvicorn-access-log", action="store_true",
                         dest="disable_access_log",
                         help="do not log one line per HTTP request (default: off, every request is logged)")
@@ -268,6 +286,24 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--root-path", type=_root_path, default="", metavar="PATH",
                         help="the path prefix a proxy serves the API under (uvicorn's --root-path): the "
                              "OpenAPI schema and /docs name it; requests still arrive without it (default: none)")
+    server.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                        help="serve HTTPS: the server's private key, a PEM file (needs --ssl-certfile); vLLM's "
+                             "flag (default: none, plain HTTP)")
+    server.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                        help="serve HTTPS: the server's certificate (chain), a PEM file (needs --ssl-keyfile); "
+                             "the pair is loaded before the model is (default: none, plain HTTP)")
+    server.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                        help="with --ssl-keyfile and --ssl-certfile: the CA certificates (PEM) that client "
+                             "certificates are verified against (default: none)")
+    server.add_argument("--ssl-cert-reqs", type=_cert_reqs, default=None, metavar="{0,1,2}",
+                        help="with --ssl-keyfile and --ssl-certfile: whether a client certificate is asked for, as "
+                             "Python's ssl module numbers it: 0 CERT_NONE, 1 CERT_OPTIONAL, 2 CERT_REQUIRED (1 "
+                             "and 2 need --ssl-ca-certs) (default: 0)")
+    server.add_argument("--log-config-file", default=None, metavar="FILE",
+                        help="a logging.config.dictConfig configuration, JSON (YAML for .yaml/.yml), applied to "
+                             "this process's logging (the sparrow and uvicorn loggers) before the model loads, "
+                             "instead of uvicorn's own; --uvicorn-log-level then applies only when given; vLLM's "
+                             "flag (default: none)")
     add_engine_args(parser)
     parser.set_defaults(func=_run_server)
     return parser

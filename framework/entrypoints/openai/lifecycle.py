@@ -148,8 +148,8 @@ class Server(uvicorn.Server):
             host, port = sockets[0].getsockname()[:2]
             # uvicorn announces only the sockets it binds itself; say where this one listens.
             logging.getLogger("uvicorn.error").info(
-                "serving %s on http://%s:%d (Ctrl+C to stop)", self.engine.served_model_name,
-                f"[{host}]" if ":" in host else host, port)
+                "serving %s on %s://%s:%d (Ctrl+C to stop)", self.engine.served_model_name,
+                "https" if self.config.ssl else "http", f"[{host}]" if ":" in host else host, port)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

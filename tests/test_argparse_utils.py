@@ -147,3 +147,25 @@ def test_vllms_basic_example_runs_as_a_user_runs_it_and_equals_hf(qwen3_dir, tmp
     printed = re.findall(r"^Prompt: (.*), Generated text: (.*)$", result.stdout, flags=re.MULTILINE)
     assert [ast.literal_eval(prompt) for prompt, _ in printed] == example.PROMPTS
     assert [ast.literal_eval(text) for _, text in printed] == hf_texts(qwen3_dir, example.PROMPTS, 8)
+
+
+def test_help_with_a_keyword_shows_the_matching_flags_or_a_group(capsys):
+    """vLLM's ``--help=KEYWORD``: the flags that mention it, a group by name, or the groups' list."""
+    from sparrow.entrypoints.cli import build_parser
+
+    def help_for(value: str) -> str:
+        with pytest.raises(SystemExit) as done:
+            build_parser().parse_args(["serve", f"--help={value}"])
+        assert done.value.code == 0
+        return capsys.readouterr().out
+
+    matching = help_for("max_model")
+    assert "--max-model-len" in matching and "--port" not in matching
+    by_help = help_for("certificate")  # a word of the TLS flags' help, not of their names
+    assert "--ssl-certfile" in by_help and "--ssl-ca-certs" in by_help and "--max-model-len" not in by_help
+    groups = help_for("listgroup")
+    assert "server" in groups and "engine arguments" in groups
+    server = help_for("server")
+    assert "--port" in server and "--max-model-len" not in server
+    assert "--max-model-len" in help_for("all") and "--port" in help_for("all")
+    assert "no flag or group matches 'no-such-thing'" in help_for("no-such-thing")

@@ -11,7 +11,10 @@ read. This parser reads them, and is the base of every ``sparrow`` command's par
   given beside ``--speculative-config '{...}'``, the keys are merged into that object;
 - ``--config serve.yaml`` reads flags from a YAML mapping (flag name to value: ``true`` sets a
   switch, a list gives a multi-value flag its values, a mapping becomes a JSON flag's object);
-  flags on the command line win over the file's.
+  flags on the command line win over the file's;
+- ``--help=KEYWORD`` shows only the flags whose name or help mentions the keyword (``--help=max``);
+  ``--help=listgroup`` lists the flag groups and ``--help=GROUP`` shows one (``--help=server``);
+  ``--help=all`` is ``--help``.
 
 Under a parser with subcommands each subcommand's parser reads its own flags (``sparrow serve
 --config f.yaml`` is read by ``serve``'s parser, which knows serve's flags).
@@ -35,7 +38,42 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
     def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                          namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
         strings = list(sys.argv[1:] if args is None else args)
+        for arg in strings[:self._own_args_end(strings)]:
+            if arg.startswith("--help="):
+                self._print_help_for(arg.partition("=")[2])
+                self.exit(0)
         return super().parse_known_args(self._rewrite(strings), namespace)
+
+    def _print_help_for(self, keyword: str) -> None:
+        """vLLM's ``--help=KEYWORD``: a group's flags, the groups' names, or the flags that
+        mention ``keyword`` in their name or help (case-insensitive; ``_`` reads as ``-``)."""
+        groups = [group for group in self._action_groups if group._group_actions]
+        wanted = keyword.strip().lower()
+        if wanted in ("", "all"):
+            self.print_help()
+            return
+        if wanted == "listgroup":
+            print("flag groups (show one with --help=GROUP):")
+            for group in groups:
+                print(f"  {group.title}")
+            return
+        chosen = [group for group in groups if (group.title or "").lower() == wanted]
+        if chosen:
+            title, actions = chosen[0].title, chosen[0]._group_actions
+        else:
+            needle = wanted.replace("_", "-")
+            title = f"flags matching {keyword!r}"
+            actions = [action for action in self._actions if action.help != argparse.SUPPRESS and (
+                any(needle in option.lower() for option in action.option_strings)
+                or wanted in (action.help or "").lower())]
+        if not actions:
+            print(f"no flag or group matches {keyword!r}; --help=listgroup lists the groups")
+            return
+        formatter = self._get_formatter()
+        formatter.start_section(title)
+        formatter.add_arguments(actions)
+        formatter.end_section()
+        print(formatter.format_help(), end="")
 
     # -- the rewriting ----------------------------------------------------------------------------
     def _rewrite(self, args: list[str]) -> list[str]:

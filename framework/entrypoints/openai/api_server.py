@@ -303,8 +303,8 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from sparrow.entrypoints.cli import engine_kwargs
-    from sparrow.entrypoints.openai.server_flags import check_serve_flags
     from sparrow.entrypoints.openai.lifecycle import Server, bind_listeners
+    from sparrow.entrypoints.openai.server_flags import check_serve_flags
 
     # TLS and --log-config-file (applied now); the ``sparrow`` command checked them before importing
     # this module.

@@ -132,7 +132,10 @@ def beam_text(tokenizer: Any, beam: BeamSearchSequence, params: BeamSearchParams
     """The text of ``beam`` from ``start``: its ``shown_tokens`` decoded, with ``decode_options``
     (the tokenizer's ``decode`` keywords, e.g. the server's ``skip_special_tokens``; None: its
     defaults). The one decoding of a beam, for ``LLM.beam_search``, ``AsyncLLM.beam_search`` and
-    the server's ``use_beam_search``."""
+    the server's ``use_beam_search``. Without a tokenizer (skip_tokenizer_init) the text is "", as
+    an ordinary request's is."""
+    if tokenizer is None:
+        return ""
     return tokenizer.decode(shown_tokens(beam, params, start), **(decode_options or {}))
 
 

@@ -446,3 +446,84 @@ def test_values_the_engine_refuses_are_400_naming_the_field(server, client):
     assert_400(lambda: chat(client, [{"role": "user", "content": "hi"}], min_tokens=9), "min_tokens", "min_tokens")
     assert_400(lambda: client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=600),
                "max_tokens", "max_model_len")
+
+
+# -- return_token_ids (vLLM's) ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_greedy(model_dir):
+    """The reference: HF transformers' greedy ``generate`` on the same directory (float32), EOS
+    suppressed as ``ignore_eos`` does: prompt ids -> the ``max_tokens`` generated ids."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def generate(prompt_ids: list[int], max_tokens: int = 6) -> list[int]:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 do_sample=False, pad_token_id=0)
+        return out[0, len(prompt_ids):].tolist()
+
+    return generate
+
+
+TOKEN_IDS = {**IGNORE_EOS, "return_token_ids": True}
+
+
+def test_return_token_ids_on_completions(server, client, tokenizer, hf_greedy):
+    prompts = [PROMPT, "Hello there"]
+    whole = client.completions.create(model=MODEL_NAME, prompt=prompts, n=2, **GREEDY, extra_body=TOKEN_IDS)
+    assert [choice.index for choice in whole.choices] == [0, 1, 2, 3]
+    for choice in whole.choices:  # each choice has its own prompt's ids (with the BOS the tokenizer adds)
+        prompt_ids = tokenizer.encode(prompts[choice.index // 2])
+        assert choice.prompt_token_ids == prompt_ids
+        assert choice.token_ids == hf_greedy(prompt_ids)
+        assert tokenizer.decode(choice.token_ids) == choice.text
+    # Streamed: the prompt's ids in the choice's first chunk only, each chunk's new tokens after.
+    chunks = [choice for chunk in client.completions.create(model=MODEL_NAME, prompt=PROMPT, stream=True, **GREEDY,
+                                                             extra_body=TOKEN_IDS) for choice in chunk.choices]
+    assert chunks[0].prompt_token_ids == whole.choices[0].prompt_token_ids
+    assert all(getattr(choice, "prompt_token_ids", None) is None for choice in chunks[1:])
+    assert [token for choice in chunks for token in choice.token_ids] == whole.choices[0].token_ids
+    # n=2 samples: each choice its own tokens.
+    sampled = client.completions.create(model=MODEL_NAME, prompt=PROMPT, n=2, max_tokens=8, temperature=1.0, seed=3,
+                                        extra_body=TOKEN_IDS)
+    assert [tokenizer.decode(choice.token_ids) for choice in sampled.choices] == [c.text for c in sampled.choices]
+    assert sampled.choices[0].token_ids != sampled.choices[1].token_ids
+    assert sum(len(choice.token_ids) for choice in sampled.choices) == sampled.usage.completion_tokens
+    # A stop string ends the text before it; token_ids are the engine's: up to the token that completed it.
+    text, ids = whole.choices[0].text, whole.choices[0].token_ids
+    stop = text[3:6]
+    stopped = client.completions.create(model=MODEL_NAME, prompt=PROMPT, **GREEDY, stop=[stop], extra_body=TOKEN_IDS)
+    choice = stopped.choices[0]
+    assert choice.text == text[:text.index(stop)] and choice.finish_reason == "stop"
+    assert choice.token_ids == ids[:len(choice.token_ids)]
+    assert stop in tokenizer.decode(choice.token_ids) and stop not in tokenizer.decode(choice.token_ids[:-1])
+    # echo: the prompt is in the text, and in prompt_token_ids; token_ids stay the generated ones.
+    echoed = client.completions.create(model=MODEL_NAME, prompt=PROMPT, echo=True, **GREEDY, extra_body=TOKEN_IDS)
+    assert echoed.choices[0].token_ids == ids and echoed.choices[0].prompt_token_ids == tokenizer.encode(PROMPT)
+    # Not asked for: OpenAI's shape, no such keys.
+    plain = post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2}).json()
+    assert not {"token_ids", "prompt_token_ids"} & set(plain["choices"][0])
+    assert_400(lambda: client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2,
+                                                 extra_body={"return_token_ids": "yes"}), "return_token_ids")
+
+
+def test_return_token_ids_on_chat(server, client, tokenizer, hf_greedy):
+    prompt_ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    whole = chat(client, return_token_ids=True)
+    assert whole.prompt_token_ids == prompt_ids
+    assert whole.choices[0].token_ids == hf_greedy(prompt_ids)
+    assert tokenizer.decode(whole.choices[0].token_ids) == whole.choices[0].message.content
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY, stream=True,
+                                                 extra_body=TOKEN_IDS))
+    assert chunks[0].prompt_token_ids == prompt_ids
+    assert all(getattr(chunk, "prompt_token_ids", None) is None for chunk in chunks[1:])
+    # The role chunk carries no tokens (nor the key), as in vLLM.
+    assert all(getattr(choice, "token_ids", None) is None for choice in chunks[0].choices)
+    streamed = [token for chunk in chunks[1:] for choice in chunk.choices for token in choice.token_ids]
+    assert streamed == whole.choices[0].token_ids
+    sampled = chat(client, n=2, temperature=1.0, seed=3, return_token_ids=True)
+    assert [tokenizer.decode(c.token_ids) for c in sampled.choices] == [c.message.content for c in sampled.choices]
+    plain = post(server, "/v1/chat/completions", {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]

@@ -12,7 +12,7 @@ import torch
 
 from sparrow import LLM, SamplingParams
 from sparrow.config import ConfigError
-from sparrow.sampling_params import StructuredOutputsParams
+from sparrow.sampling_params import BeamSearchParams, StructuredOutputsParams
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
@@ -61,6 +61,10 @@ def test_token_ids_in_token_ids_out_equal_hf(weights_only_dir):
         [again] = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=5, temperature=0.0,
                                                                             ignore_eos=True), use_tqdm=False)
         assert list(again.outputs[0].token_ids) == expected  # the refusals cost nothing
+        # Beam search too (the server's use_beam_search): token ids out, no text.
+        [searched] = llm.beam_search([{"prompt_token_ids": PROMPT}], BeamSearchParams(beam_width=2, max_tokens=3))
+        assert len(searched.sequences) == 2 and all(beam.text == "" for beam in searched.sequences)
+        assert all(len(beam.tokens) == len(PROMPT) + 3 for beam in searched.sequences)
     finally:
         llm.shutdown()
     with pytest.raises(ConfigError, match="reasoning_parser"):

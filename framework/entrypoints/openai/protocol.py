@@ -133,6 +133,9 @@ class SamplingFields(RequestModel):
         description="Keep only the last k prompt tokens (-1: the most that leave room for one output token).")
     return_tokens_as_token_ids: bool = Field(
         False, description="Logprob tokens as 'token_id:N', so that tokens decoding to the same text stay apart.")
+    return_token_ids: bool = Field(
+        False, description="vLLM's: the response carries the prompt's token ids (prompt_token_ids) and each "
+        "choice's generated ones (token_ids), as the engine saw and produced them.")
     response_format: ResponseFormat | None = Field(
         None, description="{'type': 'text'} (the default), {'type': 'json_object'}, or {'type': 'json_schema', "
         "'json_schema': {'name': ..., 'schema': {...}}}: the output is JSON (matching the schema).")
@@ -186,7 +189,21 @@ class PromptLogprob(OpenAIBaseModel):
     decoded_token: str | None = None
 
 
-class CompletionResponseChoice(OpenAIBaseModel):
+class WithTokenIds(OpenAIBaseModel):
+    """A response part with vLLM's ``return_token_ids`` keys (``prompt_token_ids``, ``token_ids``):
+    serialized only when set, so that a response that did not ask for them is OpenAI's shape. (No
+    return annotation: pydantic would make it the OpenAPI schema, losing the fields.)"""
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked_token_ids(self, handler: SerializerFunctionWrapHandler):
+        data = handler(self)
+        for key in ("prompt_token_ids", "token_ids"):
+            if key in data and data[key] is None:
+                del data[key]
+        return data
+
+
+class CompletionResponseChoice(WithTokenIds):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
@@ -195,6 +212,8 @@ class CompletionResponseChoice(OpenAIBaseModel):
     # vLLM's: one entry per prompt token, None for the first (no context predicts it), else
     # token id (a JSON key, so a string) -> its Logprob; streamed in a choice's first chunk.
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids (streamed: in the first chunk)
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: the generated tokens (streamed: new ones)
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -313,21 +332,23 @@ class ChatResponseMessage(OpenAIBaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
-class ChatCompletionResponseChoice(OpenAIBaseModel):
+class ChatCompletionResponseChoice(WithTokenIds):
     index: int
     message: ChatResponseMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the tokens the choice generated
 
 
-class ChatCompletionResponse(OpenAIBaseModel):
+class ChatCompletionResponse(WithTokenIds):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the rendered prompt's
 
 
 class _WithoutNones(OpenAIBaseModel):
@@ -359,18 +380,20 @@ class DeltaMessage(OpenAIBaseModel):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+class ChatCompletionResponseStreamChoice(WithTokenIds):
     index: int
     delta: DeltaMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids: this chunk's new tokens
 
 
-class ChatCompletionStreamResponse(OpenAIBaseModel):
+class ChatCompletionStreamResponse(WithTokenIds):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids: in the first chunk only

@@ -139,7 +139,9 @@ def render_prompt(input_processor: Any, request: ChatCompletionRequest,
 @dataclass(slots=True)
 class Reply:
     """How a request's reply is shaped: its role, the echoed text in front of it, its logprob
-    entries and the usage its stream carries."""
+    entries, the usage its stream carries, and with ``return_token_ids`` (vLLM's) the prompt's
+    token ids (``prompt_token_ids``; streamed, in the first chunk) and each choice's generated
+    ones (``token_ids``)."""
 
     role: str
     echo: str  # the last message's text when echo is asked and that message is the reply's role
@@ -148,9 +150,16 @@ class Reply:
     include_usage: bool
     continuous_usage: bool
     prompt_tokens: int
+    prompt_token_ids: list[int] | None = None  # the rendered prompt's, with return_token_ids
+
+    @property
+    def token_ids(self) -> bool:
+        return self.prompt_token_ids is not None
 
     @classmethod
-    def of(cls, request: ChatCompletionRequest, prompt_tokens: int, response_role: str = "assistant") -> Reply:
+    def of(cls, request: ChatCompletionRequest, prompt_tokens: int, response_role: str = "assistant",
+           prompt_token_ids: list[int] | None = None) -> Reply:
+        """``prompt_token_ids``: the rendered prompt's (kept with ``return_token_ids``)."""
         last = request.messages[-1]
         # A new turn is the server's --response-role (the assistant's); continuing a message keeps
         # its role (vLLM's rule).
@@ -160,7 +169,7 @@ class Reply:
         include_usage = bool(options and options.include_usage)
         continuous = bool(include_usage and options.continuous_usage_stats)
         return cls(role, echo, request.top_logprobs or 0, request.return_tokens_as_token_ids, include_usage,
-                   continuous, prompt_tokens)
+                   continuous, prompt_tokens, list(prompt_token_ids or []) if request.return_token_ids else None)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -214,7 +223,7 @@ class OpenAIServingChat(OpenAIServing):
                                           structured_outputs=structured_outputs)
             streams = await self.submit(request_id, [prompt], params, request.priority,
                                         self.lora_request_of(request.model), request=request)
-        reply = Reply.of(request, len(prompt["prompt_token_ids"]), self.response_role)
+        reply = Reply.of(request, len(prompt["prompt_token_ids"]), self.response_role, prompt["prompt_token_ids"])
         parsers = ReplyParsers(request, tool_choice, prompt["prompt_token_ids"], self.engine.tokenizer,
                                self.reasoner, self.tool_parser_cls)
         if request.stream:
@@ -244,24 +253,28 @@ class OpenAIServingChat(OpenAIServing):
                 index=completion.index, message=message,
                 logprobs=self._logprobs(completion.token_ids, completion.logprobs, reply),
                 finish_reason=parsers.finish_reason(completion.finish_reason, called),
-                stop_reason=completion.stop_reason))
+                stop_reason=completion.stop_reason,
+                token_ids=list(completion.token_ids) if reply.token_ids else None))
         completion_tokens = sum(len(completion.token_ids) for completion in final.outputs)
         return ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                       usage=usage(len(final.prompt_token_ids or []), completion_tokens,
-                                                  self.cached([final])))
+                                                  self.cached([final])),
+                                      prompt_token_ids=list(final.prompt_token_ids or []) if reply.token_ids else None)
 
     def _stream_choice(self, completion: CompletionOutput, reply: Reply,
                        choice: ChoiceStream) -> ChatCompletionResponseStreamChoice | None:
-        """The chunk's entry for this choice; None when it has nothing to send yet."""
+        """The chunk's entry for this choice; None when it has nothing to send yet. New token ids
+        (return_token_ids) go out at once, also while the parsers hold back their text."""
         finished = completion.finish_reason is not None
         delta = choice.feed(completion.text, final=finished)
-        if delta is None and not (completion.logprobs or finished):
+        token_ids = list(completion.token_ids) if reply.token_ids else None
+        if delta is None and not (completion.logprobs or finished or token_ids):
             return None
         return ChatCompletionResponseStreamChoice(
             index=completion.index, delta=delta or DeltaMessage(content=""),
             logprobs=self._logprobs(completion.token_ids, completion.logprobs, reply),
             finish_reason=choice.parsers.finish_reason(completion.finish_reason, choice.called),
-            stop_reason=completion.stop_reason)
+            stop_reason=completion.stop_reason, token_ids=token_ids)
 
     async def _stream(self, request_id: str, model: str, n: int, stream: Any, reply: Reply,
                       parsers: ReplyParsers) -> AsyncIterator[str]:
@@ -271,7 +284,7 @@ class OpenAIServingChat(OpenAIServing):
         # OpenAI opens every choice with the role; an echoed message follows in the same delta.
         first = ChatCompletionStreamResponse(id=request_id, model=model, usage=so_far, choices=[
             ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(role=reply.role, content=reply.echo))
-            for index in range(n)])
+            for index in range(n)], prompt_token_ids=reply.prompt_token_ids)
         yield f"data: {first.model_dump_json()}\n\n"
         choice_streams = [parsers.stream() for _ in range(n)]
         try:
@@ -288,7 +301,8 @@ class OpenAIServingChat(OpenAIServing):
                     if choice.finish_reason is not None and choice.delta.tool_calls:
                         # OpenAI ends a call in its own empty-delta chunk; the SDK's
                         # `arguments.done` event is only fired in that order.
-                        finishes.append(choice.model_copy(update={"delta": DeltaMessage(), "logprobs": None}))
+                        finishes.append(choice.model_copy(update={"delta": DeltaMessage(), "logprobs": None,
+                                                                  "token_ids": None}))
                         choices[-1] = choice.model_copy(update={"finish_reason": None, "stop_reason": None})
                 so_far = usage(prompt_tokens, completion_tokens, cached) if reply.continuous_usage else None
                 for group in (choices, finishes):

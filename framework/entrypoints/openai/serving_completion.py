@@ -137,15 +137,31 @@ def prompt_logprobs_json(logprobs: PromptLogprobs | None) -> list[dict[str, Prom
 class Echo:
     """How a request's choices are shaped by ``echo``: the prompt in front of each choice's text
     (and its logprobs in front of the generated tokens' when logprobs were asked), and with
-    ``max_tokens=0`` the one generated token dropped; and whether each choice carries the
-    prompt's logprobs (vLLM's ``prompt_logprobs``; streamed, in the choice's first chunk)."""
+    ``max_tokens=0`` the one generated token dropped; and what else each choice carries of its
+    prompt: its logprobs (vLLM's ``prompt_logprobs``) and, with its generated tokens, its token
+    ids (vLLM's ``return_token_ids``), both streamed in the choice's first chunk."""
 
-    def __init__(self, echo: bool, echo_only: bool, with_logprobs: bool, prompt_logprobs: bool) -> None:
+    def __init__(self, echo: bool, echo_only: bool, with_logprobs: bool, prompt_logprobs: bool,
+                 token_ids: bool = False) -> None:
         self.echo, self.echo_only, self.with_logprobs = echo, echo_only, with_logprobs
-        self.prompt_logprobs = prompt_logprobs
+        self.prompt_logprobs, self.token_ids = prompt_logprobs, token_ids
 
     def prompt_logprobs_of(self, output: RequestOutput) -> list[dict[str, PromptLogprob] | None] | None:
         return prompt_logprobs_json(output.prompt_logprobs) if self.prompt_logprobs else None
+
+    def add_prompt(self, choice: CompletionResponseChoice, output: RequestOutput) -> None:
+        """What a choice's first (or only) chunk carries of its prompt."""
+        choice.prompt_logprobs = self.prompt_logprobs_of(output)
+        if self.token_ids:
+            choice.prompt_token_ids = list(output.prompt_token_ids or [])
+
+    def must_send(self, completion: CompletionOutput, first: bool) -> bool:
+        """Whether a streamed output with no text yet (tokens that end mid-character, or any
+        token without a tokenizer) still goes out now: it finishes the choice, or carries what
+        only it carries (logprobs, token ids, the prompt's part of the choice's first chunk)."""
+        return bool(completion.finish_reason is not None or completion.logprobs
+                    or (self.token_ids and completion.token_ids)
+                    or (first and (self.echo or self.prompt_logprobs or self.token_ids)))
 
     def generated(self, completion: CompletionOutput) -> CompletionOutput:
         if not self.echo_only:
@@ -197,7 +213,8 @@ class OpenAIServingCompletion(OpenAIServing):
             streams = await self.submit(request_id, prompts, self.per_prompt(params, prompts, request.max_tokens),
                                         request.priority, self.lora_request_of(request.model), request=request)
         n = request.n
-        shape = Echo(echo, echo_only, request.logprobs is not None, request.prompt_logprobs is not None)
+        shape = Echo(echo, echo_only, request.logprobs is not None, request.prompt_logprobs is not None,
+                     request.return_token_ids)
         if request.stream:
             options = request.stream_options
             include_usage = bool(options and options.include_usage)
@@ -221,8 +238,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 totals.completion_tokens += len(completion.token_ids)
                 builder = CompletionLogprobsBuilder(self.engine.tokenizer, as_token_ids)
                 choice = self._choice(prompt_index * n + completion.index, completion, builder,
-                                      shape.prefix(final, builder, self.engine.tokenizer))
-                choice.prompt_logprobs = shape.prompt_logprobs_of(final)
+                                      shape.prefix(final, builder, self.engine.tokenizer), shape.token_ids)
+                shape.add_prompt(choice, final)
                 choices.append(choice)
         totals.total_tokens = totals.prompt_tokens + totals.completion_tokens
         cached = self.cached(finals)
@@ -233,13 +250,16 @@ class OpenAIServingCompletion(OpenAIServing):
 
     @staticmethod
     def _choice(index: int, completion: CompletionOutput, builder: CompletionLogprobsBuilder,
-                prefix: tuple[str, CompletionLogProbs | None] = ("", None)) -> CompletionResponseChoice:
-        """One choice; ``prefix`` is the echoed prompt's text and logprobs, when echoing."""
+                prefix: tuple[str, CompletionLogProbs | None] = ("", None),
+                token_ids: bool = False) -> CompletionResponseChoice:
+        """One choice; ``prefix`` is the echoed prompt's text and logprobs, when echoing;
+        ``token_ids``: with the generated token ids (return_token_ids)."""
         text, logprobs = prefix
         if completion.logprobs is not None:
             logprobs = builder.build(completion.token_ids, completion.logprobs, logprobs)
         return CompletionResponseChoice(index=index, text=text + completion.text, logprobs=logprobs,
-                                        finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+                                        finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                                        token_ids=list(completion.token_ids) if token_ids else None)
 
     async def _stream(self, request_id: str, model: str, n: int, streams: list, include_usage: bool,
                       shape: Echo, as_token_ids: bool, continuous_usage: bool) -> AsyncIterator[str]:
@@ -257,17 +277,14 @@ class OpenAIServingCompletion(OpenAIServing):
                     completion = shape.generated(completion)
                     completion_tokens += len(completion.token_ids)
                     first = index not in builders
-                    # Tokens that end mid-character carry no text yet; send them with the next
-                    # chunk unless their logprobs must go out now (or the prompt's: echoed, or
-                    # its logprobs, which only this output carries).
-                    if (not completion.text and completion.finish_reason is None and not completion.logprobs
-                            and not (first and (shape.echo or shape.prompt_logprobs))):
+                    # Tokens that end mid-character carry no text yet: their text goes with the next chunk.
+                    if not completion.text and not shape.must_send(completion, first):
                         continue
                     builder = builders.setdefault(index, CompletionLogprobsBuilder(self.engine.tokenizer, as_token_ids))
                     prefix = shape.prefix(output, builder, self.engine.tokenizer) if first else ("", None)
-                    choice = self._choice(index, completion, builder, prefix)
+                    choice = self._choice(index, completion, builder, prefix, shape.token_ids)
                     if first:
-                        choice.prompt_logprobs = shape.prompt_logprobs_of(output)
+                        shape.add_prompt(choice, output)
                     choices.append(choice)
                 if choices:
                     # continuous_usage_stats: the usage so far (of the prompts seen so far) in every chunk.

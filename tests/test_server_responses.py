@@ -91,8 +91,9 @@ def create(client, **kwargs):
                                                          **kwargs})
 
 
-def check_events(events: list, final_type: str = "response.completed") -> list[str]:
-    """OpenAI's event order for one message item, numbered 0, 1, ...; the text deltas."""
+def check_events(events: list, final_type: str = "response.completed", created: str = "in_progress") -> list[str]:
+    """OpenAI's event order for one message item, numbered 0, 1, ...; the text deltas. ``created``:
+    the status response.created carries (a background response's is queued)."""
     types = [event.type for event in events]
     deltas = types.count("response.output_text.delta")
     assert types == ["response.created", "response.in_progress", "response.output_item.added",
@@ -101,7 +102,8 @@ def check_events(events: list, final_type: str = "response.completed") -> list[s
                      final_type], types
     assert [event.sequence_number for event in events] == list(range(len(events)))
     final = events[-1].response
-    assert events[0].response.id == final.id and events[0].response.status == "in_progress"
+    assert events[0].response.id == final.id and events[0].response.status == created
+    assert events[1].response.status == "in_progress"
     message = final.output[0]
     assert events[2].item.id == events[-2].item.id == message.id and events[2].item.status == "in_progress"
     for event in events[3:-2]:
@@ -217,6 +219,133 @@ def test_store_retrieve_and_continue_a_conversation(client, hf):
         client.responses.retrieve(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.delete(first.id)
+
+
+# -- background responses, cancel, input items --------------------------------------------------
+def poll(client, response_id: str):
+    """The background response once it has left queued / in_progress."""
+    def finished():
+        response = client.responses.retrieve(response_id)
+        return response if response.status not in ("queued", "in_progress") else None
+
+    return wait_until(finished, what="the background response to finish")
+
+
+def test_a_background_response_polled_to_completion_equals_the_foreground_one(client, hf):
+    _, tokenizer = hf
+    kwargs = dict(input=MESSAGES, instructions=INSTRUCTIONS, metadata={"case": "background"})
+    queued = create(client, background=True, **kwargs)
+    assert queued.status in ("queued", "in_progress") and queued.background is True
+    assert queued.output == [] and queued.usage is None and queued.metadata == {"case": "background"}
+    done = poll(client, queued.id)
+    foreground = create(client, **kwargs)
+    generated = hf_greedy(hf, prompt_ids(tokenizer, CHAT), MAX_TOKENS)
+    assert done.output_text == foreground.output_text == tokenizer.decode(generated, skip_special_tokens=True)
+    tokens = [(r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) for r in (done, foreground)]
+    assert tokens[0] == tokens[1] and done.status == foreground.status and done.background is True
+    # Finished: cancelling returns it as it is (OpenAI's: cancelling twice returns the final response).
+    assert client.responses.cancel(done.id).model_dump() == done.model_dump()
+    # Its conversation continues as any stored response's.
+    again = create(client, input="And a fish?", previous_response_id=done.id)
+    continued = [*CHAT[1:], {"role": "assistant", "content": done.output_text},
+                 {"role": "user", "content": "And a fish?"}]
+    assert again.usage.input_tokens == len(prompt_ids(tokenizer, continued))
+
+
+def test_a_dropped_background_stream_goes_on_and_resumes_after_a_sequence_number(server, client):
+    body = {"model": MODEL_NAME, "input": "Go on.", "max_output_tokens": 60, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "background": True}
+    seen = []
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                seen.append(json.loads(line.removeprefix("data: ")))
+                if seen[-1]["type"] == "response.output_text.delta":
+                    break  # the client goes; the response goes on
+    response_id = seen[0]["response"]["id"]
+    assert seen[0]["response"]["status"] == "queued" and seen[1]["response"]["status"] == "in_progress"
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=seen[-1]["sequence_number"]))
+    assert rest[0].sequence_number == seen[-1]["sequence_number"] + 1 and rest[-1].type == "response.incomplete"
+    final = client.responses.retrieve(response_id)
+    assert final.usage.output_tokens == 60 and rest[-1].response == final
+    whole = list(client.responses.retrieve(response_id, stream=True))  # replayed from the start
+    assert [event.sequence_number for event in whole] == list(range(len(seen) + len(rest)))
+    assert "".join(check_events(whole, "response.incomplete", created="queued")) == final.output_text
+    # The SDK's create(background, stream) reads the same events.
+    events = list(create(client, input=MESSAGES, instructions=INSTRUCTIONS, background=True, stream=True))
+    assert "".join(check_events(events, f"response.{events[-1].response.status}", created="queued")) == \
+        create(client, input=MESSAGES, instructions=INSTRUCTIONS).output_text
+    # Only a background stream can be streamed again; the query values are checked.
+    foreground = create(client, input="Hi", max_output_tokens=1)
+    for response_id_, query, param in ((foreground.id, {"stream": "true"}, "stream"),
+                                       (response_id, {"stream": "maybe"}, "stream"),
+                                       (response_id, {"starting_after": "2"}, "starting_after"),
+                                       (response_id, {"stream": "true", "starting_after": "100000"}, "starting_after"),
+                                       (response_id, {"stream": "true", "starting_after": "x"}, "starting_after"),
+                                       (response_id, {"include[]": LOGPROBS}, "include")):
+        response = httpx.get(f"{server.url}/v1/responses/{response_id_}", params=query,
+                             headers={"Authorization": f"Bearer {API_KEY}"})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, (query, response.text)
+
+
+def test_cancelling_a_running_background_response_aborts_it(server, client):
+    aborted = 'sparrow:request_success_total{finished_reason="abort"}'
+    before = server.metrics().get(aborted, 0.0)
+    running = create(client, input="Go on.", background=True, max_output_tokens=480, extra_body={"ignore_eos": True})
+    wait_until(lambda: client.responses.retrieve(running.id).status == "in_progress", what="generation to start")
+    cancelled = client.responses.cancel(running.id)
+    assert (cancelled.id, cancelled.status, cancelled.background) == (running.id, "cancelled", True)
+    assert client.responses.retrieve(running.id).status == "cancelled"
+    assert client.responses.cancel(running.id).status == "cancelled"  # again: as it is
+    wait_until(lambda: server.metrics()["sparrow:num_requests_running"] == 0, what="the request to stop")
+    assert server.metrics()[aborted] == before + 1
+    assert create(client, input="Name a colour.").usage.output_tokens > 0  # the engine is free
+    foreground = create(client, input="Hi", max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError) as info:  # created without background
+        client.responses.cancel(foreground.id)
+    assert info.value.body["param"] == "response_id" and "background" in info.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.cancel("resp_unknown")
+    assert info.value.body["param"] == "response_id" and info.value.body["type"] == "NotFoundError"
+    # Deleting a running one cancels it first.
+    deleted = create(client, input="Go on.", background=True, max_output_tokens=480, extra_body={"ignore_eos": True})
+    client.responses.delete(deleted.id)
+    wait_until(lambda: server.metrics()["sparrow:num_requests_running"] == 0, what="the request to stop")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(deleted.id)
+
+
+def test_input_items_list_the_input_in_order_with_pagination(server, client):
+    response = create(client, input=[*MESSAGES, {"role": "developer", "content": "Be brief.", "id": "msg_mine"}],
+                      max_output_tokens=1)
+    items = client.responses.input_items.list(response.id, order="asc").data
+    assert [(item.type, item.role, item.status) for item in items] == [
+        ("message", "user", "completed"), ("message", "assistant", "completed"), ("message", "user", "completed"),
+        ("message", "developer", "completed")]
+    assert [[part.type for part in item.content] for item in items] == [["input_text"], ["output_text"],
+                                                                         ["input_text"], ["input_text"]]
+    assert [item.content[0].text for item in items] == ["Name a colour.", "Blue.", "And a bird?", "Be brief."]
+    ids = [item.id for item in items]
+    assert len(set(ids)) == 4 and ids[3] == "msg_mine" and ids[0].startswith("msg_")
+    assert [item.id for item in client.responses.input_items.list(response.id).data] == ids[::-1]  # desc
+    page = client.responses.input_items.list(response.id, limit=3, order="asc")
+    assert [item.id for item in page.data] == ids[:3] and page.has_more
+    assert (page.first_id, page.last_id) == (ids[0], ids[2])
+    last = client.responses.input_items.list(response.id, limit=3, order="asc", after=ids[2])
+    assert [item.id for item in last.data] == ids[3:] and not last.has_more
+    assert [item.id for item in client.responses.input_items.list(response.id, after=ids[2])] == ids[1::-1]
+    # The SDK's auto-pagination follows has_more and the last id.
+    assert [item.id for item in client.responses.input_items.list(response.id, limit=1, order="asc")] == ids
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for query, param in (({"limit": "0"}, "limit"), ({"limit": "101"}, "limit"), ({"limit": "ten"}, "limit"),
+                         ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after"), ({"include[]": LOGPROBS},
+                                                                                         "include")):
+        reply = httpx.get(f"{server.url}/v1/responses/{response.id}/input_items", params=query, headers=headers)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, (query, reply.text)
+        assert reply.json()["error"]["message"].startswith(param)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
 
 
 # -- structured outputs and logprobs ----------------------------------------------------------
@@ -365,7 +494,7 @@ REFUSED = [
     (dict(tools=[FUNCTION], tool_choice="required", text={"format": {"type": "json_object"}}), "tool_choice"),
     (dict(tool_choice="required"), "tool_choice"),
     (dict(truncation="auto"), "truncation"),
-    (dict(background=True), "background"),
+    (dict(background=True, store=False), "background"),
     (dict(reasoning={"effort": "low"}), "reasoning"),
     (dict(include=["reasoning.encrypted_content"]), "include"),
     (dict(top_logprobs=2), "top_logprobs"),
@@ -412,8 +541,6 @@ def test_raw_bodies_are_checked_as_the_chat_endpoints_are(server):
                         (b'{"model": "other", "input": "Hi"}', "model")):
         response = httpx.post(server.url + "/v1/responses", content=body, headers=headers, timeout=30)
         assert response.status_code in (400, 404) and response.json()["error"]["param"] == param, response.text
-    response = httpx.get(server.url + "/v1/responses/resp_x?stream=true", headers=headers)
-    assert response.status_code == 400 and response.json()["error"]["param"] == "stream"
     assert httpx.post(server.url + "/v1/responses", json={"input": "Hi"}).status_code == 401
 
 

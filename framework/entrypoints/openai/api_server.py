@@ -10,7 +10,10 @@
     POST /v1/completions       text or token-id prompts; stream: true for SSE
     POST /v1/chat/completions  chat messages through the tokenizer's chat template
     POST /v1/responses         OpenAI's Responses API on the chat machinery (serving_responses)
-    GET, DELETE /v1/responses/{id}  a stored response (store: true, the default)
+    GET, DELETE /v1/responses/{id}  a stored response (store: true, the default); GET stream=true
+                               resumes a background stream
+    POST /v1/responses/{id}/cancel  cancels a background response (background: true)
+    GET  /v1/responses/{id}/input_items  its input items, paginated
     POST /tokenize             text or chat messages -> token ids, as the endpoints above tokenize them
     POST /detokenize           token ids -> text
     GET  /tokenizer_info       the tokenizer's configuration (special tokens, chat template, ...)
@@ -64,7 +67,12 @@ from sparrow.entrypoints.openai.protocol import (
     CompletionResponse,
     ErrorResponse,
 )
-from sparrow.entrypoints.openai.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
+from sparrow.entrypoints.openai.protocol_responses import (
+    DeletedResponse,
+    InputItemList,
+    ResponseObject,
+    ResponsesRequest,
+)
 from sparrow.entrypoints.openai.request_logger import request_logger_from_args
 from sparrow.entrypoints.openai.serving_chat import OpenAIServingChat
 from sparrow.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -217,15 +225,41 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
         return await responses.create_response(request, raw_request)
 
+    # Query values are taken as text and checked by the handler, so that a bad one is a 400 naming
+    # it; include also as the openai client sends a list (include[]=...).
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERROR_RESPONSES)
-    async def retrieve_response(response_id: str, stream: bool | None = None, starting_after: int | None = None,
-                                include: list[str] | None = Query(None)) -> Response:
-        return JSONResponse(responses.retrieve(response_id, stream=stream, starting_after=starting_after,
-                                               include=include))
+    async def retrieve_response(
+            response_id: str, stream: str | None = Query(None, description="true: a background response's events "
+                                                                           "(one created with stream true)"),
+            starting_after: str | None = Query(None, description="With stream: the sequence_number to resume "
+                                                                 "after"),
+            include_obfuscation: str | None = Query(None, description="Only false"),
+            include: list[str] | None = Query(None, description="Not supported"),
+            include_list: list[str] | None = Query(None, alias="include[]", include_in_schema=False)) -> Response:
+        return responses.retrieve(response_id, stream=stream, starting_after=starting_after,
+                                  include=[*(include or ()), *(include_list or ())],
+                                  include_obfuscation=include_obfuscation)
 
     @app.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=_ERROR_RESPONSES)
     async def delete_response(response_id: str) -> DeletedResponse:
-        return responses.delete(response_id)
+        return await responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject, responses=_ERROR_RESPONSES)
+    async def cancel_response(response_id: str) -> Response:
+        return JSONResponse(await responses.cancel(response_id))
+
+    @app.get("/v1/responses/{response_id}/input_items", response_model=InputItemList, responses=_ERROR_RESPONSES)
+    async def list_input_items(
+            response_id: str, limit: str | None = Query(None, description="1 to 100 (default 20)"),
+            order: str | None = Query(None, description="asc or desc (default: desc, the last item first)"),
+            after: str | None = Query(None, description="The id of the item to list after"),
+            include: list[str] | None = Query(None, description="Not supported"),
+            include_list: list[str] | None = Query(None, alias="include[]", include_in_schema=False)) -> Response:
+        return JSONResponse(responses.input_items(response_id, limit=limit, order=order, after=after,
+                                                  include=[*(include or ()), *(include_list or ())]))
+
+    # The drain on shutdown waits for (then ends) the background responses as for requests in flight.
+    app.state.request_tracker.background_work = responses.background.running
 
     # The body is one of two shapes (text or chat), told apart by its "messages" key.
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)

@@ -2,7 +2,8 @@
 
     start            bind the listening sockets (a busy port is a one-line error), then load the model
     SIGTERM/SIGINT   refuse new requests: the listener closes, open connections get 503
-                     -> wait up to --shutdown-timeout s for the requests in flight
+                     -> wait up to --shutdown-timeout s for the requests in flight (and the
+                        background responses, which no HTTP request holds)
                      -> end the rest: an error event then [DONE] for a stream, 503 otherwise (one log line)
                      -> uvicorn shuts down; exit code 0. A second signal ends the wait at once,
                         a third exits without ending the streams.
@@ -17,6 +18,7 @@ import errno
 import logging
 import signal
 import socket
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -77,7 +79,8 @@ class RequestTracker:
     """ASGI middleware: counts the HTTP requests in flight (a stream until its last byte) and, once
     the server drains, answers every new request 503. With ``track_load``
     (--enable-server-load-tracking), ``server_load`` counts those of them that run the model, which
-    ``GET /load`` reports as vLLM does (0 without it)."""
+    ``GET /load`` reports as vLLM does (0 without it). ``background_work`` counts the work in flight
+    that no HTTP request holds (the background responses), which a drain waits for too."""
 
     def __init__(self, app: ASGIApp, track_load: bool = False) -> None:
         self.app = app
@@ -85,6 +88,12 @@ class RequestTracker:
         self.in_flight = 0
         self.server_load = 0
         self.draining = False
+        self.background_work: Callable[[], int] = lambda: 0
+
+    @property
+    def busy(self) -> int:
+        """The requests in flight, and the background work."""
+        return self.in_flight + self.background_work()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -106,13 +115,13 @@ class RequestTracker:
             self.server_load -= load
 
     async def wait_idle(self, timeout_s: float, give_up: asyncio.Event | None = None) -> bool:
-        """True once no request is in flight; False if some still are after ``timeout_s`` (or
-        once ``give_up`` is set)."""
+        """True once no request (nor background work) is in flight; False if some still is after
+        ``timeout_s`` (or once ``give_up`` is set)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self.in_flight and loop.time() < deadline and not (give_up is not None and give_up.is_set()):
+        while self.busy and loop.time() < deadline and not (give_up is not None and give_up.is_set()):
             await asyncio.sleep(_POLL_S)
-        return not self.in_flight
+        return not self.busy
 
 
 class Server(uvicorn.Server):
@@ -170,7 +179,7 @@ class Server(uvicorn.Server):
     async def _drain(self, signal_name: str) -> None:
         for listener in getattr(self, "servers", []):
             listener.close()  # refuse new connections now, not only once uvicorn shuts down
-        in_flight = self.tracker.in_flight
+        in_flight = self.tracker.busy
         logger.info("%s: accepting no new requests; waiting up to %g s for %d in flight",
                     signal_name, self.shutdown_timeout_s, in_flight)
         if not await self.tracker.wait_idle(self.shutdown_timeout_s, give_up=self._stop_waiting):

@@ -2,7 +2,7 @@
 
 The request is checked as the chat endpoint's is (``request_checks``): a key no model here declares
 is a 400 naming it, at any depth. Some OpenAI fields are declared only so that their neutral value
-is accepted (``background: false``, ``truncation: "disabled"``); ``responses_input``
+is accepted (``truncation: "disabled"``); ``responses_input``
 refuses the others, naming them. ``tools`` and ``tool_choice`` stay dicts, checked by
 ``responses_tools`` (``FunctionTool``), so that a web_search tool is "not supported" rather than
 a list of unknown keys. vLLM's sampling extras that the chat endpoint implements (top_k, seed,
@@ -10,7 +10,8 @@ ignore_eos, ...) are declared with the chat endpoint's bounds and handed to it u
 
 A response serializes to what the ``openai`` SDK's ``Response`` parses:
 
-    Response  id "resp_...", status completed | incomplete (incomplete_details.reason) | failed
+    Response  id "resp_...", status completed | incomplete (incomplete_details.reason) | failed;
+              a background one queued | in_progress until it ends, or cancelled
       output  [ReasoningItem]  only with a reasoning parser, when the model reasoned
               [OutputMessage]  role assistant, content [OutputText {text, annotations: [], logprobs}]
               [FunctionCallItem ...]  one per tool call {id "fc_...", call_id "call_...", name,
@@ -114,7 +115,8 @@ class ResponsesRequest(RequestModel):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     include: list[str] | None = Field(None, description='Only "message.output_text.logprobs".')
     reasoning: dict[str, Any] | None = None
-    background: bool | None = False
+    background: bool | None = Field(False, description="Generate in a task of the server: the response returns "
+                                                       "queued at once; poll, cancel or stream it by id (needs store).")
     # vLLM's sampling extras, honoured by the chat machinery as on /v1/chat/completions
     top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -206,7 +208,9 @@ class ResponseObject(OpenAIBaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=lambda: int(time.time()))
-    status: str  # in_progress (stream events only), completed, incomplete, failed
+    # queued, in_progress (stream events; a background response until it ends), completed,
+    # incomplete, failed, cancelled (a background response)
+    status: str
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     model: str
@@ -238,3 +242,14 @@ class DeletedResponse(OpenAIBaseModel):
     id: str
     object: Literal["response"] = "response"
     deleted: bool = True
+
+
+class InputItemList(OpenAIBaseModel):
+    """GET /v1/responses/{id}/input_items: one page of a response's input items, each with its ``id``
+    (a message is ``{"type": "message", "role", "content": [parts], "status"}``)."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False

@@ -105,8 +105,9 @@ def check_request(request: ResponsesRequest, max_logprobs: int) -> None:
             raise not_supported("truncation", 'truncation "auto" (dropping the start of a conversation that does not '
                                 "fit)", '; "disabled" makes a prompt longer than the model\'s context a 400')
         raise RequestFieldError(f'truncation: "disabled" or "auto", got {request.truncation!r}', "truncation")
-    if request.background:
-        raise not_supported("background", "background mode", "; send background false (the default)")
+    if request.background and request.store is False:
+        raise RequestFieldError("background: needs store true (the default): a background response is polled, "
+                                "cancelled and resumed by its id, which only a stored response keeps", "background")
     if request.reasoning and any(value is not None for value in request.reasoning.values()):
         raise not_supported("reasoning", "the reasoning option (effort, summary)", " (a model reasons as its chat "
                             "template has it; chat_template_kwargs can set a template's variables, such as "

@@ -1,4 +1,5 @@
-"""POST /v1/responses (OpenAI's Responses API, as vLLM serves it), GET and DELETE /v1/responses/{id}.
+"""POST /v1/responses (OpenAI's Responses API, as vLLM serves it); GET and DELETE
+/v1/responses/{id}, POST /v1/responses/{id}/cancel and GET /v1/responses/{id}/input_items.
 
 A request becomes a chat request (``responses_input``) and runs on the chat endpoint's machinery:
 its checks, chat template, generation-config defaults, structured outputs (``text.format``),
@@ -7,22 +8,24 @@ tool_choice auto parsed with the server's --tool-call-parser, required and named
 grammar; ``responses_tools``). Its output becomes OpenAI's output items (``responses_output``: a
 message, function calls), whole or as a stream of OpenAI's events:
 
-    response.created, response.in_progress
+    response.created, response.in_progress (a background response: created "queued", in progress
+                                           from the engine's first output)
     the items' events (responses_output), one response.output_text.delta per piece of text
     response.completed, or response.incomplete when the length limit ended it (as OpenAI sends it)
 
 Errors found before the first event are ordinary HTTP errors; a failure while generating ends the
 stream with an ``error`` event (OpenAI's error, naming the field) and ``response.failed``.
 
-``store`` (the default, as in OpenAI's API) keeps a finished response with its conversation in
-``ResponseStore``: the last ``MAX_STORED_RESPONSES``, in memory, gone with the server.
+``store`` (the default, as in OpenAI's API) keeps a finished response with its conversation and
+input items in ``responses_store.ResponseStore``: the last ``MAX_STORED_RESPONSES``, in memory,
+gone with the server. ``background`` (with store) generates it in a task of the server, which
+``responses_background`` runs, cancels and streams.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +46,7 @@ from sparrow.entrypoints.openai.protocol_responses import (
     ResponseUsage,
 )
 from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_unicode
+from sparrow.entrypoints.openai.responses_background import FINISHED, BackgroundResponses, BackgroundRun
 from sparrow.entrypoints.openai.responses_input import (
     Conversation,
     chat_request_of,
@@ -51,7 +55,19 @@ from sparrow.entrypoints.openai.responses_input import (
     in_responses_words,
     wants_logprobs,
 )
-from sparrow.entrypoints.openai.responses_output import EventSequence, OutputBuilder, new_id
+from sparrow.entrypoints.openai.responses_output import Event, EventSequence, OutputBuilder, new_id
+from sparrow.entrypoints.openai.responses_store import (
+    MAX_STORED_RESPONSES,
+    RUNNING,
+    ResponseStore,
+    StoredResponse,
+    bad_param,
+    input_items_of,
+    list_input_items,
+    not_found,
+    query_bool,
+    query_int,
+)
 from sparrow.entrypoints.openai.serving_chat import render_prompt
 from sparrow.entrypoints.openai.serving_engine import (
     APIError,
@@ -66,44 +82,6 @@ from sparrow.entrypoints.openai.tool_calling import resolve_tool_choice, tool_st
 from sparrow.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
-
-# How many finished responses (store: true) the server keeps, oldest dropped first. Each holds its
-# conversation's text, which fit the model's context: the store's memory is bounded by about
-# MAX_STORED_RESPONSES * max_model_len tokens of text, twice (the response and its conversation).
-MAX_STORED_RESPONSES = 256
-
-
-@dataclass(slots=True)
-class StoredResponse:
-    body: dict[str, Any]  # the response as it was served
-    turns: list[dict[str, Any]]  # its conversation as chat messages, without instructions, its reply
-    # (with its tool calls) last
-
-
-class ResponseStore:
-    """The last ``capacity`` stored responses, by id. The event loop is its only user: no lock."""
-
-    def __init__(self, capacity: int = MAX_STORED_RESPONSES) -> None:
-        self.capacity = capacity
-        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
-
-    def get(self, response_id: str) -> StoredResponse | None:
-        return self._responses.get(response_id)
-
-    def put(self, response_id: str, stored: StoredResponse) -> None:
-        self._responses[response_id] = stored
-        while len(self._responses) > self.capacity:
-            self._responses.popitem(last=False)
-
-    def delete(self, response_id: str) -> bool:
-        return self._responses.pop(response_id, None) is not None
-
-
-def not_found(response_id: str) -> APIError:
-    return APIError(404, f"No response found with id {response_id!r} (the server keeps the last "
-                    f"{MAX_STORED_RESPONSES} responses created with store true, until it restarts)", "NotFoundError",
-                    param="response_id", code="response_not_found")
-
 
 @dataclass(slots=True)
 class Pending:
@@ -124,7 +102,8 @@ class Pending:
         request = self.request
         text = request.text.model_dump(mode="json", by_alias=True, exclude_none=True) if request.text else None
         usage = None
-        if builder is not None and status != "in_progress":
+        finished = builder is not None and status not in RUNNING
+        if finished:
             output_tokens = len(builder.token_ids)
             usage = ResponseUsage(input_tokens=self.prompt_tokens,
                                   input_tokens_details=InputTokensDetails(cached_tokens=self.cached_tokens),
@@ -134,7 +113,7 @@ class Pending:
         return ResponseObject(
             id=self.response_id, created_at=self.created_at, status=status, error=error, model=self.model,
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None,
-            output=builder.items() if builder is not None and status != "in_progress" else [], usage=usage,
+            output=builder.items() if finished else [], usage=usage, background=bool(request.background),
             instructions=request.instructions, max_output_tokens=request.max_output_tokens,
             max_tool_calls=request.max_tool_calls, metadata=request.metadata or {},
             parallel_tool_calls=request.parallel_tool_calls is not False,
@@ -161,6 +140,7 @@ class OpenAIServingResponses(OpenAIServing):
         self.chat_template = chat_template
         self.chat_template_content_format = chat_template_content_format
         self.store = ResponseStore()
+        self.background = BackgroundResponses(self.store, lambda request_id: self.engine.abort(request_id))
 
     def new_request_id(self) -> str:
         return new_id("resp")  # the engine's request id is the response's id
@@ -180,10 +160,15 @@ class OpenAIServingResponses(OpenAIServing):
                                f"server keeps the last {MAX_STORED_RESPONSES} responses created with store true, "
                                "until it restarts)", "BadRequestError", param="previous_response_id",
                                code="previous_response_not_found")
+            if previous.turns is None:
+                raise bad_param("previous_response_id", f"response {request.previous_response_id!r} is "
+                                f"{previous.body['status']}: it has no reply to continue from")
+        if request.background:
+            self.background.check_room()
         # Every string checked first, so that a bad one is named where the client wrote it.
         await self.off_loop(check_unicode, request)
         try:
-            conversation = conversation_of(request, previous.turns if previous is not None else [])
+            conversation = conversation_of(request, (previous.turns or []) if previous is not None else [])
             chat_request = chat_request_of(request, conversation)
         except RequestFieldError as exc:
             raise field_error(exc) from None
@@ -192,21 +177,50 @@ class OpenAIServingResponses(OpenAIServing):
         except APIError as exc:
             raise in_responses_words(exc, conversation) from None
 
-    def retrieve(self, response_id: str, *, stream: bool | None, starting_after: int | None,
-                 include: list[str] | None) -> dict[str, Any]:
-        for name, value in (("stream", stream), ("starting_after", starting_after), ("include", include)):
-            if value:  # these would replay a background response's events, or re-render it
-                raise APIError(400, f"{name}: not supported when retrieving a response (a stored response is "
-                               "returned whole, as it was served)", "BadRequestError", param=name, code="unsupported")
+    def retrieve(self, response_id: str, *, stream: str | None, starting_after: str | None,
+                 include: list[str], include_obfuscation: str | None) -> Response:
+        """GET /v1/responses/{id}: the stored response; with stream=true a background stream's
+        events after ``starting_after``. Query values as sent, checked here."""
+        if include:  # would re-render a finished response
+            raise bad_param("include", "not supported when retrieving a response (a stored response is returned "
+                            "as it was served)", code="unsupported")
+        streamed = query_bool("stream", stream)
+        if query_bool("include_obfuscation", include_obfuscation):
+            raise bad_param("include_obfuscation", "stream obfuscation is never applied here", code="unsupported")
+        after = query_int("starting_after", starting_after, -1)
         stored = self.store.get(response_id)
         if stored is None:
             raise not_found(response_id)
-        return stored.body
+        if not streamed:
+            if starting_after is not None:
+                raise bad_param("starting_after", "only with stream=true (a sequence number of the stream's events)")
+            return JSONResponse(stored.body)
+        run = stored.run
+        if run is None or run.events is None:
+            raise bad_param("stream", "only a response created with background true and stream true can be "
+                            "streamed again; retrieve this one without stream", code="unsupported")
+        if starting_after is not None and not 0 <= after < len(run.events):
+            raise bad_param("starting_after", f"the sequence number of an event sent so far: 0 to "
+                            f"{len(run.events) - 1}, got {after}")
+        return StreamingResponse(run.follow(after), media_type="text/event-stream")
 
-    def delete(self, response_id: str) -> DeletedResponse:
-        if not self.store.delete(response_id):
+    async def cancel(self, response_id: str) -> dict[str, Any]:
+        return await self.background.cancel(response_id)
+
+    async def delete(self, response_id: str) -> DeletedResponse:
+        stored = self.store.get(response_id)
+        if stored is None:
             raise not_found(response_id)
+        await self.background.stop(response_id, stored)  # a running background response: cancelled first
+        self.store.delete(response_id)
         return DeletedResponse(id=response_id)
+
+    def input_items(self, response_id: str, *, limit: str | None, order: str | None, after: str | None,
+                    include: list[str]) -> dict[str, Any]:
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise not_found(response_id)
+        return list_input_items(stored.input_items, limit=limit, order=order, after=after, include=include)
 
     # -- generation --------------------------------------------------------------------------------
     async def _create(self, request: ResponsesRequest, raw_request: Request, model: str,
@@ -224,8 +238,9 @@ class OpenAIServingResponses(OpenAIServing):
                                      self.chat_template_content_format, default_param="messages")
         prompt_ids = prompt["prompt_token_ids"]
         top_logprobs = (request.top_logprobs or 0) if wants_logprobs(request) else None
+        # A background response is read output by output, so that its status follows the engine's.
         params = self.sampling_params(chat_request, max_tokens=request.max_output_tokens, logprobs=top_logprobs,
-                                      stream=bool(request.stream), longest_prompt=len(prompt_ids),
+                                      stream=bool(request.stream or request.background), longest_prompt=len(prompt_ids),
                                       structured_outputs=structured_outputs)
         response_id = self.new_request_id()
         streams = await self.submit(response_id, [prompt], params, request.priority,
@@ -237,6 +252,8 @@ class OpenAIServingResponses(OpenAIServing):
         builder = OutputBuilder(prompt_ids, reasoner=self.reasoner, tokenizer=self.engine.tokenizer,
                                 top_logprobs=top_logprobs, as_token_ids=chat_request.return_tokens_as_token_ids,
                                 tools=tools)
+        if request.background:
+            return self._start_background(pending, builder, streams[0])
         if request.stream:
             return StreamingResponse(self._stream(pending, builder, streams[0]), media_type="text/event-stream")
         final = await cancel_on_disconnect(raw_request, collect_final(streams[0]))
@@ -247,38 +264,67 @@ class OpenAIServingResponses(OpenAIServing):
         builder.feed(completion)
         incomplete = completion.finish_reason == "length"
         builder.close(incomplete)
-        return JSONResponse(self._finish(pending, builder, incomplete))
-
-    def _finish(self, pending: Pending, builder: OutputBuilder, incomplete: bool) -> dict[str, Any]:
-        """The finished response's body, stored when the request asks for it."""
         body = pending.response("incomplete" if incomplete else "completed", builder).model_dump(mode="json")
+        self._keep(pending, builder, body)
+        return JSONResponse(body)
+
+    def _keep(self, pending: Pending, builder: OutputBuilder, body: dict[str, Any]) -> None:
+        """Store a finished response when the request asks for it."""
         if pending.request.store is not False:
-            self.store.put(pending.response_id, StoredResponse(body, [*pending.conversation.turns, builder.turn()]))
-        return body
+            self.store.put(pending.response_id, StoredResponse(body, self._turns(pending, builder),
+                                                               input_items_of(pending.request)))
+
+    @staticmethod
+    def _turns(pending: Pending, builder: OutputBuilder) -> list[dict[str, Any]]:
+        return [*pending.conversation.turns, builder.turn()]
+
+    def _start_background(self, pending: Pending, builder: OutputBuilder,
+                          stream: AsyncGenerator[RequestOutput, None]) -> Response:
+        body = pending.response("queued").model_dump(mode="json")
+        streamed = bool(pending.request.stream)
+        entry = StoredResponse(body, None, input_items_of(pending.request), BackgroundRun(streamed))
+        self.background.start(pending.response_id, entry, self._events(pending, builder, stream, queued=True),
+                              lambda: self._turns(pending, builder))
+        if streamed:  # the events as the task publishes them: this client may go, the task goes on
+            return StreamingResponse(entry.run.follow(), media_type="text/event-stream")
+        return JSONResponse(body)
 
     async def _stream(self, pending: Pending, builder: OutputBuilder,
                       stream: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[str]:
         events = EventSequence()
+        async for event in self._events(pending, builder, stream):
+            if event["type"] in FINISHED:
+                self._keep(pending, builder, event["response"])  # stored before the client hears of it
+            yield events.sse(event)
+
+    async def _events(self, pending: Pending, builder: OutputBuilder, stream: AsyncGenerator[RequestOutput, None],
+                      queued: bool = False) -> AsyncIterator[Event]:
+        """The response's stream events, unnumbered. ``queued`` (a background response): created in
+        status queued, in progress from the engine's first output."""
         started = pending.response("in_progress").model_dump(mode="json")
-        yield events.sse({"type": "response.created", "response": started})
-        yield events.sse({"type": "response.in_progress", "response": started})
+        yield {"type": "response.created", "response": {**started, "status": "queued"} if queued else started}
+        if not queued:
+            yield {"type": "response.in_progress", "response": started}
         incomplete = False
         try:
             async for _, output in merge_streams([stream]):
+                if queued:
+                    yield {"type": "response.in_progress", "response": started}
+                    queued = False
                 pending.cached_tokens = output.num_cached_tokens or pending.cached_tokens
                 for completion in output.outputs:
                     incomplete = incomplete or completion.finish_reason == "length"
                     for event in builder.feed(completion):
-                        yield events.sse(event)
+                        yield event
         except (EngineDeadError, ValueError) as exc:
             error = engine_dead(exc) if isinstance(exc, EngineDeadError) else bad_request(exc)
             error = in_responses_words(error, pending.conversation)
-            yield events.sse({"type": "error", "code": error.code, "message": error.message, "param": error.param})
+            yield {"type": "error", "code": error.code, "message": error.message, "param": error.param}
             code = "server_error" if isinstance(exc, EngineDeadError) else "invalid_prompt"
             failed = pending.response("failed", error=ResponseError(code=code, message=error.message))
-            yield events.sse({"type": "response.failed", "response": failed.model_dump(mode="json")})
+            yield {"type": "response.failed", "response": failed.model_dump(mode="json")}
             return
         for event in builder.close(incomplete):
-            yield events.sse(event)
-        body = self._finish(pending, builder, incomplete)
-        yield events.sse({"type": "response.incomplete" if incomplete else "response.completed", "response": body})
+            yield event
+        status = "incomplete" if incomplete else "completed"
+        yield {"type": f"response.{status}", "response": pending.response(status, builder).model_dump(mode="json")}

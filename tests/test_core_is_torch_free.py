@@ -46,3 +46,10 @@ def test_scheduler_modules_do_not_import_torch() -> None:
     if missing:
         pytest.skip(f"not written yet: {', '.join(missing)}")
     assert_imports_stay_light(SCHEDULER_MODULES + KV_CACHE_MODULES)
+
+
+def test_the_engine_core_process_modules_do_not_import_torch() -> None:
+    """The engine-core process configures OpenMP (its threads' wait policy) before torch loads: a
+    module of its own that imports torch at the top spins every OpenMP thread of the process and
+    slows every test beside it (sleep mode's worker module once did)."""
+    assert_imports_stay_light(("sparrow.engine.core", "sparrow.engine.core_proc", "sparrow.engine.sleep_args"))

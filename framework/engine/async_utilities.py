@@ -93,13 +93,13 @@ class AsyncEngineUtilities:
 
     async def sleep(self, level: int = 1) -> None:
         """vLLM's (see ``LLMEngine.sleep``)."""
-        from sparrow.worker.sleep_mode import check_sleep
+        from sparrow.engine.sleep_args import check_sleep
 
         check_sleep(self.config, level)
         await self._call_utility("sleep", level)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        from sparrow.worker.sleep_mode import check_wake_up_tags
+        from sparrow.engine.sleep_args import check_wake_up_tags
 
         await self._call_utility("wake_up", check_wake_up_tags(tags))
 

@@ -16,6 +16,7 @@ from sparrow.core.sched.interface import SchedulerInterface
 from sparrow.core.sched.output import SchedulerOutput
 from sparrow.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from sparrow.engine.request_guard import check_request, model_vocab_size
+from sparrow.engine.sleep_args import SLEEP_TAGS, check_sleep, check_wake_up_tags
 from sparrow.executor import Executor, make_executor
 from sparrow.executor.abstract import StepHandle
 from sparrow.kv_transfer import KVConnectorRole, build_connector
@@ -27,7 +28,6 @@ from sparrow.plugins import (
     resolve_hook,
     resolve_parser,
 )
-from sparrow.worker.sleep_mode import SLEEP_TAGS, check_sleep, check_wake_up_tags
 
 logger = logging.getLogger(__name__)
 

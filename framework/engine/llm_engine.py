@@ -247,14 +247,14 @@ class LLMEngine:
     def sleep(self, level: int = 1) -> None:
         """vLLM's: release the KV cache (discarded) and the weights (level 1: offloaded to host
         memory; level 2: discarded) while no request runs; needs ``enable_sleep_mode=True``."""
-        from sparrow.worker.sleep_mode import check_sleep
+        from sparrow.engine.sleep_args import check_sleep
 
         check_sleep(self.config, level)
         self.engine_core.call_utility("sleep", level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """vLLM's: take back the memory of ``tags`` ("weights", "kv_cache"; default both)."""
-        from sparrow.worker.sleep_mode import check_wake_up_tags
+        from sparrow.engine.sleep_args import check_wake_up_tags
 
         self.engine_core.call_utility("wake_up", check_wake_up_tags(tags))
 

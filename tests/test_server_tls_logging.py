@@ -135,8 +135,6 @@ def test_wrong_flags_are_one_cli_line_before_the_model_loads(tmp_path, certifica
     bad_handler.write_text(json.dumps({"version": 1, "handlers": {"h": {"class": "logging.NoSuchHandler"}}}))
     not_json = tmp_path / "logging.json"
     not_json.write_text("{version: 1")
-    no_hook = tmp_path / "no_hook.py"
-    no_hook.write_text("X = 1\n")
     # MODEL does not exist: each error must come before the model is even looked at (and before
     # the server stack is imported: each of these commands takes a fraction of a second).
     no_model = str(tmp_path / "no-model")
@@ -149,9 +147,6 @@ def test_wrong_flags_are_one_cli_line_before_the_model_loads(tmp_path, certifica
         ([no_model, "--log-config-file", str(not_json)], f"--log-config-file: '{not_json}' is not valid JSON"),
         ([no_model, "--log-config-file", str(bad_handler)], "is not a valid logging configuration: Unable to "
                                                             "configure handler 'h'"),
-        (["--reasoning-parser-plugin", str(tmp_path / "missing.py")],
-         "invalid engine argument 'reasoning_parser_plugin': no such file"),
-        (["--reasoning-parser-plugin", str(no_hook)], "defines no sparrow_register_reasoning_parsers hook"),
         # The file is loaded before --reasoning-parser is looked up (by the engine's pre-flight
         # checks, before any engine process starts; no model named, and the built-in one never loads).
         (["--reasoning-parser-plugin", str(PLUGIN_FILE), "--reasoning-parser", "nope"],
@@ -171,6 +166,20 @@ def test_wrong_flags_are_one_cli_line_before_the_model_loads(tmp_path, certifica
         assert result.returncode == 2 and phrase in lines[-1], (argv, result.stderr)
         assert lines[-1].startswith("sparrow: error: ") and (len(lines) == 1 or argv[0] != no_model), lines
         assert not result.stdout, result.stdout
+
+
+def test_a_wrong_reasoning_parser_plugin_is_a_config_error_naming_it(tmp_path):
+    """In-process, as the engine's pre-flight meets it (the CLI's one-line form is checked above
+    with an unknown parser name after loading a good file)."""
+    from sparrow.config import ConfigError, EngineConfig
+    from sparrow.engine.preflight import load_plugin_files
+
+    no_hook = tmp_path / "no_hook.py"
+    no_hook.write_text("X = 1\n")
+    for path, phrase in [(tmp_path / "missing.py", "no such file"),
+                         (no_hook, "defines no sparrow_register_reasoning_parsers hook")]:
+        with pytest.raises(ConfigError, match=f"invalid engine argument 'reasoning_parser_plugin': .*{phrase}"):
+            load_plugin_files(EngineConfig.from_kwargs(reasoning_parser_plugin=str(path)))
 
 
 def tls_args(**flags) -> argparse.Namespace:

@@ -16,6 +16,7 @@ from typing import Any
 
 from sparrow.config import EngineConfig
 from sparrow.engine.messages import SchedulerStats
+from sparrow.engine.sleep_args import check_sleep, check_wake_up_tags
 from sparrow.errors import InvalidArgumentError
 from sparrow.executor import rpc
 from sparrow.lora.engine import check_lora_request
@@ -93,14 +94,10 @@ class AsyncEngineUtilities:
 
     async def sleep(self, level: int = 1) -> None:
         """vLLM's (see ``LLMEngine.sleep``)."""
-        from sparrow.engine.sleep_args import check_sleep
-
         check_sleep(self.config, level)
         await self._call_utility("sleep", level)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        from sparrow.engine.sleep_args import check_wake_up_tags
-
         await self._call_utility("wake_up", check_wake_up_tags(tags))
 
     async def is_sleeping(self) -> bool:

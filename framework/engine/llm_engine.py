@@ -14,6 +14,7 @@ from sparrow.engine.input_processor import PromptType
 from sparrow.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from sparrow.engine.metrics import EngineMetrics
 from sparrow.engine.setup import build_frontend, finalize_config
+from sparrow.engine.sleep_args import check_sleep, check_wake_up_tags
 from sparrow.engine.stats_log import StatsLogger
 from sparrow.errors import InvalidArgumentError, error_from_engine
 from sparrow.executor import rpc
@@ -247,15 +248,11 @@ class LLMEngine:
     def sleep(self, level: int = 1) -> None:
         """vLLM's: release the KV cache (discarded) and the weights (level 1: offloaded to host
         memory; level 2: discarded) while no request runs; needs ``enable_sleep_mode=True``."""
-        from sparrow.engine.sleep_args import check_sleep
-
         check_sleep(self.config, level)
         self.engine_core.call_utility("sleep", level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """vLLM's: take back the memory of ``tags`` ("weights", "kv_cache"; default both)."""
-        from sparrow.engine.sleep_args import check_wake_up_tags
-
         self.engine_core.call_utility("wake_up", check_wake_up_tags(tags))
 
     def is_sleeping(self) -> bool:

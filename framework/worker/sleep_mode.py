@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from sparrow.engine.sleep_args import SLEEP_TAGS, check_sleep, check_wake_up_tags  # noqa: F401 - re-exported
+from sparrow.engine.sleep_args import SLEEP_TAGS
 
 logger = logging.getLogger(__name__)
 

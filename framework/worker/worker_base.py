@@ -14,6 +14,7 @@ from sparrow.plugins import check_attention_backend, get_plugin_manager
 from sparrow.worker.model_runner import DTYPES, ModelRunner
 from sparrow.worker.outputs import ModelRunnerOutput
 from sparrow.worker.profiler import WorkerProfiler
+from sparrow.worker.sleep_mode import WorkerSleep
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class WorkerBase:
         self.tp: Any = None
         self.model_runner: ModelRunner | None = None
         self.profiler = WorkerProfiler(self.device, self.rank)  # LLM.start_profile / stop_profile
+        self.sleep_state = WorkerSleep()  # LLM.sleep / wake_up
 
     # -- start-up ---------------------------------------------------------------------------
     def init_device(self) -> None:
@@ -190,14 +192,6 @@ class WorkerBase:
 
     def is_sleeping(self) -> bool:
         return self.sleep_state.sleeping
-
-    @property
-    def sleep_state(self) -> Any:
-        from sparrow.worker.sleep_mode import WorkerSleep
-
-        if "_sleep_state" not in self.__dict__:
-            self._sleep_state = WorkerSleep()
-        return self._sleep_state
 
     def reload_weights(self) -> None:
         """vLLM's: load the checkpoint into the model again, with the configured loader (after

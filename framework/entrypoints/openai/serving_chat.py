@@ -259,7 +259,7 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                       usage=usage(len(final.prompt_token_ids or []), completion_tokens,
                                                   self.cached([final])),
-                                      prompt_token_ids=list(final.prompt_token_ids or []) if reply.token_ids else None)
+                                      prompt_token_ids=reply.prompt_token_ids)
 
     def _stream_choice(self, completion: CompletionOutput, reply: Reply,
                        choice: ChoiceStream) -> ChatCompletionResponseStreamChoice | None:

@@ -208,6 +208,28 @@ class ObservabilityConfig(_Section):
         "seconds (default: logged by sparrow serve and AsyncLLM, not by LLM, as in vLLM).")
     log_stats_interval: float = Field(
         10.0, gt=0, description="Seconds between two stats log lines (vLLM's VLLM_LOG_STATS_INTERVAL).")
+    stat_loggers: list[str] | None = Field(
+        None, description="Custom stat loggers fed every batch's statistics in the frontend: names registered by "
+        "plugins (`sparrow plugins` lists them) or qualified names package.module:Class of StatLoggerBase "
+        "subclasses (default: none; the stats line and the Prometheus metrics are built in).")
+
+    @field_validator("stat_loggers", mode="before")
+    @classmethod
+    def _stat_logger_names(cls, value: Any) -> Any:
+        # A module-level class is kept as "module:QualName", so the configuration stays plain data.
+        if value is None:
+            return None
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise ValueError("must be a list of names or 'package.module:Class' strings")
+        names = []
+        for item in value:
+            if isinstance(item, type) and "<locals>" not in item.__qualname__:
+                item = f"{item.__module__}:{item.__qualname__}"
+            if not isinstance(item, str) or not item.strip():
+                raise ValueError(f"every entry must be a registered name or 'package.module:Class', got {item!r} "
+                                 "(pass classes and factories to LLM(stat_loggers=...) or the engine's constructor)")
+            names.append(item.strip())
+        return names
 
 
 class PluginsConfig(_Section):

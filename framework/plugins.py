@@ -213,6 +213,7 @@ class Registry:
     model_loaders: dict[str, Any] = field(default_factory=dict)  # name -> class or "module:Class"
     kv_eviction_policies: dict[str, Any] = field(default_factory=dict)  # name -> class or "module:Class"
     spec_proposers: dict[str, Any] = field(default_factory=dict)  # method -> class or "module:Class"
+    stat_loggers: dict[str, Any] = field(default_factory=dict)  # name -> class or "module:Class"
 
 
 def _collect(pm: pluggy.PluginManager, hook_name: str, make_register: Callable) -> None:
@@ -342,6 +343,7 @@ def build_registry(pm: pluggy.PluginManager) -> Registry:
              lambda plugin: parsers("kv eviction policy", reg.kv_eviction_policies, plugin))
     _collect(pm, "sparrow_register_spec_proposers",
              lambda plugin: parsers("speculative proposer", reg.spec_proposers, plugin))
+    _collect(pm, "sparrow_register_stat_loggers", lambda plugin: parsers("stat logger", reg.stat_loggers, plugin))
     return reg
 
 

@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # annotations only: importing this module must stay cheap
 PROJECT_NAME = "sparrow"
 # The version of the hook contract below (semver; see the module docstring for what a minor and a
 # major change may do). Bump it with every hookspec change and regenerate the snapshot.
-CONTRACT_VERSION = "1.0.0"
+CONTRACT_VERSION = "1.1.0"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -256,6 +256,26 @@ def sparrow_register_kv_eviction_policies(register: Callable[..., None]) -> None
     Returns: nothing.
     Semantics: collecting; a name registered twice is an error naming both plugins, unless the
         later registration passes ``override=True`` (how a plugin replaces a built-in).
+    """
+
+
+@hookspec
+def sparrow_register_stat_loggers(register: Callable[..., None]) -> None:
+    """Register custom stat loggers by the name the ``stat_loggers`` engine argument takes.
+
+    When: once per frontend process that resolves one (``LLM``, ``LLMEngine``, ``AsyncLLM``,
+        ``sparrow serve``): the names are checked when the engine configuration is validated.
+    Args:
+        register: ``register(name, logger_cls, override=False)``; ``logger_cls`` subclasses
+            :class:`sparrow.engine.stat_loggers.StatLoggerBase` (vLLM's interface; or is its import
+            path ``"package.module:Class"``) and is built once per engine, after the engine core
+            started, as ``logger_cls(engine_config, engine_index)``. Its ``record(scheduler_stats,
+            iteration_stats, engine_idx=0)`` runs after every batch of outputs in the frontend,
+            ``log()`` every ``log_stats_interval`` seconds, ``log_engine_initialized()`` once.
+    Returns: nothing.
+    Semantics: collecting; a name registered twice is an error naming both plugins, unless the
+        later registration passes ``override=True``. A registered logger runs only where the
+        ``stat_loggers`` engine argument names it.
     """
 
 

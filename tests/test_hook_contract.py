@@ -52,6 +52,14 @@ def specs_module(version: str = hookspecs.CONTRACT_VERSION, drop: tuple[str, ...
     return module
 
 
+# Versions relative to the one the snapshot records, so the tests hold after every real bump.
+_MAJOR, _MINOR, _PATCH = (int(part) for part in hookspecs.CONTRACT_VERSION.split("."))
+CURRENT = hookspecs.CONTRACT_VERSION
+PATCH = f"{_MAJOR}.{_MINOR}.{_PATCH + 1}"
+MINOR = f"{_MAJOR}.{_MINOR + 1}.0"
+MAJOR = f"{_MAJOR + 1}.0.0"
+
+
 def errors_for(module) -> list[str]:
     return snapshot_tool.contract_errors(saved_snapshot(), snapshot_tool.build_snapshot(module))
 
@@ -131,10 +139,10 @@ def test_an_added_hook_needs_a_minor_bump():
     assert errors == ["hookspec sparrow_new_hook changed (added): bump CONTRACT_VERSION (minor for an added hook "
                       "or argument, major for a removed/renamed one or a changed meaning) and regenerate with "
                       "scripts/hookspec_snapshot.py"]
-    patch = errors_for(specs_module("1.0.1", sparrow_new_hook=sparrow_new_hook))
-    assert len(patch) == 1 and "a minor change" in patch[0] and "make it at least 1.1.0" in patch[0]
+    patch = errors_for(specs_module(PATCH, sparrow_new_hook=sparrow_new_hook))
+    assert len(patch) == 1 and "a minor change" in patch[0] and f"make it at least {MINOR}" in patch[0]
     # Bumped right: what is left is to record it.
-    for version in ("1.1.0", "2.0.0"):
+    for version in (MINOR, MAJOR):
         (error,) = errors_for(specs_module(version, sparrow_new_hook=sparrow_new_hook))
         assert "regenerate the snapshot" in error and "sparrow_new_hook added" in error
 
@@ -143,30 +151,30 @@ def test_an_added_argument_needs_a_minor_bump():
     edited = {"sparrow_schedule": sparrow_schedule_with_budget}
     (error,) = errors_for(specs_module(**edited))
     assert error.startswith("hookspec sparrow_schedule changed (argument 'token_budget' added): bump CONTRACT_VERSION")
-    assert "regenerate the snapshot" in errors_for(specs_module("1.1.0", **edited))[0]
+    assert "regenerate the snapshot" in errors_for(specs_module(MINOR, **edited))[0]
 
 
 def test_a_removed_hook_with_only_a_minor_bump_fails():
-    errors = errors_for(specs_module("1.1.0", drop=("sparrow_schedule",)))
+    errors = errors_for(specs_module(MINOR, drop=("sparrow_schedule",)))
     assert errors == ["hookspec sparrow_schedule changed (removed), a major change, but CONTRACT_VERSION went from "
-                      "1.0.0 to 1.1.0, a minor bump: make it 2.0.0"]
+                      f"{CURRENT} to {MINOR}, a minor bump: make it {MAJOR}"]
     assert "bump CONTRACT_VERSION" in errors_for(specs_module(drop=("sparrow_schedule",)))[0]
-    (error,) = errors_for(specs_module("2.0.0", drop=("sparrow_schedule",)))
+    (error,) = errors_for(specs_module(MAJOR, drop=("sparrow_schedule",)))
     assert "regenerate the snapshot" in error
 
 
 def test_a_renamed_argument_or_a_changed_flag_is_major():
-    renamed = specs_module("1.1.0", sparrow_allocate_slots=sparrow_allocate_slots_renamed)
+    renamed = specs_module(MINOR, sparrow_allocate_slots=sparrow_allocate_slots_renamed)
     errors = errors_for(renamed)
     assert any("argument 'num_new_tokens' removed or renamed), a major change" in e for e in errors), errors
-    flag = errors_for(specs_module("1.1.0", sparrow_schedule=sparrow_schedule_collecting))
+    flag = errors_for(specs_module(MINOR, sparrow_schedule=sparrow_schedule_collecting))
     assert len(flag) == 1 and "firstresult changed from True to False), a major change" in flag[0]
 
 
 def test_the_version_never_goes_back_and_a_bare_bump_is_recorded():
     (back,) = errors_for(specs_module("0.9.0"))
-    assert "older than the snapshot's 1.0.0" in back
-    (bare,) = errors_for(specs_module("1.0.1"))  # a documentation-only release
+    assert f"older than the snapshot's {CURRENT}" in back
+    (bare,) = errors_for(specs_module(PATCH))  # a documentation-only release
     assert "regenerate the snapshot" in bare and "no hookspec change" in bare
 
 

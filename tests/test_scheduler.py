@@ -267,15 +267,17 @@ def test_stats_readers_count_each_event_once():
     older one arriving late, adds nothing); data-parallel stats sum every core's latest."""
     from sparrow.engine.dp_client import combine_stats
     from sparrow.engine.metrics import EngineMetrics
+    from sparrow.engine.stat_loggers import StatLoggerManager
     from sparrow.wire import SchedulerStats
 
     metrics = EngineMetrics("m")
+    manager = StatLoggerManager([metrics], interval=10.0)
     snapshots = [SchedulerStats(prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=1),
                  SchedulerStats(prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=1),
                  SchedulerStats(prefix_cache_queries=30, prefix_cache_hits=12, num_preemptions=3),
                  SchedulerStats(prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=1)]
     for stats in snapshots:
-        metrics.record_scheduler_stats(stats)
+        manager.record(stats, None)
     counted = [metrics.registry.get_sample_value(f"sparrow:{name}_total", {"model_name": "m"})
                for name in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")]
     assert counted == [30, 12, 3]

@@ -13,6 +13,7 @@ import torch
 from sparrow import LLM, SamplingParams
 from sparrow.config import ConfigError, EngineConfig
 from sparrow.engine.metrics import EngineMetrics, render
+from sparrow.engine.stat_loggers import StatLoggerManager
 from sparrow.hookspecs import hookimpl
 from sparrow.plugins import PluginError, get_plugin_manager, get_registry, register_plugin
 from sparrow.spec_decode.ngram import propose_ngram
@@ -213,10 +214,11 @@ def chi_square_survival(x: float, dof: int) -> float:
 
 def test_metrics_use_vllm_names():
     metrics = EngineMetrics("m")
+    manager = StatLoggerManager([metrics], interval=10.0)
     stats = SchedulerStats(spec_decode_num_drafts=3, spec_decode_num_draft_tokens=12,
                            spec_decode_num_accepted_tokens=5, spec_decode_num_accepted_tokens_per_pos=[3, 2, 0, 0])
-    metrics.record_scheduler_stats(stats)
-    metrics.record_scheduler_stats(stats)  # a snapshot seen twice counts once
+    manager.record(stats, None)
+    manager.record(stats, None)  # a snapshot seen twice counts once
     text = render(metrics).decode()
     assert 'sparrow:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
     assert 'sparrow:spec_decode_num_draft_tokens_total{model_name="m"} 12.0' in text

@@ -1,5 +1,5 @@
 """vLLM's periodic stats log line ("Engine 000: Avg prompt throughput: ... tokens/s, ..."):
-the StatsLogger on a fake clock, then AsyncLLM, LLM and ``sparrow serve`` for real, each with it
+the LoggingStatLogger on a fake clock, then AsyncLLM, LLM and ``sparrow serve`` for real, each with it
 on and off (``disable_log_stats`` / ``log_stats_interval``).
 
 No timing is asserted: waits are generous "does not hang" bounds, and the numbers checked are
@@ -17,9 +17,11 @@ import httpx
 import pytest
 
 from sparrow import LLM, AsyncLLM, SamplingParams
+from sparrow.engine.iteration_stats import IterationStats, RequestStatsTracker
 from sparrow.engine.metrics import EngineMetrics
+from sparrow.engine.stat_loggers import StatLoggerManager
 from sparrow.engine.stats_deltas import SchedulerStatsDeltas
-from sparrow.engine.stats_log import StatsLogger
+from sparrow.engine.stats_log import LoggingStatLogger
 from sparrow.wire import SCHEDULER_STATS_COUNTERS, EngineCoreOutput, FinishReason, SchedulerStats
 
 LOGGER = "sparrow.engine.stats_log"
@@ -39,18 +41,33 @@ def lines(records) -> list[re.Match]:
     return [m for r in records if r.name == LOGGER and (m := LINE.search(r.getMessage()))]
 
 
-# -- the StatsLogger, on a fake clock ------------------------------------------------------------
+class Feed:
+    """The frontend's path on a fake clock: a tracker measures each batch once, the manager turns
+    snapshots into growths and hands both to the line logger."""
+
+    def __init__(self, interval: float, now: float, prompt_lens: dict[str, int] | None = None) -> None:
+        self.line = LoggingStatLogger(interval=interval, now=now)
+        self.manager = StatLoggerManager([self.line], interval, now=now)
+        self.tracker = RequestStatsTracker()
+        for request_id, prompt_len in (prompt_lens or {}).items():
+            self.tracker.add_request(request_id, now, prompt_len, None)
+
+    def batch(self, outputs: list[EngineCoreOutput], stats: SchedulerStats | None = None) -> IterationStats:
+        iteration = IterationStats()
+        self.tracker.update_from_outputs(iteration, outputs, now=0.0)
+        self.manager.record(stats, iteration)
+        return iteration
+
+
+# -- the stats line, on a fake clock --------------------------------------------------------------
 def test_the_line_carries_the_deltas_fed_since_the_last_one(caplog):
     caplog.set_level(logging.DEBUG, logger=LOGGER)
-    stats = StatsLogger(interval=2.0, now=100.0)
-    prompt_lens = {"a": 100, "b": 200, "c": 50}
-    stats.record_outputs([out("a", 1), out("b", 1)], prompt_lens)  # first tokens: 300 prompt tokens
-    stats.record_outputs([out("a", 3), out("b", 4, finished=True), out("gone", 9)], prompt_lens)
-    stats.record_scheduler_stats(SchedulerStats(num_running_reqs=4, num_waiting_reqs=2, kv_cache_usage=0.125,
-                                                prefix_cache_queries=400, prefix_cache_hits=172))
-    assert not stats.maybe_log(101.5)  # not yet due
-    assert caplog.records == []
-    assert stats.maybe_log(102.0)
+    feed = Feed(2.0, 100.0, {"a": 100, "b": 200, "c": 50})
+    feed.batch([out("a", 1), out("b", 1)])  # first tokens: 300 prompt tokens
+    feed.batch([out("a", 3), out("b", 4, finished=True), out("gone", 9)],  # "gone": not tracked
+               SchedulerStats(num_running_reqs=4, num_waiting_reqs=2, kv_cache_usage=0.125,
+                              prefix_cache_queries=400, prefix_cache_hits=172))
+    feed.line.log(102.0)
     (line,) = lines(caplog.records)
     assert caplog.records[0].levelno == logging.INFO
     assert line.group(0) == ("Engine 000: Avg prompt throughput: 150.0 tokens/s, Avg generation throughput: "
@@ -60,14 +77,13 @@ def test_the_line_carries_the_deltas_fed_since_the_last_one(caplog):
     # Next interval: counters are cumulative in the snapshots, so only the growth counts, and a
     # snapshot seen twice (an output and get_scheduler_stats) or late counts nothing more.
     caplog.clear()
-    stats.record_outputs([out("a", 2), out("c", 2)], prompt_lens)  # "a" started already; "c" first: 50
     snapshot = SchedulerStats(num_running_reqs=1, kv_cache_usage=0.5, prefix_cache_queries=500,
                               prefix_cache_hits=222)
-    stats.record_scheduler_stats(snapshot)
-    stats.record_scheduler_stats(snapshot)
-    stats.record_scheduler_stats(SchedulerStats(num_running_reqs=1, kv_cache_usage=0.5, prefix_cache_queries=450,
-                                                prefix_cache_hits=200))
-    stats.log(106.0)  # forced, 4 s after the last line
+    feed.batch([out("a", 2), out("c", 2)], snapshot)  # "a" started already; "c" first: 50
+    feed.manager.record(snapshot, None)
+    feed.manager.record(SchedulerStats(num_running_reqs=1, kv_cache_usage=0.5, prefix_cache_queries=450,
+                                       prefix_cache_hits=200), None)
+    feed.line.log(106.0)  # 4 s after the last line
     (line,) = lines(caplog.records)
     assert (line["prompt"], line["gen"], line["running"], line["waiting"], line["kv"], line["hit"]) == \
         ("12.5", "1.0", "1", "0", "50.0", "50.0")
@@ -75,18 +91,16 @@ def test_the_line_carries_the_deltas_fed_since_the_last_one(caplog):
 
 def test_an_idle_engine_logs_at_debug_once_its_previous_line_was_idle_too(caplog):
     caplog.set_level(logging.DEBUG, logger=LOGGER)
-    stats = StatsLogger(interval=1.0, now=0.0)
-    stats.maybe_log(1.0)  # idle from the start: DEBUG, as vLLM
-    stats.record_outputs([out("a", 5)], {"a": 10})
-    stats.record_scheduler_stats(SchedulerStats(num_running_reqs=1))
-    stats.maybe_log(2.0)  # busy: INFO
-    stats.record_outputs([out("a", 5, finished=True)], {"a": 10})
-    stats.record_scheduler_stats(SchedulerStats())
-    stats.maybe_log(3.0)  # busy part of the interval: INFO
-    stats.maybe_log(4.0)  # idle, but the previous line was not: INFO (the engine went idle)
-    stats.maybe_log(5.0)  # idle after idle: DEBUG
-    stats.record_scheduler_stats(SchedulerStats(num_waiting_reqs=1))
-    stats.maybe_log(6.0)  # a request waits: INFO
+    feed = Feed(1.0, 0.0, {"a": 10})
+    feed.line.log(1.0)  # idle from the start: DEBUG, as vLLM
+    feed.batch([out("a", 5)], SchedulerStats(num_running_reqs=1))
+    feed.line.log(2.0)  # busy: INFO
+    feed.batch([out("a", 5, finished=True)], SchedulerStats())
+    feed.line.log(3.0)  # busy part of the interval: INFO
+    feed.line.log(4.0)  # idle, but the previous line was not: INFO (the engine went idle)
+    feed.line.log(5.0)  # idle after idle: DEBUG
+    feed.manager.record(SchedulerStats(num_waiting_reqs=1), None)
+    feed.line.log(6.0)  # a request waits: INFO
     levels = [r.levelno for r in caplog.records]
     assert levels == [logging.DEBUG, logging.INFO, logging.INFO, logging.INFO, logging.DEBUG, logging.INFO]
     gens = [m["gen"] for m in lines(caplog.records)]
@@ -95,29 +109,69 @@ def test_an_idle_engine_logs_at_debug_once_its_previous_line_was_idle_too(caplog
 
 def test_speculative_decoding_acceptance_is_logged_when_the_stats_carry_it(caplog):
     caplog.set_level(logging.DEBUG, logger=LOGGER)
-    stats = StatsLogger(interval=1.0, now=0.0)
-    stats.record_scheduler_stats(SchedulerStats(spec_decode_num_drafts=10, spec_decode_num_draft_tokens=30,
-                                                spec_decode_num_accepted_tokens=15,
-                                                spec_decode_num_accepted_tokens_per_pos=[8, 5, 2]))
-    stats.log(2.0)
+    feed = Feed(1.0, 0.0)
+    feed.manager.record(SchedulerStats(spec_decode_num_drafts=10, spec_decode_num_draft_tokens=30,
+                                       spec_decode_num_accepted_tokens=15,
+                                       spec_decode_num_accepted_tokens_per_pos=[8, 5, 2]), None)
+    feed.line.log(2.0)
     spec = [r.getMessage() for r in caplog.records if "SpecDecoding" in r.getMessage()]
     assert spec == ["Engine 000: SpecDecoding metrics: Mean acceptance length: 2.50, Accepted throughput: "
                     "7.50 tokens/s, Drafted throughput: 15.00 tokens/s, Accepted: 15 tokens, Drafted: 30 tokens, "
                     "Per-position acceptance rate: 0.800, 0.500, 0.200, Avg Draft acceptance rate: 50.0%"]
     caplog.clear()
-    stats.log(3.0)  # nothing new: no speculative line
+    feed.line.log(3.0)  # nothing new: no speculative line
     assert not any("SpecDecoding" in r.getMessage() for r in caplog.records)
 
 
-def test_requests_forgotten_by_the_frontend_are_not_kept():
-    stats = StatsLogger(interval=1.0, now=0.0)
-    prompt_lens = {f"r{i}": 4 for i in range(200)}
-    stats.record_outputs([out(rid, 1) for rid in prompt_lens], prompt_lens)
-    prompt_lens.clear()  # all aborted after their first token
-    stats.record_outputs([], prompt_lens)
-    assert stats._started == set()
+def test_the_manager_logs_when_the_interval_is_due_and_drops_a_logger_that_raises(caplog):
+    class Counting:
+        def __init__(self) -> None:
+            self.logs = self.records = 0
+
+        def record(self, scheduler_stats, iteration_stats, engine_idx=0) -> None:
+            self.records += 1
+
+        def log(self) -> None:
+            self.logs += 1
+
+    class Broken(Counting):
+        def record(self, scheduler_stats, iteration_stats, engine_idx=0) -> None:
+            raise RuntimeError("a bug in the logger")
+
+    counting, broken = Counting(), Broken()
+    manager = StatLoggerManager([broken, counting], interval=2.0, now=10.0)
+    assert manager.seconds_until_due(11.0) == 1.0
+    assert not manager.maybe_log(11.5)
+    assert manager.maybe_log(12.0) and (counting.logs, broken.logs) == (1, 1)
+    caplog.set_level(logging.ERROR, logger="sparrow.engine.stat_loggers")
+    manager.record(SchedulerStats(), None)
+    manager.record(SchedulerStats(), IterationStats())
+    assert counting.records == 2 and manager.loggers == [counting]
+    assert [r.getMessage() for r in caplog.records] == ["stat logger Broken raised in record(); it is disabled"]
     with pytest.raises(ValueError):
-        StatsLogger(interval=0)
+        LoggingStatLogger(interval=0)
+
+
+def test_the_tracker_measures_each_request_once_and_forgets_it_when_it_ends():
+    tracker = RequestStatsTracker()
+    tracker.add_request("a", 10.0, 7, 5)
+    tracker.add_request("b", 10.0, 3, None)
+    first = IterationStats()
+    tracker.update_from_outputs(first, [out("a", 2), out("b", 0), out("gone", 4)], now=11.0)
+    assert (first.num_prompt_tokens, first.num_generation_tokens, first.time_to_first_tokens_iter) == (7, 2, [1.0])
+    second = IterationStats()
+    tracker.update_from_outputs(second, [out("a", 3, finished=True), out("b", 1)], now=11.5)
+    assert (second.num_prompt_tokens, second.num_generation_tokens) == (3, 4)
+    assert (second.time_to_first_tokens_iter, second.inter_token_latencies_iter) == ([1.5], [0.5])
+    (done,) = second.finished_requests
+    assert (done.finish_reason, done.e2e_latency, done.num_prompt_tokens, done.num_generation_tokens,
+            done.max_tokens_param, done.time_to_first_token) == ("length", 1.5, 7, 5, 5, 1.0)
+    aborted = IterationStats()
+    tracker.finish(aborted, "b", "abort", now=12.0)
+    tracker.finish(aborted, "b", "abort", now=13.0)  # once only
+    assert [(f.finish_reason, f.e2e_latency, f.num_generation_tokens) for f in aborted.finished_requests] == \
+        [("abort", 2.0, 1)]
+    assert len(tracker) == 0
 
 
 # -- the growth of the cumulative counters, shared with the Prometheus metrics --------------------
@@ -157,10 +211,10 @@ def test_the_metrics_and_the_stats_line_count_the_same_growth():
                  SchedulerStats(prefix_cache_queries=50, prefix_cache_hits=24, spec_decode_num_drafts=4,
                                 spec_decode_num_draft_tokens=12, spec_decode_num_accepted_tokens=7,
                                 spec_decode_num_accepted_tokens_per_pos=[4, 2, 1])]
-    metrics, line = EngineMetrics("m"), StatsLogger(interval=1.0, now=0.0)
+    metrics, line = EngineMetrics("m"), LoggingStatLogger(interval=1.0, now=0.0)
+    manager = StatLoggerManager([metrics, line], interval=1.0, now=0.0)
     for stats in snapshots:
-        metrics.record_scheduler_stats(stats)
-        line.record_scheduler_stats(stats)
+        manager.record(stats, None)
     names = ("prefix_cache_queries", "prefix_cache_hits", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
              "spec_decode_num_accepted_tokens")
     prometheus = [metrics.registry.get_sample_value(f"sparrow:{name}_total", {"model_name": "m"}) for name in names]
@@ -319,6 +373,6 @@ def test_sparrow_serve_logs_the_line_unless_disabled(model_dir, tmp_path, disabl
 
 
 def test_the_line_of_data_parallel_engines_says_it_is_their_sum():
-    one, two = StatsLogger(interval=1.0, now=0.0), StatsLogger(interval=1.0, now=0.0, num_engines=2)
+    one, two = LoggingStatLogger(interval=1.0, now=0.0), LoggingStatLogger(interval=1.0, now=0.0, num_engines=2)
     assert one.format_lines(1.0)[0].startswith("Engine 000: Avg prompt throughput: ")
     assert two.format_lines(1.0)[0].startswith("2 Engines Aggregated: Avg prompt throughput: ")

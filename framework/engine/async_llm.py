@@ -34,12 +34,14 @@ from sparrow.engine.async_output import AsyncOutputHandling
 from sparrow.engine.async_utilities import AsyncEngineUtilities
 from sparrow.engine.exceptions import EngineDeadError
 from sparrow.engine.input_processor import PromptType
+from sparrow.engine.iteration_stats import RequestStatsTracker
 from sparrow.engine.messages import EngineCoreRequest, SchedulerStats
 from sparrow.engine.metrics import EngineMetrics
 from sparrow.engine.mp_client import AsyncMPClient
 from sparrow.engine.output_collector import RequestOutputCollector
 from sparrow.engine.setup import build_frontend, finalize_config
-from sparrow.engine.stats_log import StatsLogger
+from sparrow.engine.stat_loggers import StatLoggerManager, build_stat_loggers, resolve_stat_loggers
+from sparrow.engine.stats_log import LoggingStatLogger
 from sparrow.errors import InvalidArgumentError
 from sparrow.lora.engine import check_lora_request
 from sparrow.outputs import RequestOutput
@@ -53,9 +55,12 @@ class AsyncLLM(AsyncOutputHandling, AsyncEngineUtilities):
     """An asyncio engine. ``AsyncLLM.from_engine_args(model=..., max_model_len=...)`` takes the
     same keywords as ``LLM`` (or, as in vLLM, one ``AsyncEngineArgs``); ``AsyncLLM(config)`` and
     ``AsyncLLM.from_vllm_config(config)`` take an ``EngineConfig``. ``executor_factory``
-    ("package.module:callable") replaces the configured executor in the engine process (tests)."""
+    ("package.module:callable") replaces the configured executor in the engine process (tests).
+    ``stat_loggers``: vLLM's custom stat loggers (``StatLoggerBase`` subclasses or factories, see
+    ``sparrow.engine.stat_loggers``), added to those the ``stat_loggers`` engine argument names."""
 
-    def __init__(self, config: EngineConfig, *, executor_factory: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, *, executor_factory: str | None = None,
+                 stat_loggers: list[Any] | None = None) -> None:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"AsyncLLM(config) takes an EngineConfig, got {type(config).__name__}; for engine "
                             "arguments use AsyncLLM.from_engine_args(model=..., ...)")
@@ -73,16 +78,18 @@ class AsyncLLM(AsyncOutputHandling, AsyncEngineUtilities):
         self.last_stats: SchedulerStats | None = None
         # vLLM's periodic stats line (on unless disable_log_stats is True), fed by the output handler.
         observability = self.config.observability
-        self.stat_logger: StatsLogger | None = None
+        self.stat_logger: LoggingStatLogger | None = None
         if observability.disable_log_stats is not True:
-            self.stat_logger = StatsLogger(observability.log_stats_interval,
-                                           num_engines=self.config.parallel.data_parallel_size)
+            self.stat_logger = LoggingStatLogger(observability.log_stats_interval,
+                                                 num_engines=self.config.parallel.data_parallel_size)
+        # Custom loggers: named ones are looked up now, so a wrong name fails before the engine starts.
+        custom_factories = resolve_stat_loggers([*(observability.stat_loggers or []), *(stat_loggers or [])])
+        # Per engine-core request: arrival, first and last token times (for TTFT, ITL, e2e).
+        self._request_stats = RequestStatsTracker()
         # request_id -> the mailbox of its generate() consumer
         self._collectors: dict[str, RequestOutputCollector] = {}
         # engine-core request id -> caller's request id (they differ for the children of n > 1)
         self._external_ids: dict[str, str] = {}
-        # engine-core request id -> prompt length, for the prompt-token counter
-        self._prompt_lens: dict[str, int] = {}
         self._dead_error: EngineDeadError | None = None
         self._dead_event = asyncio.Event()
         self._output_handler: asyncio.Task | None = None
@@ -103,27 +110,38 @@ class AsyncLLM(AsyncOutputHandling, AsyncEngineUtilities):
         kv_info = self.engine_core.kv_cache_info
         self.kv_cache_capacity_tokens = request_capacity_tokens(
             kv_info["num_blocks"], kv_info["block_size"], self.hf_config, self.model_config.max_model_len or 0)
+        try:
+            loggers = [self.metrics, *([self.stat_logger] if self.stat_logger else []),
+                       *build_stat_loggers(custom_factories, self.config)]
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
+        self.stat_loggers = StatLoggerManager(loggers, observability.log_stats_interval)
+        self.stat_loggers.log_engine_initialized()
 
     @classmethod
     def from_engine_args(cls, engine_args: AsyncEngineArgs | EngineConfig | None = None, /, *,
-                         executor_factory: str | None = None, **kwargs: Any) -> AsyncLLM:
-        """``from_engine_args(model=..., **engine_args)``, or vLLM's ``from_engine_args(AsyncEngineArgs(...))``."""
+                         executor_factory: str | None = None, stat_loggers: list[Any] | None = None,
+                         **kwargs: Any) -> AsyncLLM:
+        """``from_engine_args(model=..., **engine_args)``, or vLLM's ``from_engine_args(AsyncEngineArgs(...))``;
+        ``stat_loggers`` as in ``AsyncLLM``."""
         if engine_args is None:
-            return cls(EngineConfig.from_kwargs(**kwargs), executor_factory=executor_factory)
+            return cls(EngineConfig.from_kwargs(**kwargs), executor_factory=executor_factory, stat_loggers=stat_loggers)
         if kwargs:
             raise TypeError(f"AsyncLLM.from_engine_args: pass the engine arguments in engine_args or as keywords, "
                             f"not both (got engine_args and {', '.join(sorted(kwargs))})")
         if isinstance(engine_args, EngineConfig):
-            return cls(engine_args, executor_factory=executor_factory)
+            return cls(engine_args, executor_factory=executor_factory, stat_loggers=stat_loggers)
         if not callable(getattr(engine_args, "create_engine_config", None)):
             raise TypeError(f"AsyncLLM.from_engine_args: engine_args must be an AsyncEngineArgs or an EngineConfig, "
                             f"got {type(engine_args).__name__}")
-        return cls(engine_args.create_engine_config(), executor_factory=executor_factory)
+        return cls(engine_args.create_engine_config(), executor_factory=executor_factory, stat_loggers=stat_loggers)
 
     @classmethod
-    def from_vllm_config(cls, vllm_config: EngineConfig, *, executor_factory: str | None = None) -> AsyncLLM:
+    def from_vllm_config(cls, vllm_config: EngineConfig, *, executor_factory: str | None = None,
+                         stat_loggers: list[Any] | None = None) -> AsyncLLM:
         """vLLM's name for building from a whole configuration (here an ``EngineConfig``)."""
-        return cls(vllm_config, executor_factory=executor_factory)
+        return cls(vllm_config, executor_factory=executor_factory, stat_loggers=stat_loggers)
 
     # -- state ------------------------------------------------------------------------------
     @property
@@ -277,8 +295,8 @@ class AsyncLLM(AsyncOutputHandling, AsyncEngineUtilities):
         self._collectors[request_id] = collector
         for child in children:
             self._external_ids[child.request_id] = request_id
-            self._prompt_lens[child.request_id] = len(child.prompt_token_ids)
-            self.metrics.request_added(child.request_id, child.arrival_time)
+            self._request_stats.add_request(child.request_id, child.arrival_time, len(child.prompt_token_ids),
+                                            child.sampling_params.max_tokens)
         try:
             for child in children:
                 await self.engine_core.add_request_async(child)

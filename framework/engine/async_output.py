@@ -15,8 +15,9 @@ import time
 from typing import Any
 
 from sparrow.engine.exceptions import EngineDeadError
+from sparrow.engine.iteration_stats import IterationStats, RequestStatsTracker
 from sparrow.engine.messages import EngineCoreOutput, SchedulerStats
-from sparrow.engine.stats_log import StatsLogger
+from sparrow.engine.stat_loggers import StatLoggerManager
 from sparrow.errors import error_from_engine
 
 logger = logging.getLogger(__name__)
@@ -26,11 +27,12 @@ class AsyncOutputHandling:
     engine_core: Any
     output_processor: Any
     metrics: Any
-    stat_logger: StatsLogger | None
+    stat_logger: Any
+    stat_loggers: StatLoggerManager
     last_stats: SchedulerStats | None
     _collectors: dict[str, Any]
     _external_ids: dict[str, str]
-    _prompt_lens: dict[str, int]
+    _request_stats: RequestStatsTracker
     _output_handler: asyncio.Task | None
     _dead_error: EngineDeadError | None
     _dead_event: asyncio.Event
@@ -39,10 +41,17 @@ class AsyncOutputHandling:
     def _abort_now(self, request_ids: list[str]) -> None:
         raise NotImplementedError
 
-    def _engine_request_done(self, engine_id: str, finish_reason: str) -> None:
-        self.metrics.request_finished(engine_id, finish_reason)
+    def _engine_request_done(self, engine_id: str, finish_reason: str, stats: IterationStats | None = None) -> None:
+        """Forget an engine-core request; its figures go into ``stats`` (a batch being recorded),
+        or, finished between batches (an abort), to the loggers at once."""
+        if stats is not None:
+            self._request_stats.finish(stats, engine_id, finish_reason)
+        else:
+            alone = IterationStats()
+            self._request_stats.finish(alone, engine_id, finish_reason)
+            if alone.finished_requests:
+                self.stat_loggers.record(None, alone)
         self._external_ids.pop(engine_id, None)
-        self._prompt_lens.pop(engine_id, None)
 
     # -- the output handler -----------------------------------------------------------------
     def _ensure_output_handler(self) -> None:
@@ -51,27 +60,24 @@ class AsyncOutputHandling:
                 self._run_output_handler(), name="AsyncLLM.output_handler")
 
     async def _run_output_handler(self) -> None:
-        stat_logger = self.stat_logger
-        stats_task = None
-        if stat_logger is not None:
-            # The first interval starts with the first request; a line also comes while no output
-            # arrives (an engine gone idle). The task ends with this one (shutdown cancels it).
-            stat_logger.start(time.monotonic())
-            stats_task = asyncio.get_running_loop().create_task(
-                self._log_stats_periodically(stat_logger), name="AsyncLLM.stats_logger")
+        # The loggers' first interval starts with the first request; a line also comes while no
+        # output arrives (an engine gone idle). The task ends with this one (shutdown cancels it).
+        now = time.monotonic()
+        self.stat_loggers.start(now)
+        if self.stat_logger is not None:
+            self.stat_logger.start(now)
+        stats_task = asyncio.get_running_loop().create_task(
+            self._log_stats_periodically(self.stat_loggers), name="AsyncLLM.stats_logger")
         try:
             while True:
                 outputs = await self.engine_core.get_output_async()
                 now = time.monotonic()
                 if outputs.scheduler_stats is not None:
                     self.last_stats = outputs.scheduler_stats
-                    self.metrics.record_scheduler_stats(outputs.scheduler_stats)
-                    if stat_logger is not None:
-                        stat_logger.record_scheduler_stats(outputs.scheduler_stats)
+                iteration = IterationStats()
                 if outputs.outputs:
-                    if stat_logger is not None:  # before _process_outputs forgets finished requests
-                        stat_logger.record_outputs(outputs.outputs, self._prompt_lens)
-                    self._process_outputs(outputs.outputs, now)
+                    self._process_outputs(outputs.outputs, now, iteration)
+                self.stat_loggers.record(outputs.scheduler_stats, iteration if outputs.outputs else None)
         except EngineDeadError as exc:
             self._set_dead(exc)
         except asyncio.CancelledError:
@@ -80,30 +86,29 @@ class AsyncOutputHandling:
             logger.exception("AsyncLLM output handler failed")
             self._set_dead(EngineDeadError(f"the output handler failed: {type(exc).__name__}: {exc}"))
         finally:
-            if stats_task is not None:
-                stats_task.cancel()
+            stats_task.cancel()
 
     @staticmethod
-    async def _log_stats_periodically(stat_logger: StatsLogger) -> None:
+    async def _log_stats_periodically(stat_loggers: StatLoggerManager) -> None:
         while True:
-            await asyncio.sleep(stat_logger.seconds_until_due(time.monotonic()))
-            stat_logger.maybe_log(time.monotonic())
+            await asyncio.sleep(stat_loggers.seconds_until_due(time.monotonic()))
+            stat_loggers.maybe_log(time.monotonic())
 
-    def _process_outputs(self, core_outputs: list[EngineCoreOutput], now: float) -> None:
+    def _process_outputs(self, core_outputs: list[EngineCoreOutput], now: float, stats: IterationStats) -> None:
         if any(output.error_message is not None for output in core_outputs):
-            core_outputs = self._fail_rejected(core_outputs)
-        self.metrics.record_outputs(core_outputs, self._prompt_lens, now)
+            core_outputs = self._fail_rejected(core_outputs, stats)
+        self._request_stats.update_from_outputs(stats, core_outputs, now)
         processed = self.output_processor.process_outputs(core_outputs, now)
         for output in core_outputs:
             if output.finish_reason is not None:
-                self._engine_request_done(output.request_id, str(output.finish_reason))
+                self._external_ids.pop(output.request_id, None)  # its figures are in stats already
         if processed.reqs_to_abort:
             # Stop strings are found here, not in the engine core: tell it to stop generating.
             for engine_id in processed.reqs_to_abort:
-                self._engine_request_done(engine_id, "stop")
+                self._engine_request_done(engine_id, "stop", stats)
             self.engine_core.abort_requests(processed.reqs_to_abort)
 
-    def _fail_rejected(self, core_outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+    def _fail_rejected(self, core_outputs: list[EngineCoreOutput], stats: IterationStats) -> list[EngineCoreOutput]:
         """Raise the engine core's rejection to the request's consumer; drop those outputs."""
         kept = []
         for output in core_outputs:
@@ -114,7 +119,7 @@ class AsyncOutputHandling:
             collector = self._collectors.get(external_id) if external_id is not None else None
             if collector is not None:
                 collector.put(error_from_engine(output.error_message, output.error_field))
-            self._engine_request_done(output.request_id, "error")
+            self._engine_request_done(output.request_id, "error", stats)
             if external_id is not None:
                 # The other samples of an n > 1 request cannot complete it any more.
                 self._abort_now([external_id])

@@ -3,7 +3,7 @@ engine core and back (prefix cache, profiler, stats, LoRA adapters, ``collective
 ``beam_search`` (sparrow.engine.async_beam_search).
 
 A mixin: the host class (``sparrow.engine.async_llm.AsyncLLM``) provides ``config``,
-``model_config``, ``hf_config``, ``tokenizer``, ``engine_core``, ``metrics``, ``run_input_work`` and
+``model_config``, ``hf_config``, ``tokenizer``, ``engine_core``, ``stat_loggers``, ``run_input_work`` and
 the liveness checks ``_raise_if_dead`` / ``_bind_loop``. A call to a dead engine raises
 ``EngineDeadError``; a call from another event loop a ``RuntimeError``.
 """
@@ -29,7 +29,7 @@ class AsyncEngineUtilities:
     hf_config: Any
     tokenizer: Any
     engine_core: Any
-    metrics: Any
+    stat_loggers: Any
 
     # Provided by the host class.
     def _raise_if_dead(self) -> None:
@@ -85,8 +85,8 @@ class AsyncEngineUtilities:
 
     async def get_scheduler_stats(self) -> SchedulerStats:
         stats = await self._call_utility("get_scheduler_stats")
-        # A snapshot of cumulative counters: the Prometheus counters take what is new in it.
-        self.metrics.record_scheduler_stats(stats)
+        # A snapshot of cumulative counters: the loggers take what is new in it.
+        self.stat_loggers.record(stats, None)
         return stats
 
     async def get_kv_cache_info(self) -> dict[str, int]:

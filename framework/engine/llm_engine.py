@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -11,11 +12,13 @@ from sparrow.config import EngineConfig
 from sparrow.core.kv_cache_utils import request_capacity_tokens
 from sparrow.engine.async_inputs import check_request_fields, request_params
 from sparrow.engine.input_processor import PromptType
-from sparrow.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from sparrow.engine.iteration_stats import IterationStats, RequestStatsTracker
+from sparrow.engine.messages import EngineCoreOutput, SchedulerStats
 from sparrow.engine.metrics import EngineMetrics
 from sparrow.engine.setup import build_frontend, finalize_config
 from sparrow.engine.sleep_args import check_sleep, check_wake_up_tags
-from sparrow.engine.stats_log import StatsLogger
+from sparrow.engine.stat_loggers import StatLoggerManager, build_stat_loggers, resolve_stat_loggers
+from sparrow.engine.stats_log import LoggingStatLogger
 from sparrow.errors import InvalidArgumentError, error_from_engine
 from sparrow.executor import rpc
 from sparrow.outputs import RequestOutput
@@ -43,7 +46,8 @@ class LLMEngine:
     """vLLM's ``LLMEngine``: ``add_request`` then ``step()`` until ``has_unfinished_requests()``
     is False. Built from an ``EngineConfig``, or as in vLLM with ``from_engine_args(EngineArgs(...))``."""
 
-    def __init__(self, config: EngineConfig, multiprocess: bool | None = None) -> None:
+    def __init__(self, config: EngineConfig, multiprocess: bool | None = None,
+                 stat_loggers: list[Any] | None = None) -> None:
         self.config = finalize_config(config)
         frontend = build_frontend(self.config)
         self.tokenizer, self.hf_config = frontend.tokenizer, frontend.hf_config
@@ -56,45 +60,48 @@ class LLMEngine:
         self.kv_cache_capacity_tokens = request_capacity_tokens(
             kv_info["num_blocks"], kv_info["block_size"], self.hf_config, self.config.model.max_model_len or 0)
         self.last_stats: SchedulerStats | None = None
-        # vLLM's periodic stats line, logged by step(): only with disable_log_stats=False (as vLLM's LLM).
+        # vLLM's periodic stats line and the Prometheus metrics the server exposes (read by
+        # get_metrics()): only with disable_log_stats=False (as vLLM's LLM); custom stat loggers
+        # whenever given.
         observability = self.config.observability
-        self.stat_logger: StatsLogger | None = None
-        if observability.disable_log_stats is False:
-            self.stat_logger = StatsLogger(observability.log_stats_interval,
-                                           num_engines=self.config.parallel.data_parallel_size)
-        # The Prometheus metrics the server exposes, read by get_metrics() (only with the stats on).
+        self.stat_logger: LoggingStatLogger | None = None
         self.metrics: EngineMetrics | None = None
-        if self.stat_logger is not None:
+        loggers: list[Any] = []
+        if observability.disable_log_stats is False:
+            self.stat_logger = LoggingStatLogger(observability.log_stats_interval,
+                                                 num_engines=self.config.parallel.data_parallel_size)
             self.metrics = EngineMetrics(self.config.model.served_model_name or "sparrow-tiny")
-        # engine-core request id -> prompt length, for the stats line (kept only while it is on)
-        self._prompt_lens: dict[str, int] = {}
+            loggers += [self.stat_logger, self.metrics]
+        try:
+            factories = resolve_stat_loggers([*(observability.stat_loggers or []), *(stat_loggers or [])])
+            loggers += build_stat_loggers(factories, self.config)
+        except BaseException:
+            self.engine_core.shutdown()
+            raise
+        self.stat_loggers = StatLoggerManager(loggers, observability.log_stats_interval)
+        self.stat_loggers.log_engine_initialized()
+        # Per engine-core request, while any logger is on: arrival, first and last token times.
+        self._request_stats = RequestStatsTracker()
         # Outputs of a step that also raised (another request failed): handed out by the next step.
         self._held_outputs: list[RequestOutput] = []
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, usage_context: Any = None, stat_loggers: Any = None,
+    def from_engine_args(cls, engine_args: EngineArgs, usage_context: Any = None, stat_loggers: list[Any] | None = None,
                          enable_multiprocessing: bool | None = None) -> LLMEngine:
-        """vLLM's constructor. ``usage_context`` is vLLM's telemetry tag (unused); custom
-        ``stat_loggers`` are refused (the stats line is ``disable_log_stats=False``);
-        ``enable_multiprocessing`` None: the engine core in its own process unless
-        ``SPARROW_ENABLE_MULTIPROCESSING=0``."""
-        if stat_loggers:
-            raise InvalidArgumentError("LLMEngine.from_engine_args: custom stat_loggers are not supported; pass "
-                                       "disable_log_stats=False for the periodic stats line", "stat_loggers")
+        """vLLM's constructor. ``usage_context`` is vLLM's telemetry tag (unused); ``stat_loggers``
+        are vLLM's custom stat loggers (``sparrow.engine.stat_loggers``); ``enable_multiprocessing``
+        None: the engine core in its own process unless ``SPARROW_ENABLE_MULTIPROCESSING=0``."""
         if not callable(getattr(engine_args, "create_engine_config", None)):
             raise TypeError(f"LLMEngine.from_engine_args: engine_args must be an EngineArgs, got "
                             f"{type(engine_args).__name__}")
-        return cls(engine_args.create_engine_config(), multiprocess=enable_multiprocessing)
+        return cls(engine_args.create_engine_config(), multiprocess=enable_multiprocessing, stat_loggers=stat_loggers)
 
     @classmethod
     def from_vllm_config(cls, vllm_config: EngineConfig, usage_context: Any = None,
-                         stat_loggers: Any = None) -> LLMEngine:
+                         stat_loggers: list[Any] | None = None) -> LLMEngine:
         """vLLM's name for building from a whole configuration (here an ``EngineConfig``, whose
         ``disable_log_stats`` decides the stats line)."""
-        if stat_loggers:
-            raise InvalidArgumentError("LLMEngine.from_vllm_config: custom stat_loggers are not supported",
-                                       "stat_loggers")
-        return cls(vllm_config)
+        return cls(vllm_config, stat_loggers=stat_loggers)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -128,9 +135,9 @@ class LLMEngine:
         children = self.output_processor.add_request(request, text)
         try:
             for child in children:
-                if self.metrics is not None:  # with the stats line
-                    self._prompt_lens[child.request_id] = len(child.prompt_token_ids)
-                    self.metrics.request_added(child.request_id, child.arrival_time)
+                if self.stat_loggers:
+                    self._request_stats.add_request(child.request_id, child.arrival_time,
+                                                    len(child.prompt_token_ids), child.sampling_params.max_tokens)
                 self.engine_core.add_request(child)
         except BaseException:
             self._abort_quietly([request.request_id])
@@ -156,10 +163,11 @@ class LLMEngine:
         aborted = set(request_ids)
         self._held_outputs = [o for o in self._held_outputs if o.request_id not in aborted]
         engine_ids = self.output_processor.abort_requests(request_ids)
-        for engine_id in engine_ids:
-            self._prompt_lens.pop(engine_id, None)
-            if self.metrics is not None:
-                self.metrics.request_finished(engine_id, "abort")
+        if self.stat_loggers and engine_ids:
+            aborted_stats = IterationStats()
+            for engine_id in engine_ids:
+                self._request_stats.finish(aborted_stats, engine_id, "abort")
+            self.stat_loggers.record(None, aborted_stats)
         self.engine_core.abort_requests(engine_ids)
 
     def _abort_quietly(self, request_ids: list[str]) -> None:
@@ -187,24 +195,29 @@ class LLMEngine:
         outputs = self.engine_core.get_output()
         if outputs.scheduler_stats is not None:
             self.last_stats = outputs.scheduler_stats
-        if self.stat_logger is not None:
-            self._record_stats(outputs)
+        stats = IterationStats() if self.stat_loggers else None
+        if stats is not None:
+            self._request_stats.update_from_outputs(stats, outputs.outputs, time.monotonic())
         failures: dict[str, EngineCoreOutput] = {}  # caller's request id -> the engine core's error finish
         core_outputs = []
         for output in outputs.outputs:
             if output.error_message is None:
                 core_outputs.append(output)
                 continue
+            if stats is not None:
+                self._request_stats.finish(stats, output.request_id, "error")
             external_id = self.output_processor.external_id_of(output.request_id)
             if external_id is not None:  # else: already aborted by its caller; nobody waits
                 failures.setdefault(external_id, output)
         processed = self.output_processor.process_outputs(core_outputs)
         if processed.reqs_to_abort:
-            for engine_id in processed.reqs_to_abort:
-                self._prompt_lens.pop(engine_id, None)
-                if self.metrics is not None:  # stopped here, by a stop string
-                    self.metrics.request_finished(engine_id, "stop")
+            if stats is not None:  # stopped here, by a stop string
+                for engine_id in processed.reqs_to_abort:
+                    self._request_stats.finish(stats, engine_id, "stop")
             self.engine_core.abort_requests(processed.reqs_to_abort)
+        if stats is not None:
+            self.stat_loggers.record(outputs.scheduler_stats, stats if outputs.outputs else None)
+            self.stat_loggers.maybe_log()
         if failures:
             self.abort_request(list(failures))
             self._held_outputs = [o for o in processed.request_outputs if o.request_id not in failures]
@@ -213,23 +226,6 @@ class LLMEngine:
                 raise error_from_engine(f"request {rid!r}: {failed.error_message or ''}", failed.error_field)
             raise ValueError("; ".join(f"request {rid!r}: {failed.error_message}" for rid, failed in failures.items()))
         return processed.request_outputs
-
-    def _record_stats(self, outputs: EngineCoreOutputs) -> None:
-        stat_logger = self.stat_logger
-        assert stat_logger is not None
-        metrics = self.metrics
-        assert metrics is not None  # kept exactly when the stats line is
-        if outputs.scheduler_stats is not None:
-            stat_logger.record_scheduler_stats(outputs.scheduler_stats)
-            metrics.record_scheduler_stats(outputs.scheduler_stats)
-        if outputs.outputs:
-            stat_logger.record_outputs(outputs.outputs, self._prompt_lens)
-            metrics.record_outputs(outputs.outputs, self._prompt_lens)
-            for output in outputs.outputs:
-                if output.finish_reason is not None:
-                    self._prompt_lens.pop(output.request_id, None)
-                    metrics.request_finished(output.request_id, str(output.finish_reason))
-        stat_logger.maybe_log()
 
     # -- utilities --------------------------------------------------------------------------
     def get_metrics(self) -> list[Any]:

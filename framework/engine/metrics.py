@@ -4,24 +4,23 @@ Each engine owns a ``CollectorRegistry`` (nothing goes to prometheus_client's gl
 so two engines in one process, or one per test, never collide. The server's ``/metrics`` renders
 ``render(engine.metrics)``.
 
-Gauges and cache counters come from the ``SchedulerStats`` every engine-core step carries (its
-counters are cumulative: each Prometheus counter grows by the difference from the last snapshot
-seen, so a snapshot read twice, by a step and by ``get_scheduler_stats``, is counted once; see
-``stats_deltas``). Token counts and latencies are measured in the frontend from the engine-core
-outputs as they arrive, per engine-core request (a request with n > 1 counts each of its
-samples), in ``time.monotonic()`` seconds, the clock ``arrival_time`` is stamped with.
+A stat logger (``stat_loggers.StatLoggerBase``) fed by the frontend's ``StatLoggerManager``:
+gauges and cache counters from each ``SchedulerStats`` (whose counters arrive as their growth since
+the snapshot before, so a snapshot read twice is counted once), token counts and latencies from
+each batch's ``IterationStats`` (``iteration_stats``: measured once per batch for every logger, per
+engine-core request, so a request with n > 1 counts each of its samples).
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE  # noqa: F401 - re-exported
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from sparrow.engine.stats_deltas import SchedulerStatsDeltas
-from sparrow.wire import EngineCoreOutput, SchedulerStats
+from sparrow.engine.iteration_stats import IterationStats
+from sparrow.engine.stat_loggers import StatLoggerBase
+from sparrow.wire import SchedulerStats
 
 # vLLM's bucket boundaries, so dashboards built for vLLM read Sparrow's histograms the same way.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -30,17 +29,12 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Token counts per request: vLLM's 1-2-5 series.
+TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))
 
 
-@dataclass(slots=True)
-class _RequestTimes:
-    arrival_time: float
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-
-
-class EngineMetrics:
-    """Records one engine's stats; called by AsyncLLM's output handler (one asyncio task)."""
+class EngineMetrics(StatLoggerBase):
+    """vLLM's ``PrometheusStatLogger`` for one engine; fed by its frontend's output handler."""
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -71,6 +65,10 @@ class EngineMetrics:
             "sparrow:inter_token_latency_seconds", "Gap between consecutive token outputs of a request.", ITL_BUCKETS)
         self.e2e_request_latency = histogram(
             "sparrow:e2e_request_latency_seconds", "Arrival to finish of a request.", E2E_BUCKETS)
+        self.request_prompt_tokens = histogram(
+            "sparrow:request_prompt_tokens", "Prompt tokens of finished requests.", TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram(
+            "sparrow:request_generation_tokens", "Generated tokens of finished requests.", TOKEN_BUCKETS)
         self._request_success = Counter(
             "sparrow:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"],
             registry=self.registry)
@@ -84,51 +82,35 @@ class EngineMetrics:
             "sparrow:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position (0 = first).",
             ["model_name", "position"], registry=self.registry)
         self._model_name = model_name
-        # engine-core request id -> its timestamps while unfinished
-        self._requests: dict[str, _RequestTimes] = {}
-        # The scheduler's cumulative counters -> their growth since the last stats recorded.
-        self._deltas = SchedulerStatsDeltas()
 
-    # -- per request ------------------------------------------------------------------------
-    def request_added(self, engine_request_id: str, arrival_time: float) -> None:
-        self._requests[engine_request_id] = _RequestTimes(arrival_time=arrival_time or time.monotonic())
+    def log_engine_initialized(self) -> None:
+        pass
 
-    def record_outputs(self, outputs: list[EngineCoreOutput], num_prompt_tokens: dict[str, int],
-                       now: float | None = None) -> None:
-        """One batch of engine-core outputs. ``num_prompt_tokens``: engine id -> prompt length,
-        counted once, with the request's first token."""
-        now = time.monotonic() if now is None else now
-        for output in outputs:
-            times = self._requests.get(output.request_id)
-            if times is None or not output.new_token_ids:
-                continue
-            self.generation_tokens.inc(len(output.new_token_ids))
-            if times.first_token_time is None:
-                times.first_token_time = now
-                self.time_to_first_token.observe(now - times.arrival_time)
-                self.prompt_tokens.inc(num_prompt_tokens.get(output.request_id, 0))
-            else:
-                self.inter_token_latency.observe(now - (times.last_token_time or now))
-            times.last_token_time = now
-
-    def request_finished(self, engine_request_id: str, finish_reason: str, now: float | None = None) -> None:
-        """Called once per engine-core request: finished in the core, stopped by a stop string,
-        aborted, or rejected."""
-        times = self._requests.pop(engine_request_id, None)
-        if times is None:
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
+               mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+        if scheduler_stats is not None:
+            self._record_scheduler_stats(scheduler_stats)
+        if iteration_stats is None:
             return
-        now = time.monotonic() if now is None else now
-        self.e2e_request_latency.observe(now - times.arrival_time)
-        self._request_success.labels(model_name=self._model_name, finished_reason=finish_reason).inc()
+        if iteration_stats.num_generation_tokens:
+            self.generation_tokens.inc(iteration_stats.num_generation_tokens)
+        if iteration_stats.num_prompt_tokens:
+            self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
+        for seconds in iteration_stats.time_to_first_tokens_iter:
+            self.time_to_first_token.observe(seconds)
+        for seconds in iteration_stats.inter_token_latencies_iter:
+            self.inter_token_latency.observe(seconds)
+        for finished in iteration_stats.finished_requests:
+            self.e2e_request_latency.observe(finished.e2e_latency)
+            self.request_prompt_tokens.observe(finished.num_prompt_tokens)
+            self.request_generation_tokens.observe(finished.num_generation_tokens)
+            self._request_success.labels(model_name=self._model_name, finished_reason=finished.finish_reason).inc()
 
-    # -- per step ---------------------------------------------------------------------------
-    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
-        """One snapshot. Its counters are cumulative, so the Prometheus counters grow by what is
-        new since the last snapshot recorded; an older snapshot arriving late adds nothing."""
-        self.num_requests_running.set(stats.num_running_reqs)
-        self.num_requests_waiting.set(stats.num_waiting_reqs)
-        self.kv_cache_usage.set(stats.kv_cache_usage)
-        new = self._deltas.update(stats)
+    def _record_scheduler_stats(self, new: SchedulerStats) -> None:
+        """One snapshot whose counters are their growth since the snapshot before."""
+        self.num_requests_running.set(new.num_running_reqs)
+        self.num_requests_waiting.set(new.num_waiting_reqs)
+        self.kv_cache_usage.set(new.kv_cache_usage)
         for metric, delta in ((self.prefix_cache_queries, new.prefix_cache_queries),
                               (self.prefix_cache_hits, new.prefix_cache_hits),
                               (self.num_preemptions, new.num_preemptions),

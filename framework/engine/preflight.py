@@ -23,6 +23,7 @@ What is checked:
     reasoning_parser       a registered reasoning parser
     logits_processors      registered names, or 'package.module:Class' names that import here and
                            name a logits processor class
+    stat_loggers           registered names, or 'package.module:Class' names that import here
     attention_backend      offered by the platform (its ``sparrow_attention_backend`` hook answers)
     dtype                  supported by the platform
     kv_cache_dtype         in the platform's supported_kv_cache_dtypes (and the requested backend's)
@@ -114,6 +115,13 @@ def check_plugin_names(config: EngineConfig, registry: Registry) -> None:
             enabled_classes(config.model.logits_processors, registry)
         except LogitsProcessorLookupError as exc:
             raise _error("logits_processors", str(exc)) from None
+    if config.observability.stat_loggers:
+        from sparrow.engine.stat_loggers import resolve_stat_loggers
+
+        try:
+            resolve_stat_loggers(config.observability.stat_loggers)
+        except ValueError as exc:
+            raise _error("stat_loggers", str(exc).removeprefix("stat_loggers: ")) from None
 
 
 def resolve_configured_platform(device: str, registry: Registry | None = None) -> Any:

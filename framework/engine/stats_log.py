@@ -10,11 +10,11 @@ follows (vLLM's "SpecDecoding metrics"). When the engine was idle for the whole 
 no request running or waiting) and the previous line was idle too, the line goes out at DEBUG, so
 an idle server does not fill its log.
 
-Fed by a frontend: ``record_scheduler_stats`` with every step's ``SchedulerStats`` (its counters
-are cumulative, so a snapshot seen twice counts once), ``record_outputs`` with every step's
-engine-core outputs. ``maybe_log(now)`` logs once ``interval`` seconds have passed, ``log(now)``
-at once. Pure Python, one thread; ``now`` is ``time.monotonic()`` seconds. The growth of the
-cumulative counters is worked out by ``stats_deltas.SchedulerStatsDeltas``, as for the metrics.
+Fed by a frontend's ``StatLoggerManager`` (``stat_loggers``) through ``record``: every batch's
+``IterationStats`` (tokens, prompt tokens counted with a request's first token) and scheduler
+snapshot (gauges, and the counters' growth since the snapshot before). ``maybe_log(now)`` logs once
+``interval`` seconds have passed, ``log(now)`` at once. Pure Python, one thread; ``now`` is
+``time.monotonic()`` seconds.
 
 With data parallelism one frontend feeds one logger the outputs of every engine core and their
 stats summed (``dp_client.combine_stats``): the line covers all of them and says so, as vLLM's
@@ -25,15 +25,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from typing import Any
 
-from sparrow.engine.stats_deltas import SchedulerStatsDeltas
-from sparrow.wire import EngineCoreOutput, SchedulerStats
+from sparrow.engine.iteration_stats import IterationStats
+from sparrow.engine.stat_loggers import StatLoggerBase
+from sparrow.wire import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
 
-class StatsLogger:
+class LoggingStatLogger(StatLoggerBase):
+    """vLLM's ``LoggingStatLogger``: the periodic stats line."""
+
     def __init__(self, interval: float, engine_index: int = 0, now: float | None = None, num_engines: int = 1) -> None:
         if not interval > 0:
             raise ValueError(f"the stats log interval must be > 0 seconds, got {interval!r}")
@@ -56,17 +59,20 @@ class StatsLogger:
         self.num_running_reqs = 0
         self.num_waiting_reqs = 0
         self.kv_cache_usage = 0.0
-        # The scheduler's cumulative counters -> their growth since the snapshot before.
-        self._deltas = SchedulerStatsDeltas()
-        # Engine-core request ids whose prompt tokens are counted (their first token came).
-        self._started: set[str] = set()
 
     # -- feeding ----------------------------------------------------------------------------
-    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
-        self.num_running_reqs = stats.num_running_reqs
-        self.num_waiting_reqs = stats.num_waiting_reqs
-        self.kv_cache_usage = stats.kv_cache_usage
-        new = self._deltas.update(stats)
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None,
+               mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+        """``scheduler_stats``' counters are growths (the manager's ``SchedulerStatsDeltas``)."""
+        if iteration_stats is not None:
+            self.num_prompt_tokens += iteration_stats.num_prompt_tokens
+            self.num_generation_tokens += iteration_stats.num_generation_tokens
+        if scheduler_stats is None:
+            return
+        new = scheduler_stats
+        self.num_running_reqs = new.num_running_reqs
+        self.num_waiting_reqs = new.num_waiting_reqs
+        self.kv_cache_usage = new.kv_cache_usage
         self.prefix_cache_queries += new.prefix_cache_queries
         self.prefix_cache_hits += new.prefix_cache_hits
         self.spec_decode_num_drafts += new.spec_decode_num_drafts
@@ -77,44 +83,13 @@ class StatsLogger:
         for position, delta in enumerate(new_pos):
             mine[position] += delta
 
-    def record_tokens(self, num_prompt_tokens: int = 0, num_generation_tokens: int = 0) -> None:
-        self.num_prompt_tokens += num_prompt_tokens
-        self.num_generation_tokens += num_generation_tokens
-
-    def record_outputs(self, outputs: Iterable[EngineCoreOutput], prompt_lens: Mapping[str, int]) -> None:
-        """One step's engine-core outputs. ``prompt_lens``: engine-core request id -> prompt
-        length, of the requests the frontend tracks (others are ignored, as aborted); a request's
-        prompt tokens count with its first token, as in vLLM."""
-        started = self._started
-        for output in outputs:
-            request_id = output.request_id
-            num_prompt = prompt_lens.get(request_id)
-            if num_prompt is not None and output.new_token_ids and output.error_message is None:
-                self.num_generation_tokens += len(output.new_token_ids)
-                if request_id not in started:
-                    self.num_prompt_tokens += num_prompt
-                    started.add(request_id)
-            if output.finish_reason is not None:
-                started.discard(request_id)
-        if len(started) > 2 * len(prompt_lens) + 64:
-            # Requests aborted (or failed) after their first token: the frontend forgot them.
-            started.intersection_update(prompt_lens.keys())
+    def log_engine_initialized(self) -> None:
+        pass  # the engine's start-up lines say what vLLM's would
 
     # -- logging ----------------------------------------------------------------------------
     def start(self, now: float | None = None) -> None:
         """Start the current interval at ``now`` (a frontend's first request), keeping the counts."""
         self.last_log_time = time.monotonic() if now is None else now
-
-    def seconds_until_due(self, now: float) -> float:
-        return max(0.0, self.last_log_time + self.interval - now)
-
-    def maybe_log(self, now: float | None = None) -> bool:
-        """Log if ``interval`` seconds passed since the last line; True if it did."""
-        now = time.monotonic() if now is None else now
-        if now - self.last_log_time < self.interval:
-            return False
-        self.log(now)
-        return True
 
     def format_lines(self, now: float) -> list[str]:
         """The line(s) ``log(now)`` writes, without resetting anything."""

@@ -222,6 +222,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     print("quantization methods:", ", ".join(sorted(registry.quantization_methods)) or "none")
     print("device communicators:", ", ".join(sorted(registry.device_communicators)) or "none")
     print("speculative proposers (speculative_config method):", ", ".join(sorted(registry.spec_proposers)) or "none")
+    print("stat loggers:", ", ".join(sorted(registry.stat_loggers)) or "none")
     print_op_table(registry, list(registry.platforms))
     return 0
 

@@ -37,12 +37,18 @@ class LLM:
     is the built-in model, built locally on first use. Every engine argument of
     :class:`~sparrow.config.EngineConfig` is accepted as a keyword (``max_model_len``,
     ``max_num_seqs``, ``enable_prefix_caching``, ``scheduler``, ``device``, ``dtype``...).
+    ``stat_loggers`` takes registered names and ``package.module:Class`` strings (an engine
+    argument) and also stat logger classes or factories (``sparrow.engine.stat_loggers``).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         multiprocess = kwargs.pop("multiprocess", None)
+        stat_loggers = kwargs.get("stat_loggers")
+        objects = None
+        if isinstance(stat_loggers, (list, tuple)) and not all(isinstance(item, str) for item in stat_loggers):
+            objects = kwargs.pop("stat_loggers")  # classes and factories stay in this process
         config = EngineConfig.from_kwargs(model=model, **kwargs)
-        self.llm_engine = LLMEngine(config, multiprocess=multiprocess)
+        self.llm_engine = LLMEngine(config, multiprocess=multiprocess, stat_loggers=objects)
         self._request_counter = itertools.count()
 
     # -- generation -------------------------------------------------------------------------

@@ -433,6 +433,25 @@ def test_echo_scores_the_prompt_as_hf_does(server, model_dir):
     expected = log_softmax[:-1].gather(1, torch.tensor(prompt_ids[1:])[:, None]).squeeze(1).tolist()
     assert logprobs[1:] == pytest.approx(expected, abs=1e-3)
 
+    # vLLM's chat prompt_logprobs: the rendered prompt's, scored the same way.
+    messages = [{"role": "user", "content": PROMPT}]
+    chat_ids = tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                         add_special_tokens=False)["input_ids"]
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1,
+                                           extra_body={"prompt_logprobs": 0})
+    scored_chat = reply.model_extra["prompt_logprobs"]
+    assert len(scored_chat) == len(chat_ids) and scored_chat[0] is None
+    with torch.no_grad():
+        chat_log_softmax = model(torch.tensor([chat_ids])).logits[0].float().log_softmax(-1)
+    assert [scored_chat[i][str(chat_ids[i])]["logprob"] for i in range(1, len(chat_ids))] == pytest.approx(
+        [chat_log_softmax[i - 1, chat_ids[i]].item() for i in range(1, len(chat_ids))], abs=1e-3)
+    assert "prompt_logprobs" not in client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=1).model_extra
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1, stream=True,
+                                       extra_body={"prompt_logprobs": 0})
+    assert info.value.body["param"] == "prompt_logprobs"
+
     # echo with generation: the prompt, then the greedy continuation; streamed the same
     whole = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, echo=True, temperature=0.0,
                                       extra_body={"ignore_eos": True})
@@ -476,6 +495,25 @@ def test_invalid_parameters_are_400_naming_the_field(server):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL_NAME, messages=[], max_tokens=2)
     assert info.value.body["param"] == "messages"
+    # Schema errors inside messages name the message and key, not pydantic's union members.
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": 123}], max_tokens=2)
+    assert info.value.body["param"] == "messages[0].content"
+    assert info.value.body["message"].startswith("messages[0].content: "), info.value.body
+    assert ".str" not in info.value.body["message"] and "list[" not in info.value.body["message"]
+    # "n": null is OpenAI's default, 1.
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": PROMPT}],
+                                           max_tokens=2, n=None)
+    assert len(reply.choices) == 1
+    # A request's own chat template needs --trust-request-chat-template (vLLM's), on both endpoints.
+    template = {"chat_template": "{{ 'x' * 1000 }}"}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       extra_body=template)
+    assert info.value.body["param"] == "chat_template" and "--trust-request-chat-template" in info.value.body["message"]
+    refused = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}], **template},
+                         headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
 
 
 def test_auth_model_and_size_errors(server):

@@ -29,7 +29,8 @@ INT64_MIN = -(2**63)
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir, tmp_path_factory):
-    yield from serve_for_module(qwen3_dir, tmp_path_factory, "audit-logs", "--disable-fastapi-docs")
+    yield from serve_for_module(qwen3_dir, tmp_path_factory, "audit-logs", "--disable-fastapi-docs",
+                                "--trust-request-chat-template")
 
 
 @pytest.fixture(scope="module")
@@ -297,7 +298,9 @@ STRICT_TYPES = [
     (CHAT, {"logprobs": "true"}, "logprobs"),
     (CHAT, {"top_logprobs": True, "logprobs": True}, "top_logprobs"),
     (CHAT, {"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
-    (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),  # the message and key
+    (CHAT, {"messages": [{"role": 5, "content": "x"}]}, "messages[0].role"),
+    (CHAT, {"n": "2"}, "n"),
 ]
 
 
@@ -311,7 +314,7 @@ def test_what_common_clients_send_still_works(server, client, tokenizer):
     # An integer where a float is expected, and null for optional fields.
     for fields in ({"temperature": 1, "top_p": 1, "presence_penalty": 0}, {"temperature": 0},
                    {"temperature": None, "top_p": None, "seed": None, "stop": None, "logprobs": None, "user": None,
-                    "max_tokens": 3}):
+                    "max_tokens": 3, "n": None}):
         response = post(server, COMPLETIONS, {**BASE[COMPLETIONS], **fields})
         assert response.status_code == 200, (fields, response.text)
     assert post(server, CHAT, {**BASE[CHAT], "max_tokens": None, "max_completion_tokens": 2, "temperature": 1,

@@ -63,7 +63,8 @@ class FieldsServer(Server):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    yield from serve_for_module(model_dir, tmp_path_factory, "fields-logs", server_cls=FieldsServer)
+    yield from serve_for_module(model_dir, tmp_path_factory, "fields-logs", "--trust-request-chat-template",
+                                server_cls=FieldsServer)
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,8 @@ def server(model_dir, template_file, tmp_path_factory):
                                 "--response-role", "bot", "--enable-log-requests", "--enable-log-outputs",
                                 "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
                                 "--max-log-len", str(MAX_LOG_LEN),
-                                "--root-path", ROOT_PATH, "--enable-sleep-mode", server_cls=FlagsServer,
+                                "--root-path", ROOT_PATH, "--enable-sleep-mode", "--trust-request-chat-template",
+                                server_cls=FlagsServer,
                                 env={"SPARROW_SERVER_DEV_MODE": "1"})
 
 

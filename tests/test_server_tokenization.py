@@ -35,7 +35,7 @@ def server(qwen3_dir, tmp_path_factory):
                                 '["GET", "POST"]', "--allow-credentials", "--enable-tokenizer-info-endpoint",
                                 "--enable-force-include-usage", "--enable-request-id-headers",
                                 "--enable-server-load-tracking", "--middleware", "tests.server_middleware.ServedBy",
-                                "--middleware", "tests.server_middleware:path_echo")
+                                "--middleware", "tests.server_middleware:path_echo", "--trust-request-chat-template")
 
 
 @pytest.fixture(scope="module")

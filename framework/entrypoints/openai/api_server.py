@@ -73,6 +73,7 @@ from sparrow.entrypoints.openai.protocol_responses import (
     ResponseObject,
     ResponsesRequest,
 )
+from sparrow.entrypoints.openai.request_checks import validation_message
 from sparrow.entrypoints.openai.request_logger import request_logger_from_args
 from sparrow.entrypoints.openai.serving_chat import OpenAIServingChat
 from sparrow.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -100,18 +101,6 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
-    for error in exc.errors():
-        location = [str(part) for part in error.get("loc", ()) if part != "body"]
-        field = ".".join(location) or "body"
-        # A body that is not JSON at all is located by character offset: no field to name.
-        if location and not location[0].isdigit():
-            param = param or location[0]
-        parts.append(f"{field}: {error.get('msg')}")
-    return "; ".join(parts) or "invalid request", param
-
-
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -119,7 +108,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc.errors())
         return error_response(400, message, "BadRequestError", param=param, code="invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
@@ -191,6 +180,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
         handler.return_tokens_as_token_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
         handler.enable_prompt_tokens_details = bool(getattr(args, "enable_prompt_tokens_details", False))
         handler.enable_force_include_usage = bool(getattr(args, "enable_force_include_usage", False))
+        handler.trust_request_chat_template = bool(getattr(args, "trust_request_chat_template", False))
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:

@@ -247,7 +247,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--chat-template", type=_chat_template, default=None, metavar="TEMPLATE",
                         help="the chat template for /v1/chat/completions and /tokenize with messages, instead of "
                              "the tokenizer's: a Jinja file, or the template itself; a request's chat_template "
-                             "still wins (default: the tokenizer's)")
+                             "wins where --trust-request-chat-template allows it (default: the tokenizer's)")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="render a request's own chat_template (vLLM's flag): it runs the client's Jinja "
+                             "on the server, so by default such a request is refused with a 400 (default: off)")
     server.add_argument("--chat-template-content-format", choices=("auto", "string", "openai"), default="auto",
                         help="how a message's list of text parts reaches the chat template: joined into one "
                              "string, kept as OpenAI's parts, or auto: parts when the template loops over a "

@@ -12,9 +12,9 @@ the engine can carry (64-bit), floats must be finite.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -105,7 +105,7 @@ class SamplingFields(RequestModel):
     """Sampling fields both endpoints share (OpenAI's, then vLLM's extras)."""
 
     model: str | None = Field(None, description="Served model name; defaults to the first one served.")
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1, le=MAX_N, description="Choices to return (null: 1, as OpenAI's default).")
     temperature: float | None = Field(None, ge=0.0, description="Default 1.0; 0 is greedy.")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
@@ -128,6 +128,11 @@ class SamplingFields(RequestModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = Field(0, ge=-INT64_MAX, le=INT64_MAX)
+
+    @field_validator("n", mode="before")
+    @classmethod
+    def _null_n_is_one(cls, value: Any) -> Any:
+        return 1 if value is None else value  # OpenAI's reference: "integer or null", default 1
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, le=INT32_MAX,
         description="Keep only the last k prompt tokens (-1: the most that leave room for one output token).")
@@ -194,10 +199,12 @@ class WithTokenIds(OpenAIBaseModel):
     serialized only when set, so that a response that did not ask for them is OpenAI's shape. (No
     return annotation: pydantic would make it the OpenAPI schema, losing the fields.)"""
 
+    _ASKED_FOR_ONLY: ClassVar[tuple[str, ...]] = ("prompt_token_ids", "token_ids")
+
     @model_serializer(mode="wrap")
     def _drop_unasked_token_ids(self, handler: SerializerFunctionWrapHandler):
         data = handler(self)
-        for key in ("prompt_token_ids", "token_ids"):
+        for key in self._ASKED_FOR_ONLY:
             if key in data and data[key] is None:
                 del data[key]
         return data
@@ -289,6 +296,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
+    prompt_logprobs: int | None = Field(None, ge=0, le=INT32_MAX,
+                                        description="vLLM's: the rendered prompt's logprobs (not with stream).")
     tools: list[Tool] | None = Field(None, description="Functions the model may call; shown to the chat template.")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="none: a text reply; auto (the default with tools): the tool parser finds calls in the "
@@ -349,6 +358,10 @@ class ChatCompletionResponse(WithTokenIds):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids: the rendered prompt's
+    # vLLM's, with prompt_logprobs: per rendered prompt token None (the first) or id -> Logprob.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+    _ASKED_FOR_ONLY: ClassVar[tuple[str, ...]] = ("prompt_token_ids", "prompt_logprobs")
 
 
 class _WithoutNones(OpenAIBaseModel):

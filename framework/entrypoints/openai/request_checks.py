@@ -78,6 +78,40 @@ def param_of(path: str) -> str:
     return match.group(0) if match else path
 
 
+_LOCATIONS = ("body", "query", "path", "header")
+_SCALAR_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+
+
+def _is_union_tag(part: str) -> bool:
+    """A pydantic location step that names a member of a union (``str``, ``list[dict[str,any]]``,
+    ``function-after[...]``, a model class), not a field the client wrote."""
+    return part in _SCALAR_TAGS or "[" in part or "-" in part or part[:1].isupper()
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """A request-schema failure as (message, param), each location as the client wrote it
+    (``messages[0].content``), without the union members pydantic tried."""
+    parts: list[str] = []
+    param = None
+    for error in errors:
+        location = list(error.get("loc", ()))
+        if location and location[0] in _LOCATIONS:  # where, not which field
+            location = location[1:]
+        path = ""
+        for step in location:
+            if isinstance(step, int):
+                path += f"[{step}]"
+            elif not _is_union_tag(str(step)):
+                path += f".{step}" if path else str(step)
+        # A body that is not JSON at all is located by character offset: no field to name.
+        if path and path[0] not in "[0123456789":
+            param = param or param_of(path)
+        line = f"{path or 'body'}: {error.get('msg')}"
+        if line not in parts:
+            parts.append(line)
+    return "; ".join(parts) or "invalid request", param
+
+
 def not_supported(field: str, what: str, hint: str = "") -> RequestFieldError:
     return RequestFieldError(f"{field}: {what} is not supported yet{hint}", field, code="unsupported")
 

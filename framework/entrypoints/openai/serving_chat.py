@@ -34,6 +34,7 @@ from sparrow.entrypoints.openai.protocol import (
     ToolCall,
 )
 from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_unicode, content_texts
+from sparrow.entrypoints.openai.serving_completion import prompt_logprobs_json
 from sparrow.entrypoints.openai.serving_engine import (
     APIError,
     OpenAIServing,
@@ -195,10 +196,14 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         model = self.check_model(request.model)
         self.check_common(request)
+        self.check_chat_template(request)
         try:
             tool_choice = resolve_tool_choice(request, auto_enabled=self.enable_auto_tools)
         except RequestFieldError as exc:
             raise field_error(exc) from None
+        if request.prompt_logprobs is not None and request.stream:
+            raise APIError(400, "prompt_logprobs are not available when stream is true (as in vLLM)", "BadRequestError",
+                           param="prompt_logprobs", code="invalid_value")
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", "BadRequestError",
                            param="top_logprobs", code="invalid_value")
@@ -220,6 +225,7 @@ class OpenAIServingChat(OpenAIServing):
         else:
             params = self.sampling_params(request, max_tokens=max_tokens, logprobs=logprobs,
                                           stream=bool(request.stream), longest_prompt=len(prompt["prompt_token_ids"]),
+                                          prompt_logprobs=request.prompt_logprobs,
                                           structured_outputs=structured_outputs)
             streams = await self.submit(request_id, [prompt], params, request.priority,
                                         self.lora_request_of(request.model), request=request)
@@ -259,7 +265,9 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                       usage=usage(len(final.prompt_token_ids or []), completion_tokens,
                                                   self.cached([final])),
-                                      prompt_token_ids=reply.prompt_token_ids)
+                                      prompt_token_ids=reply.prompt_token_ids,
+                                      prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs)
+                                      if final.prompt_logprobs is not None else None)
 
     def _stream_choice(self, completion: CompletionOutput, reply: Reply,
                        choice: ChoiceStream) -> ChatCompletionResponseStreamChoice | None:

@@ -115,6 +115,8 @@ class OpenAIServing:
     enable_prompt_tokens_details = False
     # --enable-force-include-usage: every stream ends with its usage, as if include_usage were asked.
     enable_force_include_usage = False
+    # --trust-request-chat-template: a request's own chat_template is rendered (else refused).
+    trust_request_chat_template = False
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
         self.engine = engine
@@ -150,6 +152,14 @@ class OpenAIServing:
     def lora_request_of(self, model: str | None) -> Any:
         """The LoRARequest a request's ``model`` names, or None for the base model."""
         return self.lora_modules.get(model) if self.lora_modules is not None else None
+
+    def check_chat_template(self, request: Any) -> None:
+        """A request's own ``chat_template`` runs arbitrary (sandboxed) Jinja on the server's input
+        thread: as in vLLM, only with --trust-request-chat-template."""
+        if getattr(request, "chat_template", None) is not None and not self.trust_request_chat_template:
+            raise APIError(400, "chat_template: a request's own chat template is refused; start the server with "
+                           "--trust-request-chat-template to allow it, or set the server's with --chat-template",
+                           "BadRequestError", param="chat_template", code="unsupported")
 
     def new_request_id(self) -> str:
         return f"{self.request_id_prefix}-{uuid.uuid4().hex}"

@@ -194,6 +194,7 @@ class OpenAIServingTokenization(OpenAIServing):
     async def create_tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         self.check_model(request.model)
         self._check_fields(request)
+        self.check_chat_template(request)
         default_param = "messages" if isinstance(request, TokenizeChatRequest) else "prompt"
         token_ids, token_strs = await self.off_loop(tokenize, self._input_processor(), request, self.chat_template,
                                                     self.chat_template_content_format, default_param=default_param)

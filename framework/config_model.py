@@ -132,6 +132,14 @@ class ModelConfig(_Section):
             return seed
         return value
 
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _torch_dtype_name(cls, value: Any) -> Any:
+        # vLLM takes a torch.dtype too (torch.bfloat16 -> "bfloat16"), without importing torch here.
+        if type(value).__name__ == "dtype" and type(value).__module__ == "torch":
+            return str(value).removeprefix("torch.")
+        return value
+
     @field_validator("dtype")
     @classmethod
     def _check_dtype(cls, value: str) -> str:

@@ -305,10 +305,11 @@ class SamplingParams(
             _fail("min_tokens", "must be >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _fail("min_tokens", f"must be <= max_tokens={self.max_tokens}", self.min_tokens)
-        if self.logprobs is not None and self.logprobs < 0:
-            _fail("logprobs", "must be >= 0", self.logprobs)
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            _fail("prompt_logprobs", "must be >= 0", self.prompt_logprobs)
+        # -1 (vLLM's): the whole vocabulary, resolved by the engine's input processor.
+        if self.logprobs is not None and self.logprobs < -1:
+            _fail("logprobs", "must be >= 0, or -1 for the whole vocabulary", self.logprobs)
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            _fail("prompt_logprobs", "must be >= 0, or -1 for the whole vocabulary", self.prompt_logprobs)
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             _fail("allowed_token_ids", "must be a non-empty list of non-negative token ids", self.allowed_token_ids)
 

@@ -261,3 +261,42 @@ def test_use_tqdm_may_be_the_progress_bar_class(llm):
     outputs = llm.generate(["a", "b", "c"], SamplingParams(max_tokens=2), use_tqdm=Recorded)
     assert len(outputs) == 3 and len(bars) == 1
     assert bars[0].total == 3 and bars[0].n == 3
+
+
+def test_what_vllm_callers_pass_is_taken_or_refused_by_name(llm):
+    """An exploratory audit's findings: each once silently wrong or a confusing error."""
+    import numpy as np
+    import torch
+
+    from sparrow.config import EngineConfig
+    from sparrow.sampling_params import RequestOutputKind
+
+    # A SamplingParams shared with streaming code (DELTA) still gives whole outputs offline, as vLLM's LLM.
+    whole = llm.generate(["The sky is"], SamplingParams(max_tokens=6, ignore_eos=True, n=2, seed=3),
+                         use_tqdm=False)[0]
+    delta = llm.generate(["The sky is"], SamplingParams(max_tokens=6, ignore_eos=True, n=2, seed=3,
+                                                        output_kind=RequestOutputKind.DELTA), use_tqdm=False)[0]
+    assert [(c.text, list(c.token_ids)) for c in delta.outputs] == [(c.text, list(c.token_ids)) for c in whole.outputs]
+    assert all(len(c.token_ids) == 6 for c in delta.outputs)
+    # Wrong container types name the argument.
+    for bad in ({"max_tokens": 3}, "greedy", 3):
+        with pytest.raises(ValueError, match="sampling_params must be a SamplingParams or a list") as info:
+            llm.generate(["hi"], bad, use_tqdm=False)
+        assert info.value.field == "sampling_params"
+    with pytest.raises(ValueError, match="priority must be a list of ints") as info:
+        llm.generate(["hi"], SamplingParams(max_tokens=1), priority=1, use_tqdm=False)
+    assert info.value.field == "priority"
+    assert len(llm.generate(["a", "b"], SamplingParams(max_tokens=1), priority=np.array([0, 0]), use_tqdm=False)) == 2
+    # Image parts are refused whatever the content format (the built-in template loops over parts).
+    with pytest.raises(ValueError, match="only text parts") as info:
+        llm.chat([{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                {"type": "image_url", "image_url": {"url": "x"}}]}],
+                 SamplingParams(max_tokens=1), use_tqdm=False)
+    assert info.value.field == "messages[0].content[1]"
+    # logprobs=-1 is the whole vocabulary (vLLM's), checked against max_logprobs like any count.
+    with pytest.raises(ValueError, match=r"logprobs=-1 \(the whole vocabulary, \d+\) exceeds the maximum"):
+        llm.generate(["hi"], SamplingParams(max_tokens=1, logprobs=-1), use_tqdm=False)
+    with pytest.raises(ValueError, match="-1 for the whole vocabulary"):
+        SamplingParams(logprobs=-2)
+    # A torch.dtype is a dtype.
+    assert EngineConfig.from_kwargs(dtype=torch.bfloat16).model.dtype == "bfloat16"

@@ -143,12 +143,21 @@ def test_add_request_takes_vllms_arguments_in_vllms_order(engine, qwen3_dir):
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     prompt = TokensPrompt(prompt_token_ids=[5, 6, 7, 8, 9])
-    # vLLM's fourth positional argument is arrival_time (it used to be priority here).
-    engine.add_request("positional", prompt, params, time.monotonic())
+    # vLLM's fourth positional argument is arrival_time, time.time() seconds as in vLLM.
+    engine.add_request("positional", prompt, params, time.time())
     engine.add_request("keywords", prompt, params, arrival_time=None, lora_request=None, tokenization_kwargs=None,
                        trace_headers=None, priority=0)
     engine.add_request("defaults", prompt)  # params=None: the model's generation-config defaults
-    finished = run_all(engine)
+    finished, metrics = {}, {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = list(output.outputs[0].token_ids)
+                metrics[output.request_id] = output.metrics
+    # The wall-clock arrival is on the engine's clock: its latencies are those of the others.
+    for name in ("positional", "keywords"):
+        assert 0 <= metrics[name].first_token_time - metrics[name].arrival_time < 60
+    assert engine.step() == []  # idle, after requests ran: at once, not blocked on the engine
     expected = hf_greedy(qwen3_dir, [prompt], MAX_TOKENS)[0]
     assert finished["positional"] == finished["keywords"] == expected
     assert finished["defaults"]  # ran to its default length

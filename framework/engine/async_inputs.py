@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import time
 from typing import Any
 
 from sparrow.engine.arg_utils import AsyncEngineArgs  # noqa: F401 - re-exported
@@ -30,8 +31,10 @@ def check_request_fields(request_id: Any, prompt: Any, arrival_time: Any, priori
         if isinstance(arrival_time, bool) or not isinstance(arrival_time, numbers.Real) \
                 or not math.isfinite(float(arrival_time)):
             raise InvalidArgumentError(f"arrival_time of request {request_id!r} must be a finite number "
-                                       f"(time.monotonic()) or None, got {arrival_time!r}", "arrival_time")
-        arrival_time = float(arrival_time)
+                                       f"(time.time() seconds) or None, got {arrival_time!r}", "arrival_time")
+        # vLLM's arrival_time is wall-clock (time.time()); the engine's clock is time.monotonic(),
+        # which every process of the machine shares: the same instant on that clock.
+        arrival_time = float(arrival_time) - (time.time() - time.monotonic())
     if trace_headers:
         raise InvalidArgumentError(f"trace_headers of request {request_id!r}: Sparrow has no request tracing "
                                    "(OpenTelemetry); leave trace_headers None", "trace_headers")

@@ -76,6 +76,8 @@ def shape_messages(messages: Sequence[Mapping[str, Any]], content_format: str) -
             message["content"] = "\n".join(content_texts(f"messages[{position}].content", content))
         elif content_format == "openai" and isinstance(content, str):
             message["content"] = [{"type": "text", "text": content}]
+        elif isinstance(content, Sequence) and not isinstance(content, str):
+            content_texts(f"messages[{position}].content", content)  # every part checked, as for "string"
         shaped.append(message)
     return shaped
 

@@ -315,10 +315,13 @@ class InputProcessor:
                 f"max_tokens={max_tokens} is too large for {name}: {prompt_len} prompt tokens + {max_tokens} output "
                 f"tokens exceed max_model_len={self.max_model_len}; max_tokens can be at most {room}", "max_tokens")
         for field_name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, field_name)
+            value = shown = getattr(params, field_name)
+            if value == -1:  # vLLM's: every token of the vocabulary
+                value, shown = self.vocab_size, f"-1 (the whole vocabulary, {self.vocab_size})"
+                params = params.clone(**{field_name: value})
             if value is not None and value > self.max_logprobs:
                 raise InvalidArgumentError(
-                    f"{field_name}={value} exceeds the maximum of {self.max_logprobs} for {name} (the engine argument "
+                    f"{field_name}={shown} exceeds the maximum of {self.max_logprobs} for {name} (the engine argument "
                     "max_logprobs)", field_name)
         check_text("stop", params.stop)
         if params.stop and (self.tokenizer is None or not params.detokenize):

@@ -49,6 +49,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, multiprocess: bool | None = None,
                  stat_loggers: list[Any] | None = None) -> None:
         self.config = finalize_config(config)
+        observability = self.config.observability
+        # Custom stat loggers: looked up now, so a wrong one fails before the engine starts.
+        factories = resolve_stat_loggers([*(observability.stat_loggers or []), *(stat_loggers or [])])
         frontend = build_frontend(self.config)
         self.tokenizer, self.hf_config = frontend.tokenizer, frontend.hf_config
         self.input_processor = frontend.input_processor
@@ -63,7 +66,6 @@ class LLMEngine:
         # vLLM's periodic stats line and the Prometheus metrics the server exposes (read by
         # get_metrics()): only with disable_log_stats=False (as vLLM's LLM); custom stat loggers
         # whenever given.
-        observability = self.config.observability
         self.stat_logger: LoggingStatLogger | None = None
         self.metrics: EngineMetrics | None = None
         loggers: list[Any] = []
@@ -73,7 +75,6 @@ class LLMEngine:
             self.metrics = EngineMetrics(self.config.model.served_model_name or "sparrow-tiny")
             loggers += [self.stat_logger, self.metrics]
         try:
-            factories = resolve_stat_loggers([*(observability.stat_loggers or []), *(stat_loggers or [])])
             loggers += build_stat_loggers(factories, self.config)
         except BaseException:
             self.engine_core.shutdown()
@@ -186,12 +187,15 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One batch of outputs. Raises ValueError when the engine core failed a request (its
-        error finish); that request and its n > 1 siblings are then gone, and the outputs the
-        other requests got in the same batch come with the next call."""
+        """One batch of outputs ([] at once when no request is unfinished). Raises ValueError when
+        the engine core failed a request (its error finish); that request and its n > 1 siblings
+        are then gone, and the outputs the other requests got in the same batch come with the
+        next call."""
         if self._held_outputs:
             held, self._held_outputs = self._held_outputs, []
             return held
+        if not self.output_processor.has_unfinished_requests():
+            return []  # nothing to wait for (a loop calling step() on an idle engine must not block)
         outputs = self.engine_core.get_output()
         if outputs.scheduler_stats is not None:
             self.last_stats = outputs.scheduler_stats

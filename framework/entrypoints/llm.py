@@ -14,7 +14,7 @@ from sparrow.engine.llm_engine import LLMEngine
 from sparrow.errors import InvalidArgumentError
 from sparrow.outputs import RequestOutput
 from sparrow.param_checks import INT64_MAX, INT64_MIN
-from sparrow.sampling_params import SamplingParams
+from sparrow.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = Sequence[Mapping[str, Any]]
 
@@ -120,12 +120,20 @@ class LLM:
              priority: Sequence[int] | None, lora_request: Any = None) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling_params; they must match")
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities; they must match")
+        else:
+            raise InvalidArgumentError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), "
+                                       f"got {type(sampling_params).__name__}", "sampling_params")
+        if priority is not None:
+            if isinstance(priority, (str, bytes, Mapping)) or not hasattr(priority, "__len__"):
+                raise InvalidArgumentError(f"priority must be a list of ints (one per prompt), got "
+                                           f"{type(priority).__name__}", "priority")
+            priority = list(priority)  # a numpy array too
+            if len(priority) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities; they must match")
         from sparrow.lora.engine import lora_requests_per_prompt
 
         lora_requests = lora_requests_per_prompt(lora_request, len(prompts))
@@ -143,7 +151,12 @@ class LLM:
                 resolved[id(params)] = request_params(request_id, params, engine.default_sampling_params,
                                                       "sampling_params")
             checked, defaults = resolved[id(params)]
-            request_priority = _check_priority(index, priority[index]) if priority else 0
+            if checked.output_kind != RequestOutputKind.FINAL_ONLY:
+                # As vLLM's LLM: offline calls return whole outputs, whatever kind a SamplingParams
+                # shared with streaming code asks for.
+                checked = checked.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                resolved[id(params)] = (checked, defaults)
+            request_priority = _check_priority(index, priority[index]) if priority is not None else 0
             processed.append(engine.process_request(request_id, prompt, checked, priority=request_priority,
                                                     lora_request=lora_requests[index], default_max_tokens=defaults))
         order = {request.request_id: index for index, (_, request) in enumerate(processed)}

@@ -33,9 +33,18 @@ class ModelConfig(_Section):
     tokenizer_revision: str | None = Field(None, description="The revision of a Hub id tokenizer (default: main).")
     download_dir: str | None = Field(None, description="The Hugging Face cache a Hub id is read from; Sparrow never "
                                      "downloads into it (default: HF_HUB_CACHE).")
-    runner: str = Field("auto", description="vLLM's model runner kind: auto or generate (Sparrow runs generative "
-                        "models only; pooling is refused).")
-    task: str = Field("auto", description="vLLM's older name for runner: auto or generate.")
+    runner: str = Field("auto", description="vLLM's model runner kind: generate (text), pooling (one embedding "
+                        "vector per prompt: LLM.embed, /v1/embeddings) or auto (pooling for an encoder architecture "
+                        "such as Qwen3Model, else generate).")
+    task: str = Field("auto", description="vLLM's older name for runner: auto, generate, or embed (runner pooling).")
+    convert: str = Field("auto", description="vLLM's model conversion: auto, none, or embed (run a *ForCausalLM "
+                         "checkpoint such as Qwen3-Embedding as an embedding model; implies runner pooling).")
+    pooler_config: dict[str, Any] | None = Field(
+        None, description="A pooling model's pooler, e.g. '{\"pooling_type\": \"MEAN\", \"normalize\": true}': "
+        "pooling_type LAST, MEAN or CLS, normalize (L2) true or false (default: the directory's "
+        "sentence-transformers files, else LAST, normalized).")
+    override_pooler_config: dict[str, Any] | None = Field(
+        None, description="vLLM's older name for pooler_config (default: none).")
     dtype: str = Field("auto", description="Weight and activation dtype: auto, float32, bfloat16 or float16; "
                        "auto is the platform's choice (CPU float32, CUDA bfloat16).")
     max_model_len: int | None = Field(None, gt=0, description="Longest context, prompt plus output, in tokens "
@@ -149,11 +158,20 @@ class ModelConfig(_Section):
             raise ValueError(f"must be one of {', '.join(DTYPES)}")
         return value
 
-    @field_validator("runner", "task")
+    @field_validator("runner", "task", "convert")
     @classmethod
-    def _generative_only(cls, value: str) -> str:
-        if value not in ("auto", "generate"):
-            raise ValueError("Sparrow runs generative models only: auto or generate (pooling, embedding and "
-                             "scoring models are not supported)")
+    def _model_kinds(cls, value: str, info: Any) -> str:
+        allowed = {"runner": ("auto", "generate", "pooling"), "task": ("auto", "generate", "embed"),
+                   "convert": ("auto", "none", "embed")}[info.field_name]
+        if value not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)} (Sparrow's pooling models embed: classification, "
+                             "scoring and reward models are not supported)")
         return value
+
+    @field_validator("pooler_config", "override_pooler_config")
+    @classmethod
+    def _pooler_keys(cls, value: dict[str, Any] | None, info: Any) -> dict[str, Any] | None:
+        from sparrow.pooling import check_pooler_config
+
+        return None if value is None else check_pooler_config(value, info.field_name)
 

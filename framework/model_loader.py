@@ -135,10 +135,26 @@ class SafetensorsLoader(ModelLoader):
         safetensors_files(model_dir)
 
     def load_weights(self, model: torch.nn.Module, model_dir: Path, tp: ParallelContext | None) -> None:
-        loaded = model.load_weights(iter_safetensors(model_dir, tp))  # type: ignore[operator]
+        weights = iter_safetensors(model_dir, tp)
+        pooling = self.config is not None and self.config.model.runner == "pooling"
+        if pooling:
+            weights = causal_lm_names(weights)
+        loaded = model.load_weights(weights)  # type: ignore[operator]
+        if pooling and isinstance(loaded, set):
+            loaded.add("lm_head.weight")  # an embedding checkpoint has no LM head, and pooling reads none
         check_loaded = getattr(model, "check_loaded", None)  # a plugin's model may check for itself
         if callable(check_loaded) and isinstance(loaded, set):
             check_loaded(loaded)
+
+
+def causal_lm_names(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """An embedding checkpoint's tensors under their ``*ForCausalLM`` names: an encoder saved by
+    ``AutoModel`` (or Qwen3-Embedding) names them without the ``model.`` prefix, and its LM head,
+    if any, is never read by a pooling model."""
+    for name, tensor in weights:
+        if name.startswith("lm_head."):
+            continue
+        yield (name if name.startswith("model.") else f"model.{name}"), tensor
 
 
 class DummyLoader(ModelLoader):

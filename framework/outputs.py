@@ -164,3 +164,62 @@ class RequestOutput:
             f"outputs={self.outputs}, finished={self.finished}, metrics={self.metrics}, "
             f"num_cached_tokens={self.num_cached_tokens})"
         )
+
+
+# -- pooling models (runner="pooling") ---------------------------------------------------------
+@dataclass(slots=True)
+class PoolingOutput:
+    """A pooling model's vector for one prompt: ``data`` is a float32 ``torch.Tensor`` [dimensions]."""
+
+    data: Any
+
+    def __repr__(self) -> str:
+        return f"PoolingOutput(data={self.data!r})"
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """vLLM's output of ``LLM.encode`` / ``AsyncLLM.encode``: one vector for a prompt."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """The vector of ``LLM.embed``, as a list of floats."""
+
+    embedding: list[float]
+
+    @staticmethod
+    def from_base(pooling_output: PoolingOutput) -> EmbeddingOutput:
+        data = pooling_output.data
+        if getattr(data, "ndim", 1) != 1:
+            raise ValueError(f"an embedding is one vector; got data of shape {tuple(data.shape)}")
+        return EmbeddingOutput(data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """vLLM's output of ``LLM.embed``: ``outputs.embedding`` is the prompt's vector."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+
+    @staticmethod
+    def from_base(request_output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return EmbeddingRequestOutput(request_output.request_id, EmbeddingOutput.from_base(request_output.outputs),
+                                      request_output.prompt_token_ids, request_output.finished,
+                                      request_output.num_cached_tokens, request_output.prompt)

@@ -10,9 +10,9 @@ Three boundaries, each a msgpack stream of the Structs below:
 Rules (vLLM V1's): ``msgspec.Struct(array_like=True, omit_defaults=True)``; a new field is
 appended last with a default, so that the positions of the others never move; enums that cross
 are ``IntEnum``. Everything here is pure Python with no torch, and this module imports nothing
-from sparrow but ``sparrow.sampling_params`` and ``sparrow.lora.request`` (leaves): ``core/``,
-``sample/``, ``engine/``, ``worker/`` and plugins all import their messages from here without
-importing each other.
+from sparrow but ``sparrow.sampling_params``, ``sparrow.pooling_params`` and ``sparrow.lora.request``
+(leaves): ``core/``, ``sample/``, ``engine/``, ``worker/`` and plugins all import their messages
+from here without importing each other.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from sparrow.lora.request import LoRARequest
+from sparrow.pooling_params import PoolingParams
 from sparrow.sampling_params import SamplingParams
 
 
@@ -125,6 +126,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Speculative decoding: per request (as req_ids), the drafts proposed for the next step
     # (empty lists, or no list at all when speculation is off).
     spec_token_ids: list[list[int]] = []
+    # Pooling models: req_id -> the pooled vector of each request whose prompt completed this step,
+    # float32 little-endian bytes [hidden_size] (sparrow.worker.pooler); the request is then done.
+    pooler_output: dict[str, bytes] = {}
 
 
 # -- frontend -> engine core --------------------------------------------------------------------
@@ -150,6 +154,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True,
     max_tokens: int | None = None
     # The LoRA adapter to run with (None: the base model); checked again by the engine core.
     lora_request: LoRARequest | None = None
+    # A pooling model's request (runner="pooling"): what its vector is for. ``sampling_params``
+    # then only carries the prompt through (nothing is sampled).
+    pooling_params: PoolingParams | None = None
 
 
 # -- engine core -> frontend --------------------------------------------------------------------
@@ -179,6 +186,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # The request field the error is about, when the engine core knows it: the frontends then
     # raise sparrow.errors.InvalidArgumentError(error_message, error_field), else a ValueError.
     error_field: str | None = None
+    # A pooling model's vector for this (finished) request: float32 little-endian bytes, as the
+    # worker pooled it (the frontend applies the request's dimensions and normalize).
+    pooling_output: bytes | None = None
 
     @property
     def finished(self) -> bool:

@@ -20,7 +20,8 @@ from sparrow.errors import InvalidArgumentError
 FRAMEWORK = Path(sparrow.__file__).parent
 # Modules wire may import: the user-facing SamplingParams and LoRARequest (Structs that travel
 # inside requests) and the errors SamplingParams raises.
-LEAF_MODULES = {"sparrow.sampling_params", "sparrow.param_checks", "sparrow.errors", "sparrow.lora.request"}
+LEAF_MODULES = {"sparrow.sampling_params", "sparrow.param_checks", "sparrow.errors", "sparrow.lora.request",
+                "sparrow.pooling_params"}
 
 
 def sparrow_imports(path: Path) -> set[str]:

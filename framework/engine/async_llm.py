@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from sparrow.config import EngineConfig
 from sparrow.core.kv_cache_utils import request_capacity_tokens
-from sparrow.engine.async_inputs import AsyncEngineArgs, check_request_fields, request_params
+from sparrow.engine.async_inputs import AsyncEngineArgs, check_request_fields
 from sparrow.engine.async_output import AsyncOutputHandling
 from sparrow.engine.async_utilities import AsyncEngineUtilities
 from sparrow.engine.exceptions import EngineDeadError
@@ -39,12 +39,14 @@ from sparrow.engine.messages import EngineCoreRequest, SchedulerStats
 from sparrow.engine.metrics import EngineMetrics
 from sparrow.engine.mp_client import AsyncMPClient
 from sparrow.engine.output_collector import RequestOutputCollector
+from sparrow.engine.pooling_io import request_kind, with_truncation
 from sparrow.engine.setup import build_frontend, finalize_config
 from sparrow.engine.stat_loggers import StatLoggerManager, build_stat_loggers, resolve_stat_loggers
 from sparrow.engine.stats_log import LoggingStatLogger
 from sparrow.errors import InvalidArgumentError
 from sparrow.lora.engine import check_lora_request
-from sparrow.outputs import RequestOutput
+from sparrow.outputs import PoolingRequestOutput, RequestOutput
+from sparrow.pooling_params import PoolingParams
 from sparrow.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -240,13 +242,29 @@ class AsyncLLM(AsyncOutputHandling, AsyncEngineUtilities):
             # Closing an unfinished stream aborts the request in the engine core.
             await stream.aclose()
 
-    async def encode(self, prompt: PromptType, pooling_params: Any, request_id: str, *args: Any,
-                     **kwargs: Any) -> AsyncGenerator[Any, None]:
-        """vLLM's pooling entry point: Sparrow serves generative models only, so it is refused."""
-        raise InvalidArgumentError(
-            f"request {request_id!r}: encode() needs a pooling (embedding / classification) model, and Sparrow "
-            "serves generative models only; use generate()", "pooling_params")
-        yield  # an async generator, as in vLLM: the error comes at the first iteration
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None,
+        request_id: str,
+        lora_request: Any = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+        truncate_prompt_tokens: int | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """vLLM's pooling entry point (an engine with runner="pooling"): yields one
+        ``PoolingRequestOutput``, the prompt's vector in ``outputs.data``. ``truncate_prompt_tokens``
+        (vLLM's older place for it) goes into the pooling parameters. Errors as in ``generate``."""
+        params = with_truncation(request_id, pooling_params, truncate_prompt_tokens)
+        collector = await self.add_request(request_id, prompt, params, priority=priority, lora_request=lora_request,
+                                           trace_headers=trace_headers, tokenization_kwargs=tokenization_kwargs)
+        stream = self.stream_outputs(request_id, collector)
+        try:
+            async for output in stream:
+                yield output  # type: ignore[misc]
+        finally:
+            await stream.aclose()
 
     async def stream_outputs(self, request_id: str, collector: RequestOutputCollector
                              ) -> AsyncGenerator[RequestOutput, None]:
@@ -280,12 +298,14 @@ class AsyncLLM(AsyncOutputHandling, AsyncEngineUtilities):
             request_id, prompt, arrival_time, priority, trace_headers, tokenization_kwargs, data_parallel_rank,
             self.config.parallel.data_parallel_size)
         self._check_request_id_free(request_id)
-        params, defaults = request_params(request_id, params, self.default_sampling_params, "sampling_params")
+        params, defaults, pooling_params = request_kind(self.input_processor, request_id, params,
+                                                        self.default_sampling_params, "sampling_params")
         if lora_request is not None:  # reads the adapter's config and tensor header
             await self.run_input_work(check_lora_request, lora_request, self.config, self.hf_config)
         text, request = await self.run_input_work(
             self.input_processor.process_inputs, request_id, prompt, params, priority=priority,
-            arrival_time=arrival_time, lora_request=lora_request, default_max_tokens=defaults)
+            arrival_time=arrival_time, lora_request=lora_request, default_max_tokens=defaults,
+            pooling_params=pooling_params)
         # While the prompt was processed the engine may have died, or another caller taken the id.
         self._raise_if_dead()
         self._check_request_id_free(request_id)

@@ -84,7 +84,8 @@ class EngineCore:
         if self._sleeping_tags:
             raise ValueError(f"the engine is asleep ({', '.join(sorted(self._sleeping_tags))} released by sleep()); "
                              "call wake_up() before adding requests")
-        check_request(request, vocab_size=self.vocab_size, max_model_len=self.config.model.max_model_len or 0)
+        check_request(request, vocab_size=self.vocab_size, max_model_len=self.config.model.max_model_len or 0,
+                      pooling=self.config.model.runner == "pooling")
         core_request = Request(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,

@@ -25,6 +25,7 @@ from typing import Any, Union
 from sparrow.engine.chat_content import check_content_format, resolve_content_format, shape_messages
 from sparrow.engine.text_checks import check_text
 from sparrow.errors import InvalidArgumentError
+from sparrow.sample.logits_processor.words import request_bad_words
 from sparrow.sampling_params import SamplingParams
 from sparrow.wire import EngineCoreRequest
 
@@ -72,6 +73,7 @@ class InputProcessor:
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         logits_processor_classes: Sequence[type] = (),
         scheduler: str | None = None,
+        pooling: Any = None,
     ) -> None:
         if max_model_len < 2:
             raise InvalidArgumentError(f"max_model_len must be >= 2 (one prompt and one output token), "
@@ -88,6 +90,8 @@ class InputProcessor:
         # The scheduler's name when its policy ignores Request.priority (Scheduler.uses_priority):
         # a non-zero priority is then refused, as vLLM does, rather than silently dropped.
         self.scheduler_without_priority = scheduler
+        # A pooling model's checks (sparrow.engine.pooling_io.PoolingIO), or None: a generative one.
+        self.pooling = pooling
         if isinstance(eos_token_ids, int):
             eos_token_ids = [eos_token_ids]
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
@@ -257,12 +261,21 @@ class InputProcessor:
         priority: int = 0,
         lora_request: Any = None,
         default_max_tokens: bool = False,
+        pooling_params: Any = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """Validate and tokenize one prompt; return its text (None for token prompts) and the
         request for the engine core. ``params`` is not modified: the request carries a copy
         with ``max_tokens`` and ``all_stop_token_ids`` resolved. ``default_max_tokens``: the
         caller did not choose ``params.max_tokens`` (the model's generation config did), so it is
-        cut to the room the prompt leaves instead of refused, as vLLM does with a default."""
+        cut to the room the prompt leaves instead of refused, as vLLM does with a default.
+        ``pooling_params``: a pooling model's request (``params`` then only carry the prompt)."""
+        if (pooling_params is None) != (self.pooling is None):
+            raise InvalidArgumentError(
+                f"request {request_id!r}: " + ("this engine runs a pooling (embedding) model (runner='pooling'): "
+                                               "use LLM.embed / encode or /v1/embeddings, not text generation"
+                                               if self.pooling is not None else
+                                               "pooling needs an engine started with runner='pooling'"),
+                "pooling_params" if pooling_params is not None else "sampling_params")
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError(
                 f"sampling_params of request {request_id!r} must be SamplingParams, got {type(params).__name__}",
@@ -291,6 +304,7 @@ class InputProcessor:
             priority=priority,
             max_tokens=params.max_tokens,
             lora_request=lora_request,  # checked against the engine's LoRA settings by the caller
+            pooling_params=pooling_params,
         )
         return text, request
 
@@ -356,32 +370,11 @@ class InputProcessor:
             max_tokens=max_tokens,
             stop_token_ids=stop_token_ids,
             all_stop_token_ids=_dedupe(eos_ids[:1] + stop_token_ids),
-            bad_words_token_ids=self._bad_words_token_ids(name, params),
+            bad_words_token_ids=request_bad_words(self.tokenizer, self.vocab_size, name, params),
         )
         for processor_cls in self.logits_processor_classes:
             processor_cls.validate_params(resolved)
         return resolved
-
-    def _bad_words_token_ids(self, name: str, params: SamplingParams) -> list[list[int]] | None:
-        """The token-id sequences to ban: ``bad_words`` tokenized (vLLM's rule), then any ids given."""
-        sequences: list[list[int]] = []
-        if params.bad_words:
-            if self.tokenizer is None:
-                raise InvalidArgumentError(f"bad_words need a tokenizer, and this engine has none; pass "
-                                           f"bad_words_token_ids ({name})", "bad_words")
-            from sparrow.sample.logits_processor.words import bad_words_token_ids
-
-            check_text("bad_words", params.bad_words)
-            sequences = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size)
-        for index, ids in enumerate(params.bad_words_token_ids or []):
-            for token_id in ids:
-                if token_id >= self.vocab_size:
-                    where = f"bad_words_token_ids[{index}]"
-                    raise InvalidArgumentError(f"{where}: token id {token_id} is outside the vocabulary "
-                                               f"[0, {self.vocab_size}) ({name})", where)
-            if ids not in sequences:
-                sequences.append(list(ids))
-        return sequences or None
 
 
 # The key under which a transformers tokenizer records that it has shown its warning

@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 from sparrow.config import EngineConfig
 from sparrow.core.kv_cache_utils import request_capacity_tokens
-from sparrow.engine.async_inputs import check_request_fields, request_params
+from sparrow.engine.async_inputs import check_request_fields
 from sparrow.engine.input_processor import PromptType
 from sparrow.engine.iteration_stats import IterationStats, RequestStatsTracker
 from sparrow.engine.messages import EngineCoreOutput, SchedulerStats
 from sparrow.engine.metrics import EngineMetrics
+from sparrow.engine.pooling_io import request_kind
 from sparrow.engine.setup import build_frontend, finalize_config
 from sparrow.engine.sleep_args import check_sleep, check_wake_up_tags
 from sparrow.engine.stat_loggers import StatLoggerManager, build_stat_loggers, resolve_stat_loggers
@@ -110,16 +111,18 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
     def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
                         lora_request: Any = None, default_max_tokens: bool = False,
-                        arrival_time: float | None = None):
+                        arrival_time: float | None = None, pooling_params: Any = None):
         """Validate and tokenize; raises ValueError naming the prompt (or ``lora_request``).
-        Touches no engine state."""
+        Touches no engine state. ``pooling_params``: a pooling model's request (resolved by
+        ``input_processor.pooling``; ``params`` then carry the prompt only)."""
         if lora_request is not None:
             from sparrow.lora.engine import check_lora_request
 
             check_lora_request(lora_request, self.config, self.hf_config)
         text, request = self.input_processor.process_inputs(request_id, prompt, params, priority=priority,
                                                             arrival_time=arrival_time, lora_request=lora_request,
-                                                            default_max_tokens=default_max_tokens)
+                                                            default_max_tokens=default_max_tokens,
+                                                            pooling_params=pooling_params)
         needed = min(len(request.prompt_token_ids) + (request.max_tokens or 0), self.config.model.max_model_len)
         if needed > self.kv_cache_capacity_tokens:
             # Blame max_tokens when the prompt alone (and one output token) would fit.
@@ -149,13 +152,16 @@ class LLMEngine:
                     tokenization_kwargs: dict[str, Any] | None = None, trace_headers: Mapping[str, str] | None = None,
                     priority: int = 0) -> None:
         """vLLM's ``LLMEngine.add_request``: validate, tokenize and submit; its outputs come from
-        ``step()``. ``params=None`` takes the model's generation-config defaults. Raises ValueError
+        ``step()``. ``params=None`` takes the model's generation-config defaults; ``params`` are
+        ``PoolingParams`` for a pooling model (runner="pooling"). Raises ValueError
         naming the field; ``trace_headers`` and ``tokenization_kwargs`` are refused unless empty."""
         priority, arrival_time = check_request_fields(request_id, prompt, arrival_time, priority, trace_headers,
                                                       tokenization_kwargs, None, 1)
-        params, defaults = request_params(request_id, params, self.default_sampling_params, "params")
+        params, defaults, pooling_params = request_kind(self.input_processor, request_id, params,
+                                                        self.default_sampling_params, "params")
         text, request = self.process_request(request_id, prompt, params, priority, lora_request,
-                                             default_max_tokens=defaults, arrival_time=arrival_time)
+                                             default_max_tokens=defaults, arrival_time=arrival_time,
+                                             pooling_params=pooling_params)
         self.add_processed_request(text, request)
 
     def abort_request(self, request_ids: list[str] | str) -> None:

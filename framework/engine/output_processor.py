@@ -16,6 +16,7 @@ from sparrow.core.request import FinishReason
 from sparrow.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from sparrow.engine.messages import EngineCoreOutput, EngineCoreRequest
 from sparrow.engine.parallel_sampling import make_child_requests
+from sparrow.engine.pooling_io import pooled_output
 from sparrow.errors import InvalidArgumentError
 from sparrow.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from sparrow.sampling_params import RequestOutputKind
@@ -88,6 +89,7 @@ class RequestState:
     num_sent_logprobs: int = 0
     num_sent_prompt_logprobs: int = 0
     lora_request: Any = None  # the request's LoRA adapter, echoed in every RequestOutput
+    pooling: Any = None  # a pooling model's request: its resolved PoolingParams (no tokens, one vector)
 
     def record_logprobs(self, output: EngineCoreOutput) -> None:
         if output.new_prompt_logprobs and self.prompt_logprobs is not None:
@@ -205,7 +207,7 @@ class OutputProcessor:
         now: float,
     ) -> RequestState:
         params = request.sampling_params
-        decoder = self._decoder if params.detokenize else None
+        decoder = self._decoder if params.detokenize and request.pooling_params is None else None
         wants_logprobs = params.logprobs is not None
         return RequestState(
             request_id=request.request_id,
@@ -227,6 +229,7 @@ class OutputProcessor:
             cumulative_logprob=0.0 if wants_logprobs else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             lora_request=request.lora_request,
+            pooling=request.pooling_params,
         )
 
     # -- outputs ----------------------------------------------------------------------------
@@ -264,6 +267,13 @@ class OutputProcessor:
         finish_reason = engine_core_output.finish_reason
         stop_reason = engine_core_output.stop_reason
         state.num_cached_tokens = max(state.num_cached_tokens, engine_core_output.num_cached_tokens)
+        if state.pooling is not None:  # one output, with the vector, when the prompt is done
+            if finish_reason is None:
+                return None, False
+            state.metrics.finished_time = now
+            self._forget(state)
+            return pooled_output(state.external_id, engine_core_output.pooling_output, state.pooling, state.prompt,
+                                 state.prompt_token_ids, state.num_cached_tokens), False  # type: ignore[return-value]
         state.record_token_times(len(new_token_ids), now)
         state.record_logprobs(engine_core_output)
         state.token_ids.extend(new_token_ids)

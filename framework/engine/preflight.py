@@ -35,7 +35,9 @@ What is checked:
                            registered
     budgets                chunked prefill off needs max_num_batched_tokens >= max_model_len (a
                            longer prompt could never be scheduled); max_model_len >= 2
-    async_scheduling       no speculative decoding or KV connector
+    async_scheduling       no speculative decoding, KV connector or pooling model
+    runner="pooling"       a pooler prefix caching can serve (LAST), and nothing that generates
+                           (speculative decoding, LoRA, a reasoning parser, a KV connector)
     worker_extension_cls   imports, is a class, and replaces nothing of the platform's worker
     parallel               the model's heads and MLP split evenly over tensor_parallel_size;
                            data_parallel_rank < data_parallel_size
@@ -354,6 +356,11 @@ def check_engine_config(config: EngineConfig, hf_config: Any = None, platform: A
     check_budgets(config)
     check_parallel(config, hf_config)
     check_lora(config, hf_config)
+    if config.model.runner == "pooling":
+        from sparrow.pooling import pooling_problems
+
+        for field, message in pooling_problems(config):
+            raise _error(field, message)
 
 
 def async_scheduling_problem(config: EngineConfig) -> str | None:
@@ -362,4 +369,6 @@ def async_scheduling_problem(config: EngineConfig) -> str | None:
         return "speculative decoding needs each step's accepted tokens before it schedules the next drafts"
     if config.kv_transfer.kv_connector is not None:
         return "a KV connector loads and saves KV around each step in turn"
+    if config.model.runner == "pooling":
+        return "a pooling request ends with its prompt's last step, which the next step's schedule must see"
     return None

@@ -26,7 +26,8 @@ def model_vocab_size(model: Any) -> int | None:
         return None
 
 
-def check_request(request: EngineCoreRequest, *, vocab_size: int | None, max_model_len: int) -> None:
+def check_request(request: EngineCoreRequest, *, vocab_size: int | None, max_model_len: int,
+                  pooling: bool = False) -> None:
     """Raise ValueError, naming the field, for a request the engine core must never run.
 
     The frontend's input processor checks all this (and more) before it sends a request; this is
@@ -43,6 +44,10 @@ def check_request(request: EngineCoreRequest, *, vocab_size: int | None, max_mod
 
     if not isinstance(request.request_id, str) or not request.request_id:
         raise ValueError(f"request_id must be a non-empty string, got {request.request_id!r}")
+    if pooling != (request.pooling_params is not None):
+        raise ValueError(f"request {request.request_id!r} is a {'pooling' if request.pooling_params else 'generation'} "
+                         f"request, and this engine runs a {'pooling' if pooling else 'generative'} model (runner="
+                         f"{'pooling' if pooling else 'generate'})")
     prompt = request.prompt_token_ids
     if not prompt:
         raise ValueError(f"prompt_token_ids of request {request.request_id!r} is empty")

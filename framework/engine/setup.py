@@ -20,6 +20,7 @@ from sparrow.engine.preflight import (
 )
 from sparrow.hub_cache import resolve_hub_id  # spec_decode.config imports it from here
 from sparrow.plugins import get_registry
+from sparrow.pooling import PREFIX_CACHE_SAFE
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,37 @@ def _check_max_model_len(max_model_len: int, model_max: int) -> None:
         )
 
 
+def _pooling_settings(model: Any, hf_config: Any, model_path: str) -> dict[str, Any]:
+    """The runner resolved ("generate" or "pooling"; vLLM's task and convert folded into it) and a
+    pooling model's whole pooler_config (sparrow.pooling)."""
+    from sparrow.pooling import PoolingConfigError, resolve_pooler_config, resolve_runner
+
+    try:
+        runner = resolve_runner(model.runner, model.task, model.convert, hf_config)
+        given = model.pooler_config
+        if model.override_pooler_config is not None:
+            if given is not None and given != model.override_pooler_config:
+                raise PoolingConfigError("override_pooler_config", "override_pooler_config (vLLM's older name) and "
+                                         "pooler_config disagree; give pooler_config alone")
+            given = model.override_pooler_config
+        if runner != "pooling" and given is not None:
+            raise PoolingConfigError("pooler_config", "pooler_config applies to a pooling model; this one runs "
+                                     "as runner='generate' (set runner='pooling' to embed with it)")
+        pooler = resolve_pooler_config(given, model_path) if runner == "pooling" else None
+    except PoolingConfigError as exc:
+        raise ConfigError(f"invalid engine argument {exc.field!r}: {exc}") from None
+    return {"runner": runner, "task": "auto", "convert": "auto", "pooler_config": pooler,
+            "override_pooler_config": None}
+
+
+def _pooling_io(config: EngineConfig, hf_config: Any) -> Any:
+    if config.model.runner != "pooling" or not config.model.pooler_config:
+        return None
+    from sparrow.engine.pooling_io import PoolingIO
+
+    return PoolingIO(config.model.pooler_config, hf_config)
+
+
 def _quantization(requested: str | None, hf_config: Any) -> str | None:
     # A quantized checkpoint names its method in config.json (vLLM's detection).
     from sparrow.quantization import resolve_quantization
@@ -108,6 +140,7 @@ def finalize_config(config: EngineConfig) -> EngineConfig:
         "max_model_len": max_model_len,
         "served_model_name": config.model.served_model_name or (config.model.model or "sparrow-tiny"),
         "quantization": _quantization(config.model.quantization, hf_config),
+        **_pooling_settings(config.model, hf_config, model_path),
     })
     # Deep: the platform's hook changes sections in place, and the caller's config must stay as given.
     finalized = config.model_copy(deep=True, update={"model": model})
@@ -127,6 +160,10 @@ def finalize_config(config: EngineConfig) -> EngineConfig:
     _check_max_model_len(finalized.model.max_model_len or 0, model_max)
     if finalized.scheduler.max_num_batched_tokens is None:
         finalized.scheduler.max_num_batched_tokens = platform.default_max_num_batched_tokens
+    if finalized.model.runner == "pooling" and "enable_prefix_caching" not in config.cache.model_fields_set \
+            and (finalized.model.pooler_config or {}).get("pooling_type") not in PREFIX_CACHE_SAFE:
+        # MEAN and CLS read every prompt token's hidden state: a prefix-cache hit would skip some.
+        finalized.cache.enable_prefix_caching = False
     if finalized.scheduler.async_scheduling is None:
         finalized.scheduler.async_scheduling = bool(getattr(platform, "default_async_scheduling", False)) \
             and async_scheduling_problem(finalized) is None
@@ -263,7 +300,8 @@ def build_frontend(config: EngineConfig) -> Frontend:
                                      max_logprobs=(hf_config.vocab_size if config.model.max_logprobs == -1
                                                    else config.model.max_logprobs),
                                      logits_processor_classes=processor_classes,
-                                     scheduler=None if getattr(scheduler_cls, "uses_priority", False) else scheduler)
+                                     scheduler=None if getattr(scheduler_cls, "uses_priority", False) else scheduler,
+                                     pooling=_pooling_io(config, hf_config))
     if config.model.reasoning_parser is not None:
         # Built once here, before any engine process starts, so that a tokenizer without the
         # parser's tokens is a ConfigError now rather than a failure of the first request using it.

@@ -11,9 +11,11 @@ from typing import Any
 from sparrow.config import EngineConfig
 from sparrow.engine.async_inputs import request_params
 from sparrow.engine.llm_engine import LLMEngine
+from sparrow.engine.pooling_io import with_truncation
 from sparrow.errors import InvalidArgumentError
-from sparrow.outputs import RequestOutput
+from sparrow.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from sparrow.param_checks import INT64_MAX, INT64_MIN
+from sparrow.pooling_params import POOLING_TASKS, PoolingParams
 from sparrow.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = Sequence[Mapping[str, Any]]
@@ -21,8 +23,20 @@ ChatMessages = Sequence[Mapping[str, Any]]
 
 
 def _pooling_refused(method: str) -> InvalidArgumentError:
-    return InvalidArgumentError(f"LLM.{method}() needs a pooling (embedding, classification, scoring or reward) "
-                                "model, and Sparrow serves generative models only; use generate() or chat()", method)
+    if method == "encode":
+        return InvalidArgumentError("LLM.encode() / embed() need a pooling model: start the LLM with "
+                                    "runner='pooling' (an embedding model such as Qwen3-Embedding)", "runner")
+    return InvalidArgumentError(f"LLM.{method}() needs a classification, scoring or reward model, which Sparrow "
+                                "does not support (it runs generative and embedding models); use generate(), chat() "
+                                "or embed()", method)
+
+
+def _prompt_list(prompts: Any) -> list[Any]:
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
+        raise TypeError(f"prompts must be a string, a prompt dict or a list of them, got {type(prompts).__name__}")
+    return list(prompts)
 
 
 def _check_priority(index: int, value: Any) -> int:
@@ -68,11 +82,7 @@ class LLM:
         ``lora_request``: a :class:`~sparrow.lora.request.LoRARequest` for every prompt, or a list
         with one (or None, the base model) per prompt; needs ``enable_lora=True``.
         """
-        if isinstance(prompts, (str, Mapping)):
-            prompts = [prompts]
-        elif isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
-            raise TypeError(f"prompts must be a string, a prompt dict or a list of them, got {type(prompts).__name__}")
-        return self._run(list(prompts), sampling_params, use_tqdm, priority, lora_request)
+        return self._run(_prompt_list(prompts), sampling_params, use_tqdm, priority, lora_request)
 
     def chat(
         self,
@@ -159,6 +169,10 @@ class LLM:
             request_priority = _check_priority(index, priority[index]) if priority is not None else 0
             processed.append(engine.process_request(request_id, prompt, checked, priority=request_priority,
                                                     lora_request=lora_requests[index], default_max_tokens=defaults))
+        return self._submit_and_run(processed, use_tqdm)
+
+    def _submit_and_run(self, processed: list[Any], use_tqdm: bool | Callable[..., Any]) -> list[Any]:
+        engine = self.llm_engine
         order = {request.request_id: index for index, (_, request) in enumerate(processed)}
         # All or nothing: if one request cannot be sent, the ones sent before it are aborted, so
         # that no half of a batch stays registered to surface in a later call.
@@ -198,7 +212,8 @@ class LLM:
                     results[order[output.request_id]] = output
                     if bar is not None:
                         num_prompt_tokens += len(output.prompt_token_ids or ())
-                        num_output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                        if isinstance(output.outputs, list):  # a pooling output has a vector, no tokens
+                            num_output_tokens += sum(len(o.token_ids) for o in output.outputs)
                         elapsed = max(time.perf_counter() - started, 1e-9)
                         bar.postfix = (f"est. speed input: {num_prompt_tokens / elapsed:.2f} toks/s, "
                                        f"output: {num_output_tokens / elapsed:.2f} toks/s")
@@ -223,13 +238,56 @@ class LLM:
 
         return beam_search(self, prompts, params, lora_request, use_tqdm, concurrency_limit)
 
-    # -- utilities --------------------------------------------------------------------------
-    # vLLM's pooling entry points: Sparrow serves generative models, so each is refused by name.
-    def encode(self, *args: Any, **kwargs: Any) -> list[Any]:
-        raise _pooling_refused("encode")
+    # -- pooling models (runner="pooling") -------------------------------------------------
+    def encode(self, prompts: Any, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool | Callable[..., Any] = True,
+               lora_request: Any = None, pooling_task: str | None = None,
+               tokenization_kwargs: dict[str, Any] | None = None) -> list[PoolingRequestOutput]:
+        """One vector per prompt from a pooling model (``runner="pooling"``), in input order:
+        ``outputs.data`` is a float32 tensor. ``pooling_params`` is one for all or one per prompt
+        (None: the defaults); ``pooling_task`` "embed" or "encode" (the same here)."""
+        if pooling_task is not None and pooling_task not in POOLING_TASKS:
+            raise InvalidArgumentError(f"pooling_task must be one of {', '.join(POOLING_TASKS)}, got {pooling_task!r} "
+                                       "(classification, scoring and reward heads are not supported)", "pooling_task")
+        if tokenization_kwargs:
+            raise InvalidArgumentError("tokenization_kwargs are not supported: tokenize yourself and pass "
+                                       "{'prompt_token_ids': [...]}, or use truncate_prompt_tokens",
+                                       "tokenization_kwargs")
+        prompts = _prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params] * len(prompts)
+        elif isinstance(pooling_params, (list, tuple)):
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} pooling_params; they must match")
+        else:
+            raise InvalidArgumentError(f"pooling_params must be a PoolingParams or a list of them (one per prompt), "
+                                       f"got {type(pooling_params).__name__}", "pooling_params")
+        from sparrow.lora.engine import lora_requests_per_prompt
 
-    def embed(self, *args: Any, **kwargs: Any) -> list[Any]:
-        raise _pooling_refused("embed")
+        lora_requests = lora_requests_per_prompt(lora_request, len(prompts))
+        engine = self.llm_engine
+        pooling = engine.input_processor.pooling
+        processed = []
+        for index, (prompt, params) in enumerate(zip(prompts, params_list)):
+            request_id = str(next(self._request_counter))
+            params = with_truncation(request_id, params, truncate_prompt_tokens)
+            if pooling is None:
+                raise _pooling_refused("encode")
+            resolved = pooling.resolve(request_id, params)
+            processed.append(engine.process_request(request_id, prompt, pooling.carrier_params(resolved),
+                                                    lora_request=lora_requests[index], pooling_params=resolved))
+        return self._submit_and_run(processed, use_tqdm)
+
+    def embed(self, prompts: Any, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool | Callable[..., Any] = True,
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, lora_request: Any = None,
+              tokenization_kwargs: dict[str, Any] | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``LLM.embed``: ``encode`` with each vector as ``outputs.embedding`` (a list of floats)."""
+        outputs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                              use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="embed",
+                              tokenization_kwargs=tokenization_kwargs)
+        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
 
     def classify(self, *args: Any, **kwargs: Any) -> list[Any]:
         raise _pooling_refused("classify")

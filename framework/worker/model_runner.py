@@ -28,6 +28,7 @@ from sparrow.worker.deferred_tokens import DeferredStepOutput, PendingTokens, To
 from sparrow.worker.input_batch import CachedRequestState, InputBatch
 from sparrow.worker.input_buffers import InputBuffers
 from sparrow.worker.outputs import ModelRunnerOutput
+from sparrow.worker.pooler import Pooler
 from sparrow.worker.sampling_step import SamplingStep
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,9 @@ class ModelRunner(SamplingStep):
         # Steps after a deferred one: how their inputs got its tokens ("identity" / "indexed":
         # fed on the device; "host": settled first). Read by tests and when profiling.
         self.feed_counts: collections.Counter[str] = collections.Counter()
+        # A pooling model (runner="pooling") pools its prompts' hidden states instead of sampling.
+        self.pooler = Pooler(config.model.pooler_config["pooling_type"]) \
+            if config.model.runner == "pooling" and config.model.pooler_config else None
 
     # -- KV cache ---------------------------------------------------------------------------
     def num_kv_cache_tensors(self) -> int:
@@ -184,6 +188,11 @@ class ModelRunner(SamplingStep):
             self.kv_connector.save_kv(self.kv_connector_meta(connector_meta))
         if feed is not None:  # the forward is enqueued: the previous step's tokens may come home
             feed.settle(self.batch)
+        if self.pooler is not None:
+            pooled = self.pooler.pool(hidden_states, self.batch, inputs.num_scheduled, inputs.logits_indices,
+                                      inputs.complete_rows)
+            return ModelRunnerOutput(req_ids=list(self.batch.req_ids),
+                                     sampled_token_ids=[[] for _ in self.batch.req_ids], pooler_output=pooled)
         return self.sample(hidden_states, inputs, defer=defer)
 
     def prepare_lora(self, inputs: StepInputs) -> bool:
@@ -202,6 +211,8 @@ class ModelRunner(SamplingStep):
 
     def update_states(self, so: SchedulerOutput) -> None:
         batch = self.batch
+        if self.pooler is not None:  # finished, preempted or (re)started: nothing carried over
+            self.pooler.forget([*so.finished_req_ids, *(new.req_id for new in so.scheduled_new_reqs)])
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             batch.remove(req_id)

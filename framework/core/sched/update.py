@@ -43,10 +43,21 @@ class StepOutputs:
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs
         scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
+        pooled = model_runner_output.pooler_output
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None:
                 continue  # aborted while the step ran
+            if pooled:
+                vector = pooled.get(req_id)
+                if vector is not None:  # a pooling model's request is done once its prompt is
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    outputs.append(EngineCoreOutput(
+                        request_id=req_id, new_token_ids=[], finish_reason=request.get_finish_reason(),
+                        num_cached_tokens=request.num_cached_tokens or 0, pooling_output=vector))
+                    self.running.remove(request)
+                    self._free(request)
+                    continue
             generated = sampled.get(req_id, ())
             if generated and request.num_output_placeholders:
                 request.num_output_placeholders -= len(generated)

@@ -1,0 +1,93 @@
+"""The worker's pooling: one vector per prompt from the model's final hidden states.
+
+A pooling engine (``runner="pooling"``, see :mod:`sparrow.pooling`) runs every prompt through
+the model like a prefill, possibly in chunks over several steps, and samples nothing. When a
+prompt's last token has been computed, its vector is returned in
+``ModelRunnerOutput.pooler_output`` and the scheduler finishes the request:
+
+    LAST  the final hidden state of the prompt's last token (decoder embedding models)
+    MEAN  the mean over every prompt token (sums carried across chunks)
+    CLS   the first token's
+
+The frontend applies each request's ``dimensions`` and ``normalize`` (sparrow.pooling_outputs).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from sparrow.worker.input_batch import InputBatch
+
+
+class Pooler:
+    def __init__(self, pooling_type: str) -> None:
+        self.pooling_type = pooling_type
+        # MEAN: req_id -> (float32 sum of the hidden states computed so far [hidden], their count)
+        self._sums: dict[str, tuple[torch.Tensor, int]] = {}
+        # CLS: req_id -> the first token's hidden state, kept until the prompt completes
+        self._first: dict[str, torch.Tensor] = {}
+
+    def forget(self, req_ids: list[str]) -> None:
+        """Drop what was carried for requests that finished, or were preempted (they start over)."""
+        for req_id in req_ids:
+            self._sums.pop(req_id, None)
+            self._first.pop(req_id, None)
+
+    def pool(self, hidden_states: torch.Tensor, batch: InputBatch, num_scheduled: np.ndarray,
+             logits_indices: torch.Tensor, complete_rows: np.ndarray) -> dict[str, bytes]:
+        """``hidden_states`` [T, hidden] of this step, rows in batch order; ``num_scheduled``
+        [num_reqs] tokens of each row; ``logits_indices`` [num_reqs] each row's last token;
+        ``complete_rows`` [num_reqs] whether the row's prompt completes this step. Returns
+        req_id -> float32 bytes for the completed rows."""
+        req_ids = batch.req_ids
+        num_reqs = len(num_scheduled)
+        if self.pooling_type == "LAST":
+            vectors = hidden_states[logits_indices[:num_reqs]]
+        elif self.pooling_type == "MEAN":
+            vectors = self._mean(hidden_states, req_ids, num_scheduled, complete_rows)
+        else:
+            vectors = self._cls(hidden_states, batch, req_ids, num_scheduled, complete_rows)
+        rows = np.flatnonzero(complete_rows).tolist()
+        if not rows:
+            return {}
+        host = vectors[rows].to(device="cpu", dtype=torch.float32).numpy()
+        self.forget([req_ids[row] for row in rows])
+        return {req_ids[row]: host[position].astype("<f4").tobytes() for position, row in enumerate(rows)}
+
+    def _mean(self, hidden_states: torch.Tensor, req_ids: list[str], num_scheduled: np.ndarray,
+              complete_rows: np.ndarray) -> torch.Tensor:
+        num_reqs, total = len(num_scheduled), int(num_scheduled.sum())
+        # Each row's chunk summed in one pass: token t belongs to row row_of_token[t].
+        row_of_token = torch.repeat_interleave(torch.arange(num_reqs, device=hidden_states.device),
+                                               torch.from_numpy(num_scheduled).to(hidden_states.device))
+        sums = torch.zeros(num_reqs, hidden_states.shape[1], dtype=torch.float32, device=hidden_states.device)
+        sums.index_add_(0, row_of_token, hidden_states[:total].float())
+        means = torch.empty_like(sums)
+        for row, req_id in enumerate(req_ids[:num_reqs]):
+            carried, count = self._sums.get(req_id, (None, 0))
+            total_sum = sums[row] if carried is None else carried + sums[row]
+            count += int(num_scheduled[row])
+            if complete_rows[row]:
+                means[row] = total_sum / count
+            else:
+                self._sums[req_id] = (total_sum, count)
+        return means
+
+    def _cls(self, hidden_states: torch.Tensor, batch: InputBatch, req_ids: list[str], num_scheduled: np.ndarray,
+             complete_rows: np.ndarray) -> torch.Tensor:
+        num_reqs = len(num_scheduled)
+        starts = np.concatenate(([0], np.cumsum(num_scheduled)[:-1]))
+        # The model runner has already counted this step's tokens as computed.
+        first_positions = batch.num_computed_tokens[:num_reqs] - num_scheduled
+        firsts = hidden_states[torch.from_numpy(starts).to(hidden_states.device)]
+        vectors = torch.empty_like(firsts)
+        for row, req_id in enumerate(req_ids[:num_reqs]):
+            first = firsts[row] if first_positions[row] == 0 else self._first.get(req_id)
+            if first is None:  # cannot happen without a prefix-cache hit, which CLS pooling refuses
+                raise RuntimeError(f"request {req_id!r}: its first token's hidden state was never computed")
+            if complete_rows[row]:
+                vectors[row] = first
+            elif first_positions[row] == 0:
+                self._first[req_id] = first.clone()
+        return vectors

@@ -119,7 +119,7 @@ def test_async_llm_feeds_custom_loggers_and_drops_one_that_raises(caplog):
         assert custom.initialized == 1
 
 
-def test_names_are_resolved_before_the_engine_starts(qwen3_dir):
+def test_sparrow_register_stat_loggers_names_are_resolved_before_the_engine_starts(qwen3_dir):
     # A plugin's registered name, through the same registry `sparrow plugins` lists.
     pm = pluggy.PluginManager(PROJECT_NAME)
     from sparrow import hookspecs

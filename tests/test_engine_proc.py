@@ -436,7 +436,7 @@ def test_async_llm_cancelled_consumer_aborts_and_frees_blocks(tokenizer_model_di
 
 def test_async_llm_raises_a_core_rejection_to_its_caller_only(tokenizer_model_dir):
     async def body(engine):
-        engine._check_kv_capacity = lambda request: None  # let the core be the one to refuse
+        engine.kv_cache_capacity_tokens = 2**62  # let the core be the one to refuse
         params = SamplingParams(max_tokens=1500, ignore_eos=True)
         with pytest.raises(ValueError, match="1024 tokens"):
             async for _ in engine.generate("too long for the cache", params, "huge"):

@@ -239,8 +239,13 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(qwen3_dir, llm):
 
 
 def test_pooling_entry_points_are_refused_by_name(llm):
-    for method in ("encode", "embed", "classify", "score", "reward"):
-        with pytest.raises(ValueError, match=rf"LLM.{method}\(\) needs a pooling .*generative models only"):
+    # A generative engine has no pooler; classification, scoring and reward heads are not built.
+    for method in ("encode", "embed"):
+        with pytest.raises(ValueError, match=r"need a pooling model: start the LLM with runner='pooling'") as info:
+            getattr(llm, method)(["hello"])
+        assert info.value.field == "runner"
+    for method in ("classify", "score", "reward"):
+        with pytest.raises(ValueError, match=rf"LLM.{method}\(\) needs a classification, scoring or reward model"):
             getattr(llm, method)(["hello"])
     assert llm.generate("hello", SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids
 

@@ -90,6 +90,7 @@ def structs_reachable(root: type) -> set[type]:
 def test_every_struct_that_crosses_a_process_lives_in_wire():
     from sparrow.engine import serial
     from sparrow.lora.request import LoRARequest
+    from sparrow.pooling_params import PoolingParams
     from sparrow.sampling_params import SamplingParams, StructuredOutputsParams
 
     decoded = [serial.request_decoder().type, serial.outputs_decoder().type, serial.handshake_decoder().type,
@@ -99,9 +100,9 @@ def test_every_struct_that_crosses_a_process_lives_in_wire():
     assert {wire.EngineCoreRequest, wire.EngineCoreOutput, wire.TokenLogprobs, wire.NewRequestData,
             wire.HandshakeMessage, wire.SchedulerStats} <= structs
     elsewhere = {cls for cls in structs if cls.__module__ != "sparrow.wire"}
-    # The user-facing sampling parameters and adapter requests travel inside requests from their
-    # own leaf modules.
-    assert elsewhere == {SamplingParams, StructuredOutputsParams, LoRARequest}
+    # The user-facing sampling and pooling parameters and adapter requests travel inside requests
+    # from their own leaf modules.
+    assert elsewhere == {SamplingParams, StructuredOutputsParams, LoRARequest, PoolingParams}
     for cls in structs - elsewhere:
         config = cls.__struct_config__
         assert config.array_like and config.omit_defaults or cls is wire.TokenLogprobs, cls

@@ -68,3 +68,14 @@ def request_params(request_id: str, params: Any, default_sampling_params: dict[s
                                    f"{type(params).__name__}", field)
     return params.clone(), False
 
+
+
+def check_kv_capacity(request: Any, capacity_tokens: int, max_model_len: int) -> None:
+    """Refuse a request whose prompt and output could never fit the whole KV cache (it would wait
+    forever), naming ``max_tokens`` when the prompt alone (and one output token) would fit."""
+    needed = min(len(request.prompt_token_ids) + (request.max_tokens or 0), max_model_len)
+    if needed > capacity_tokens:
+        field = "max_tokens" if len(request.prompt_token_ids) < capacity_tokens else "prompt"
+        raise InvalidArgumentError(
+            f"request {request.request_id!r} needs KV cache for {needed} tokens but the whole cache holds "
+            f"{capacity_tokens}; lower max_tokens or raise kv_cache_memory_bytes / num_kv_blocks", field)

@@ -29,13 +29,13 @@ from typing import Any, TypeVar
 
 from sparrow.config import EngineConfig
 from sparrow.core.kv_cache_utils import request_capacity_tokens
-from sparrow.engine.async_inputs import AsyncEngineArgs, check_request_fields
+from sparrow.engine.async_inputs import AsyncEngineArgs, check_kv_capacity, check_request_fields
 from sparrow.engine.async_output import AsyncOutputHandling
 from sparrow.engine.async_utilities import AsyncEngineUtilities
 from sparrow.engine.exceptions import EngineDeadError
 from sparrow.engine.input_processor import PromptType
 from sparrow.engine.iteration_stats import RequestStatsTracker
-from sparrow.engine.messages import EngineCoreRequest, SchedulerStats
+from sparrow.engine.messages import SchedulerStats
 from sparrow.engine.metrics import EngineMetrics
 from sparrow.engine.mp_client import AsyncMPClient
 from sparrow.engine.output_collector import RequestOutputCollector
@@ -230,6 +230,9 @@ class AsyncLLM(AsyncOutputHandling, AsyncEngineUtilities):
         aborts it. vLLM's ``trace_headers``, ``data_parallel_rank`` and ``tokenization_kwargs`` are
         accepted when they ask for nothing (None or empty; rank 0 of one engine) and refused otherwise.
         """
+        if self.input_processor.pooling is not None:  # None would otherwise mean pooling's defaults
+            raise InvalidArgumentError(f"request {request_id!r}: this engine runs a pooling (embedding) model "
+                                       "(runner='pooling'): use encode(), not generate()", "sampling_params")
         collector = await self.add_request(request_id, prompt, sampling_params, priority=priority,
                                            lora_request=lora_request, trace_headers=trace_headers,
                                            data_parallel_rank=data_parallel_rank,
@@ -309,7 +312,7 @@ class AsyncLLM(AsyncOutputHandling, AsyncEngineUtilities):
         # While the prompt was processed the engine may have died, or another caller taken the id.
         self._raise_if_dead()
         self._check_request_id_free(request_id)
-        self._check_kv_capacity(request)
+        check_kv_capacity(request, self.kv_cache_capacity_tokens, self.model_config.max_model_len or 0)
         collector = RequestOutputCollector(params.output_kind)
         children = self.output_processor.add_request(request, text, queue=collector)
         self._collectors[request_id] = collector
@@ -330,16 +333,6 @@ class AsyncLLM(AsyncOutputHandling, AsyncEngineUtilities):
         if request_id in self._collectors:
             raise InvalidArgumentError(f"request_id {request_id!r} is already in use by an unfinished request",
                                        "request_id")
-
-    def _check_kv_capacity(self, request: EngineCoreRequest) -> None:
-        needed = min(len(request.prompt_token_ids) + (request.max_tokens or 0), self.model_config.max_model_len or 0)
-        if needed > self.kv_cache_capacity_tokens:
-            # Blame max_tokens when the prompt alone (and one output token) would fit.
-            field = "max_tokens" if len(request.prompt_token_ids) < self.kv_cache_capacity_tokens else "prompt"
-            raise InvalidArgumentError(
-                f"request {request.request_id!r} needs KV cache for {needed} tokens but the whole cache holds "
-                f"{self.kv_cache_capacity_tokens}; lower max_tokens or raise kv_cache_memory_bytes / num_kv_blocks",
-                field)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests (ids of unfinished requests; others are ignored, as in vLLM): their

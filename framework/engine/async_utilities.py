@@ -52,7 +52,8 @@ class AsyncEngineUtilities:
         return self.config
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
-        return ("generate",)
+        # vLLM's task names: a pooling model embeds (encode() is the same vector here).
+        return ("embed", "encode") if self.config.model.runner == "pooling" else ("generate",)
 
     async def is_tracing_enabled(self) -> bool:
         return False

@@ -22,10 +22,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
+from sparrow.engine.bad_words import request_bad_words
 from sparrow.engine.chat_content import check_content_format, resolve_content_format, shape_messages
 from sparrow.engine.text_checks import check_text
 from sparrow.errors import InvalidArgumentError
-from sparrow.sample.logits_processor.words import request_bad_words
 from sparrow.sampling_params import SamplingParams
 from sparrow.wire import EngineCoreRequest
 

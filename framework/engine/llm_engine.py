@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from sparrow.config import EngineConfig
 from sparrow.core.kv_cache_utils import request_capacity_tokens
-from sparrow.engine.async_inputs import check_request_fields
+from sparrow.engine.async_inputs import check_kv_capacity, check_request_fields
 from sparrow.engine.input_processor import PromptType
 from sparrow.engine.iteration_stats import IterationStats, RequestStatsTracker
 from sparrow.engine.messages import EngineCoreOutput, SchedulerStats
@@ -123,14 +123,7 @@ class LLMEngine:
                                                             arrival_time=arrival_time, lora_request=lora_request,
                                                             default_max_tokens=default_max_tokens,
                                                             pooling_params=pooling_params)
-        needed = min(len(request.prompt_token_ids) + (request.max_tokens or 0), self.config.model.max_model_len)
-        if needed > self.kv_cache_capacity_tokens:
-            # Blame max_tokens when the prompt alone (and one output token) would fit.
-            field = "max_tokens" if len(request.prompt_token_ids) < self.kv_cache_capacity_tokens else "prompt"
-            raise InvalidArgumentError(
-                f"request {request_id!r} needs KV cache for {needed} tokens but the whole cache holds "
-                f"{self.kv_cache_capacity_tokens}; lower max_tokens or raise kv_cache_memory_bytes / num_kv_blocks",
-                field)
+        check_kv_capacity(request, self.kv_cache_capacity_tokens, self.config.model.max_model_len or 0)
         return text, request
 
     def add_processed_request(self, text: str | None, request: Any) -> None:

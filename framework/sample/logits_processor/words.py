@@ -33,27 +33,3 @@ def bad_words_token_ids(tokenizer: Any, words: Sequence[str], vocab_size: int) -
             if ids not in sequences:
                 sequences.append(ids)
     return sequences
-
-
-def request_bad_words(tokenizer: Any, vocab_size: int, name: str, params: Any) -> list[list[int]] | None:
-    """The token-id sequences a request bans: its ``bad_words`` tokenized (vLLM's rule), then any
-    ``bad_words_token_ids`` given; InvalidArgumentError naming the field (``name`` is the prompt's)."""
-    from sparrow.engine.text_checks import check_text
-    from sparrow.errors import InvalidArgumentError
-
-    sequences: list[list[int]] = []
-    if params.bad_words:
-        if tokenizer is None:
-            raise InvalidArgumentError(f"bad_words need a tokenizer, and this engine has none; pass "
-                                       f"bad_words_token_ids ({name})", "bad_words")
-        check_text("bad_words", params.bad_words)
-        sequences = bad_words_token_ids(tokenizer, params.bad_words, vocab_size)
-    for index, ids in enumerate(params.bad_words_token_ids or []):
-        for token_id in ids:
-            if token_id >= vocab_size:
-                where = f"bad_words_token_ids[{index}]"
-                raise InvalidArgumentError(f"{where}: token id {token_id} is outside the vocabulary "
-                                           f"[0, {vocab_size}) ({name})", where)
-        if ids not in sequences:
-            sequences.append(list(ids))
-    return sequences or None

@@ -169,7 +169,8 @@ class RequestOutput:
 # -- pooling models (runner="pooling") ---------------------------------------------------------
 @dataclass(slots=True)
 class PoolingOutput:
-    """A pooling model's vector for one prompt: ``data`` is a float32 ``torch.Tensor`` [dimensions]."""
+    """A pooling model's vector for one prompt: ``data`` is a float32 ``torch.Tensor`` [dimensions]
+    (None for a request that was aborted)."""
 
     data: Any
 
@@ -198,6 +199,9 @@ class EmbeddingOutput:
     @staticmethod
     def from_base(pooling_output: PoolingOutput) -> EmbeddingOutput:
         data = pooling_output.data
+        if data is None:
+            raise ValueError("the request finished without a vector: it was aborted, or the platform's workers do "
+                             "not pool (a platform plugin without pooling support)")
         if getattr(data, "ndim", 1) != 1:
             raise ValueError(f"an embedding is one vector; got data of shape {tuple(data.shape)}")
         return EmbeddingOutput(data.tolist())

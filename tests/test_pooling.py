@@ -202,6 +202,7 @@ def test_matryoshka_dimensions_and_the_engine_and_async_interfaces(dirs, hf_refe
     (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative_config"),
     (dict(async_scheduling=True), "async_scheduling"),
     (dict(runner="embedding"), "runner"),
+    (dict(device="sim"), "runner"),  # the simulated device has no hidden states to pool
 ])
 def test_configurations_a_pooling_model_cannot_run_are_refused_naming_the_field(dirs, kwargs, field):
     from sparrow import LLM

@@ -359,6 +359,9 @@ def check_engine_config(config: EngineConfig, hf_config: Any = None, platform: A
     if config.model.runner == "pooling":
         from sparrow.pooling import pooling_problems
 
+        if not getattr(platform, "supports_pooling", True):
+            raise _error("runner", f"'pooling' is not supported on the {platform.name!r} platform (its workers do "
+                         "not run pooling models)")
         for field, message in pooling_problems(config):
             raise _error(field, message)
 

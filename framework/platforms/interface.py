@@ -32,6 +32,10 @@ class Platform:
     # The device communicator (collectives of tensor parallelism) by its registered name
     # (sparrow_register_device_communicators); the built-in wraps torch.distributed.
     communicator: str = "torch_distributed"
+    # Whether the platform's workers run pooling (embedding) models: a model runner built on
+    # sparrow.worker.model_runner.ModelRunner does; one that prices steps without running the
+    # model (the simulated device) says False, and runner="pooling" is refused on it.
+    supports_pooling: bool = True
 
     def check_and_update_config(self, config: EngineConfig) -> None:
         """Adjust and validate the engine configuration for this platform (vLLM's name).

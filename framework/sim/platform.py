@@ -66,6 +66,7 @@ class SimPlatform(Platform):
     default_dtype = "bfloat16"
     supported_dtypes = ("bfloat16", "float16", "float32")
     worker_cls = "sparrow.sim.worker:SimWorker"
+    supports_pooling = False  # no hidden states to pool: the forward is a cost model
 
     def check_and_update_config(self, config: EngineConfig) -> None:
         sim_settings(config.additional_config)

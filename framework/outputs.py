@@ -227,3 +227,21 @@ class EmbeddingRequestOutput:
         return EmbeddingRequestOutput(request_output.request_id, EmbeddingOutput.from_base(request_output.outputs),
                                       request_output.prompt_token_ids, request_output.finished,
                                       request_output.num_cached_tokens, request_output.prompt)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    """The score of one pair of texts (an embedding model's: the cosine similarity of their vectors)."""
+
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """vLLM's output of ``LLM.score``: ``outputs.score`` for one pair; ``prompt_token_ids`` are
+    both texts' tokens, one after the other, and ``request_id`` joins both requests' ids."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool

@@ -244,8 +244,11 @@ def test_pooling_entry_points_are_refused_by_name(llm):
         with pytest.raises(ValueError, match=r"need a pooling model: start the LLM with runner='pooling'") as info:
             getattr(llm, method)(["hello"])
         assert info.value.field == "runner"
-    for method in ("classify", "score", "reward"):
-        with pytest.raises(ValueError, match=rf"LLM.{method}\(\) needs a classification, scoring or reward model"):
+    with pytest.raises(ValueError, match=r"LLM.score\(\) needs an embedding model") as info:
+        llm.score("hello", ["hi"])
+    assert info.value.field == "runner"
+    for method in ("classify", "reward"):
+        with pytest.raises(ValueError, match=rf"LLM.{method}\(\) needs a classification or reward model"):
             getattr(llm, method)(["hello"])
     assert llm.generate("hello", SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids
 

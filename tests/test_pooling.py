@@ -100,6 +100,20 @@ def test_embed_equals_hf_last_token_in_chunks_and_from_the_prefix_cache(dirs, hf
         cut = llm.embed({"prompt_token_ids": ids}, truncate_prompt_tokens=8, use_tqdm=False)[0]
         assert cut.prompt_token_ids == ids[-8:]
         assert_close(cut.outputs.embedding, pooled(hf_reference(ids[-8:]), "LAST", True))
+        # score(): the cosine similarity of two texts' vectors, one against many or side by side.
+        def hf_cosine(a, b):
+            return float(torch.nn.functional.cosine_similarity(hf_reference(a)[-1], hf_reference(b)[-1], dim=0))
+
+        one_to_many = llm.score(PROMPTS[0], PROMPTS[1:], use_tqdm=False)
+        assert [round(o.outputs.score, 4) for o in one_to_many] == [round(hf_cosine(PROMPTS[0], p), 4)
+                                                                    for p in PROMPTS[1:]]
+        side_by_side = llm.score(PROMPTS[:2], PROMPTS[2:], use_tqdm=False)
+        assert [o.outputs.score for o in side_by_side] == pytest.approx(
+            [hf_cosine(PROMPTS[0], PROMPTS[2]), hf_cosine(PROMPTS[1], PROMPTS[3])], abs=1e-4)
+        assert side_by_side[0].prompt_token_ids == outputs[0].prompt_token_ids + outputs[2].prompt_token_ids
+        with pytest.raises(ValueError, match="same length") as excinfo:
+            llm.score(PROMPTS[:2], PROMPTS[:3])
+        assert excinfo.value.field == "data_1"
         # A generation request on a pooling engine is refused, naming the field.
         with pytest.raises(ValueError, match="pooling") as excinfo:
             llm.generate("Hello")

@@ -26,9 +26,12 @@ def _pooling_refused(method: str) -> InvalidArgumentError:
     if method == "encode":
         return InvalidArgumentError("LLM.encode() / embed() need a pooling model: start the LLM with "
                                     "runner='pooling' (an embedding model such as Qwen3-Embedding)", "runner")
-    return InvalidArgumentError(f"LLM.{method}() needs a classification, scoring or reward model, which Sparrow "
-                                "does not support (it runs generative and embedding models); use generate(), chat() "
-                                "or embed()", method)
+    if method == "score":
+        return InvalidArgumentError("LLM.score() needs an embedding model (runner='pooling'), whose vectors it "
+                                    "compares; cross-encoder rerankers are not supported", "runner")
+    return InvalidArgumentError(f"LLM.{method}() needs a classification or reward model, which Sparrow does not "
+                                "support (it runs generative and embedding models); use generate(), chat() or "
+                                "embed()", method)
 
 
 def _prompt_list(prompts: Any) -> list[Any]:
@@ -292,8 +295,18 @@ class LLM:
     def classify(self, *args: Any, **kwargs: Any) -> list[Any]:
         raise _pooling_refused("classify")
 
-    def score(self, *args: Any, **kwargs: Any) -> list[Any]:
-        raise _pooling_refused("score")
+    def score(self, data_1: Any, data_2: Any, /, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool | Callable[..., Any] = True, pooling_params: PoolingParams | None = None,
+              lora_request: Any = None, tokenization_kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's ``LLM.score`` with an embedding model: the cosine similarity of each pair's
+        vectors, one text against many or two lists side by side (``sparrow.entrypoints.llm_score``)."""
+        if self.llm_engine.input_processor.pooling is None:
+            raise _pooling_refused("score")
+        from sparrow.entrypoints.llm_score import score
+
+        return score(self, data_1, data_2, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                     pooling_params=pooling_params, lora_request=lora_request,
+                     tokenization_kwargs=tokenization_kwargs)
 
     def reward(self, *args: Any, **kwargs: Any) -> list[Any]:
         raise _pooling_refused("reward")

@@ -14,6 +14,8 @@
                                resumes a background stream
     POST /v1/responses/{id}/cancel  cancels a background response (background: true)
     GET  /v1/responses/{id}/input_items  its input items, paginated
+    POST /v1/embeddings        one vector per input, from a pooling model (--runner pooling); the
+                               generation endpoints are 400s on such a model, this one on the others
     POST /tokenize             text or chat messages -> token ids, as the endpoints above tokenize them
     POST /detokenize           token ids -> text
     GET  /tokenizer_info       the tokenizer's configuration (special tokens, chat template, ...)
@@ -67,6 +69,7 @@ from sparrow.entrypoints.openai.protocol import (
     CompletionResponse,
     ErrorResponse,
 )
+from sparrow.entrypoints.openai.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
 from sparrow.entrypoints.openai.protocol_responses import (
     DeletedResponse,
     InputItemList,
@@ -77,6 +80,7 @@ from sparrow.entrypoints.openai.request_checks import validation_message
 from sparrow.entrypoints.openai.request_logger import request_logger_from_args
 from sparrow.entrypoints.openai.serving_chat import OpenAIServingChat
 from sparrow.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from sparrow.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from sparrow.entrypoints.openai.serving_engine import APIError, engine_dead
 from sparrow.entrypoints.openai.serving_models import (
     add_lora_routes,
@@ -172,9 +176,10 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     responses = OpenAIServingResponses(engine, model_names, reasoner=chat.reasoner, chat_template=chat_template,
                                        chat_template_content_format=content_format,
                                        tool_parser_cls=chat.tool_parser_cls, enable_auto_tools=chat.enable_auto_tools)
+    embeddings = OpenAIServingEmbedding(engine, model_names)
     lora_modules = lora_modules_from_args(engine, args)
     request_logger = request_logger_from_args(args)
-    for handler in (completions, chat, tokenization, responses):
+    for handler in (completions, chat, tokenization, responses, embeddings):
         handler.lora_modules = lora_modules
         handler.request_logger = request_logger
         handler.return_tokens_as_token_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
@@ -214,6 +219,10 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     @app.post("/v1/responses", response_model=ResponseObject, responses=_ERROR_RESPONSES)
     async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
         return await responses.create_response(request, raw_request)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERROR_RESPONSES)
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return await embeddings.create_embedding(request, raw_request)
 
     # Query values are taken as text and checked by the handler, so that a bad one is a 400 naming
     # it; include also as the openai client sends a list (include[]=...).

@@ -195,6 +195,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         model = self.check_model(request.model)
+        self.check_generative(model, "/v1/chat/completions")
         self.check_common(request)
         self.check_chat_template(request)
         try:

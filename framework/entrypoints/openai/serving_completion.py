@@ -186,6 +186,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         model = self.check_model(request.model)
+        self.check_generative(model, "/v1/completions")
         self.check_common(request)
         if request.suffix:
             raise field_error(not_supported("suffix", "suffix (fill-in-the-middle)"))

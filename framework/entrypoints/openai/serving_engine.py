@@ -149,6 +149,15 @@ class OpenAIServing:
         raise APIError(404, f"the model {model!r} does not exist; served: {', '.join(served)}",
                        "NotFoundError", param="model", code="model_not_found")
 
+    def check_generative(self, model: str, endpoint: str) -> None:
+        """On a pooling (embedding) model, the generation endpoints are a 400 saying so before any
+        work (the input processor would refuse each prompt too, naming sampling_params, which no
+        client sent)."""
+        if self.engine.input_processor.pooling is not None:
+            raise APIError(400, f"the model {model!r} is an embedding model (this server runs it as a pooling "
+                           f"model): it answers POST /v1/embeddings, not {endpoint}; serve a generative model to "
+                           "generate text", "BadRequestError", param="model", code="unsupported")
+
     def lora_request_of(self, model: str | None) -> Any:
         """The LoRARequest a request's ``model`` names, or None for the base model."""
         return self.lora_modules.get(model) if self.lora_modules is not None else None

@@ -148,6 +148,7 @@ class OpenAIServingResponses(OpenAIServing):
     # -- routes ----------------------------------------------------------------------------------
     async def create_response(self, request: ResponsesRequest, raw_request: Request) -> Response:
         model = self.check_model(request.model)
+        self.check_generative(model, "/v1/responses")
         try:
             check_request(request, self.engine.input_processor.max_logprobs)
         except RequestFieldError as exc:

@@ -1,0 +1,204 @@
+"""POST /v1/embeddings: one vector per input from a pooling (embedding) model (``--runner
+pooling``), in OpenAI's shape; floats or base64 (little-endian float32 bytes, as OpenAI encodes
+them and the openai client decodes them).
+
+Each input is one engine request, all of them submitted before the response is committed to, so
+that an invalid input is a 400 and costs the others nothing; they then run side by side in the
+engine's batches. Text inputs are tokenized here, with the request's ``add_special_tokens``, and
+cut to its ``truncate_prompt_tokens``, so that the engine receives the token ids it embeds and
+``usage`` counts them.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from sparrow.engine.exceptions import EngineDeadError
+from sparrow.entrypoints.openai.protocol_embeddings import MAX_EMBEDDING_INPUTS, EmbeddingRequest
+from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_fields, check_unicode
+from sparrow.entrypoints.openai.serving_engine import APIError, OpenAIServing, bad_request, engine_dead, field_error
+from sparrow.entrypoints.openai.streams import cancel_on_disconnect, merge_streams
+from sparrow.errors import InvalidArgumentError
+from sparrow.outputs import PoolingRequestOutput
+from sparrow.pooling_params import PoolingParams
+
+# How the engine names a prompt in its errors, and the field the client sent it in here.
+_PROMPT_FIELDS = frozenset({"prompt", "prompt_token_ids"})
+
+
+def embedding_inputs(request: EmbeddingRequest) -> list[tuple[str, str | list[int]]]:
+    """The request's inputs as (label, text or token ids): one per vector. Labels name the input
+    in messages as the client wrote it (``input``, ``input[2]``)."""
+    value = request.input
+    if isinstance(value, str):
+        return [("input", value)]
+    if not value:
+        raise RequestFieldError("input must not be empty; send a string, a list of strings, a list of token ids or "
+                                "a list of lists of token ids", "input")
+    items: list[Any] = list(value)  # all strings, all token ids, or all lists of them (the request model)
+    if all(isinstance(item, int) for item in items):
+        return [("input", items)]
+    if len(items) > MAX_EMBEDDING_INPUTS:
+        raise RequestFieldError(f"input has {len(items)} inputs; at most {MAX_EMBEDDING_INPUTS} per request "
+                                "(send several requests)", "input")
+    return [(f"input[{index}]", item if isinstance(item, str) else list(item)) for index, item in enumerate(items)]
+
+
+def tokenize_inputs(input_processor: Any, request: EmbeddingRequest) -> list[dict[str, Any]]:
+    """Every input as an engine prompt, ``{"prompt": text, "prompt_token_ids": [...]}`` (no text
+    for token inputs or cut ones), each checked: not empty, inside the vocabulary, and short
+    enough for the model once cut to ``truncate_prompt_tokens``. Blocking: the endpoint runs it
+    on the engine's input thread."""
+    check_unicode(request)
+    max_len = input_processor.max_model_len
+    prompts = []
+    for label, item in embedding_inputs(request):
+        text = None
+        if isinstance(item, str):
+            if not item:
+                raise RequestFieldError(f"{label} is an empty string; every input needs some text", "input")
+            if input_processor.tokenizer is None:
+                raise RequestFieldError(f"{label}: text inputs need the model's tokenizer, and this server has none "
+                                        "(skip_tokenizer_init); send token ids", "input")
+            text = item
+            item = input_processor.tokenize(item, add_special_tokens=request.add_special_tokens, field=label)
+            if not item:
+                raise RequestFieldError(f"{label} tokenizes to no tokens (add_special_tokens="
+                                        f"{str(request.add_special_tokens).lower()}); every input needs at least one",
+                                        "input")
+        elif not item:
+            raise RequestFieldError(f"{label} is an empty list of token ids; every input needs at least one", "input")
+        else:
+            check_vocabulary(label, item, input_processor.vocab_size)
+        token_ids = input_processor.truncate(item, request.truncate_prompt_tokens)
+        if len(token_ids) >= max_len:
+            # The engine's limit (a prompt leaves room for one token), in this endpoint's words.
+            raise RequestFieldError(f"{label} is {len(token_ids)} tokens long; this model embeds at most "
+                                    f"{max_len - 1} tokens per input (max_model_len={max_len}); shorten it or set "
+                                    "truncate_prompt_tokens", "input")
+        prompts.append({"prompt_token_ids": token_ids} if text is None or len(token_ids) < len(item)
+                       else {"prompt": text, "prompt_token_ids": token_ids})
+    return prompts
+
+
+def check_vocabulary(label: str, token_ids: list[int], vocab_size: int) -> None:
+    """A 400 naming the first token id the model has no embedding for (the engine would refuse
+    it too, naming a prompt of a request id the client never saw)."""
+    if max(token_ids) < vocab_size:  # ids are >= 0 (the request model)
+        return
+    position = next(index for index, token_id in enumerate(token_ids) if token_id >= vocab_size)
+    raise RequestFieldError(f"{label}[{position}]: token id {token_ids[position]} is outside the model's vocabulary "
+                            f"[0, {vocab_size})", "input")
+
+
+def encode_vector(vector: Any, encoding_format: str) -> list[float] | str:
+    """A float32 vector as the response carries it: numbers, or OpenAI's base64 of its
+    little-endian float32 bytes."""
+    values = np.asarray(vector.numpy() if hasattr(vector, "numpy") else vector, dtype="<f4")
+    if encoding_format == "base64":
+        return base64.b64encode(values.tobytes()).decode("ascii")
+    return values.tolist()
+
+
+class OpenAIServingEmbedding(OpenAIServing):
+    request_id_prefix = "embd"
+
+    def check_pooling(self, model: str) -> None:
+        """A generative engine has no vectors to give: a 400 saying how to serve an embedding model."""
+        if self.engine.input_processor.pooling is None:
+            raise APIError(400, f"the model {model!r} is not an embedding model: this server runs it for text "
+                           "generation, and /v1/embeddings needs a pooling model; start one with `sparrow serve "
+                           "MODEL --runner pooling` (a checkpoint saved without its LM head, such as architecture "
+                           "Qwen3Model, is served as one by default)", "BadRequestError", param="model",
+                           code="unsupported")
+
+    async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> Response:
+        model = self.check_model(request.model)
+        self.check_pooling(model)
+        try:
+            check_fields(request)
+        except RequestFieldError as exc:
+            raise field_error(exc) from None
+        request_id = self.new_request_id()
+        try:
+            params = PoolingParams(dimensions=request.dimensions, normalize=request.normalize)
+            # Checked against the model (dimensions) before any tokenizing.
+            params = self.engine.input_processor.pooling.resolve(request_id, params)
+        except InvalidArgumentError as exc:
+            raise bad_request(exc) from None
+        prompts = await self.off_loop(tokenize_inputs, self.engine.input_processor, request, default_param="input")
+        streams = await self._submit(request_id, prompts, params, request)
+        finals = await cancel_on_disconnect(raw_request, self._collect(streams))
+        if finals is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        return JSONResponse(self._response(request_id, model, finals, request.encoding_format))
+
+    async def _submit(self, request_id: str, prompts: list[dict[str, Any]], params: PoolingParams,
+                      request: EmbeddingRequest) -> list[AsyncGenerator[Any, None]]:
+        """One engine request per input, each validated as it is submitted; a refused one aborts
+        those submitted before it."""
+        engine = self.engine
+        lora_request = self.lora_request_of(request.model)
+        submitted: list[str] = []
+        streams = []
+        try:
+            for index, prompt in enumerate(prompts):
+                sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+                self.log_inputs(sub_id, prompt, params, lora_request)
+                collector = await engine.add_request(sub_id, prompt, params,  # type: ignore[arg-type]
+                                                     priority=request.priority, lora_request=lora_request)
+                submitted.append(sub_id)
+                streams.append(engine.stream_outputs(sub_id, collector))
+        except ValueError as exc:
+            await engine.abort(submitted)
+            raise _in_input_words(exc) from None
+        except EngineDeadError as exc:
+            await engine.abort(submitted)
+            raise engine_dead(exc) from None
+        return streams
+
+    @staticmethod
+    async def _collect(streams: list[AsyncGenerator[Any, None]]) -> list[PoolingRequestOutput]:
+        """Every input's output, in the inputs' order; the engine's failures as HTTP errors."""
+        finals: dict[int, PoolingRequestOutput] = {}
+        try:
+            async for index, output in merge_streams(streams):
+                finals[index] = output
+        except EngineDeadError as exc:
+            raise engine_dead(exc) from None
+        except ValueError as exc:
+            raise _in_input_words(exc) from None  # the engine core rejected a request
+        return [finals[index] for index in range(len(streams))]
+
+    @staticmethod
+    def _response(request_id: str, model: str, finals: list[PoolingRequestOutput],
+                  encoding_format: str) -> dict[str, Any]:
+        """The EmbeddingResponse as a plain dict: a response can hold millions of numbers, which
+        pydantic would validate one by one only to dump them again."""
+        data = []
+        prompt_tokens = 0
+        for index, final in enumerate(finals):
+            vector = final.outputs.data
+            if vector is None:  # ended before its vector was computed (the server is stopping)
+                raise APIError(503, f"input {index} was aborted before its embedding was computed",
+                               "ServiceUnavailableError", code="aborted")
+            data.append({"object": "embedding", "embedding": encode_vector(vector, encoding_format), "index": index})
+            prompt_tokens += len(final.prompt_token_ids)
+        return {"id": request_id, "object": "list", "created": int(time.time()), "model": model, "data": data,
+                "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def _in_input_words(exc: ValueError) -> APIError:
+    """An engine-side refusal as a 400; one naming the prompt names ``input``, the field that
+    carried it here."""
+    error = bad_request(exc, default_param="input")
+    if error.param in _PROMPT_FIELDS:
+        error.param = "input"
+    return error

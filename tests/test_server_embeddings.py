@@ -99,6 +99,7 @@ def post(server, body: dict) -> httpx.Response:
 
 def test_float_vectors_equal_hf_in_input_order(server, client, hf):
     tokenizer, hidden = hf
+    prompt_tokens_before = server.metrics().get("sparrow:prompt_tokens_total", 0.0)
     response = client.embeddings.create(model=MODEL_NAME, input=TEXTS, encoding_format="float")
     assert response.object == "list" and response.model == MODEL_NAME
     assert [item.index for item in response.data] == list(range(len(TEXTS)))
@@ -107,6 +108,8 @@ def test_float_vectors_equal_hf_in_input_order(server, client, hf):
         assert_close(item.embedding, normalized(hidden(text)[-1]))
     token_count = sum(len(tokenizer(text).input_ids) for text in TEXTS)
     assert response.usage.prompt_tokens == response.usage.total_tokens == token_count
+    # The Prometheus prompt-token counter counts what was embedded (no token is ever generated).
+    assert server.metrics()["sparrow:prompt_tokens_total"] - prompt_tokens_before == token_count
     # OpenAI's shape, key for key, with vLLM's id and created.
     body = post(server, {"model": MODEL_NAME, "input": "a"}).json()
     assert set(body) == {"id", "object", "created", "model", "data", "usage"}

@@ -92,6 +92,8 @@ class RequestStatsTracker:
                 else:
                     stats.inter_token_latencies_iter.append(now - (state.last_token_time or now))
                 state.last_token_time = now
+            elif output.pooling_output is not None:  # a pooling request's prompt is done: no tokens follow
+                stats.num_prompt_tokens += state.num_prompt_tokens
             if output.finish_reason is not None:
                 self.finish(stats, output.request_id, str(output.finish_reason), now)
 

@@ -57,7 +57,8 @@ class EngineMetrics(StatLoggerBase):
                                             "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("sparrow:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("sparrow:num_preemptions", "Requests preempted (KV cache full).")
-        self.prompt_tokens = counter("sparrow:prompt_tokens", "Prompt tokens of requests that started generating (or, on a pooling model, were embedded).")
+        self.prompt_tokens = counter("sparrow:prompt_tokens", "Prompt tokens of requests that started generating "
+                                     "(or, on a pooling model, were embedded).")
         self.generation_tokens = counter("sparrow:generation_tokens", "Generated tokens.")
         self.time_to_first_token = histogram(
             "sparrow:time_to_first_token_seconds", "Arrival to first generated token.", TTFT_BUCKETS)

@@ -95,6 +95,14 @@ def test_embed_equals_hf_last_token_in_chunks_and_from_the_prefix_cache(dirs, hf
         raw = llm.encode({"prompt_token_ids": [5, 6, 7, 8]}, PoolingParams(normalize=False), use_tqdm=False)[0]
         assert isinstance(raw.outputs.data, torch.Tensor) and raw.outputs.data.dtype == torch.float32
         assert_close(raw.outputs.data, pooled(hf_reference([5, 6, 7, 8]), "LAST", False))
+        # A prompt may fill max_model_len (nothing is generated after it); one more token is refused.
+        longest = [(7 * i) % 4000 for i in range(256)]
+        full = llm.embed({"prompt_token_ids": longest}, use_tqdm=False)[0]
+        assert_close(full.outputs.embedding, pooled(hf_reference(longest), "LAST", True))
+        with pytest.raises(ValueError, match="257 tokens long, which is longer than max_model_len=256"):
+            llm.embed({"prompt_token_ids": longest + [1]}, use_tqdm=False)
+        assert llm.embed({"prompt_token_ids": longest + [1]}, truncate_prompt_tokens=-1,
+                         use_tqdm=False)[0].prompt_token_ids == longest[1:] + [1]
         # truncate_prompt_tokens keeps the prompt's last k tokens.
         ids = list(range(10, 40))
         cut = llm.embed({"prompt_token_ids": ids}, truncate_prompt_tokens=8, use_tqdm=False)[0]

@@ -196,7 +196,7 @@ def test_langchain_embed_documents(server, hf):
     ({"dimensions": 0}, "dimensions", "greater than or equal to 1"),
     ({"dimensions": "8"}, "dimensions", "valid integer"),
     ({"input": [5000]}, "input", "token id 5000 is outside the model's vocabulary"),
-    ({"input": ["ok", "word " * 600]}, "input", "tokens long; this model embeds at most 511"),
+    ({"input": ["ok", "word " * 600]}, "input", "tokens long; this model embeds at most 512"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "truncate_prompt_tokens"),
     ({"priority": 1}, "priority", "scheduler"),
     ({"add_special_tokens": 1}, "add_special_tokens", "valid boolean"),

@@ -184,9 +184,11 @@ class InputProcessor:
         check_text(field, text)
         return self.truncate(self._encode(text, add_special_tokens=add_special_tokens), truncate_prompt_tokens)
 
-    def truncate(self, token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+    def truncate(self, token_ids: list[int], truncate_prompt_tokens: int | None, longest: int | None = None
+                 ) -> list[int]:
         """The last ``truncate_prompt_tokens`` of ``token_ids`` (all of them when None). -1 keeps
-        ``max_model_len - 1``, the longest prompt that leaves room for one output token."""
+        ``longest``: by default ``max_model_len - 1``, the longest prompt that leaves room for one
+        output token (a pooling prompt may be ``max_model_len`` long)."""
         if truncate_prompt_tokens is None:
             return token_ids
         keep = truncate_prompt_tokens
@@ -194,7 +196,7 @@ class InputProcessor:
             raise InvalidArgumentError(f"truncate_prompt_tokens must be an int, got {type(keep).__name__}",
                                        "truncate_prompt_tokens")
         if keep == -1:
-            keep = self.max_model_len - 1
+            keep = self.max_model_len - 1 if longest is None else longest
         elif not 1 <= keep <= self.max_model_len:
             raise InvalidArgumentError(f"truncate_prompt_tokens must be -1 or between 1 and "
                                        f"max_model_len={self.max_model_len}, got {keep}", "truncate_prompt_tokens")
@@ -286,14 +288,17 @@ class InputProcessor:
                                        "priority; start the engine with scheduler='priority' (or a policy that "
                                        "uses priorities) or leave priority at 0", "priority")
         text, token_ids = self.tokenize_prompt(request_id, prompt)
+        # A pooling prompt generates nothing, so it may fill max_model_len (as in vLLM).
+        longest = self.max_model_len if pooling_params is not None else self.max_model_len - 1
         if params.truncate_prompt_tokens is not None:  # vLLM's: the prompt's last k tokens
-            token_ids = self.truncate(token_ids, params.truncate_prompt_tokens)
+            token_ids = self.truncate(token_ids, params.truncate_prompt_tokens, longest)
         name = describe_prompt(request_id, text, token_ids)
-        self._validate_prompt(name, token_ids)
+        self._validate_prompt(name, token_ids, longest)
         if default_max_tokens and params.max_tokens is not None \
                 and len(token_ids) + params.max_tokens > self.max_model_len:
             params = params.clone(max_tokens=max(self.max_model_len - len(token_ids), 1))
-        params = self._resolve_params(name, len(token_ids), params)
+        if pooling_params is None:  # a pooling request's params only carry its prompt: nothing to resolve
+            params = self._resolve_params(name, len(token_ids), params)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -308,16 +313,17 @@ class InputProcessor:
         )
         return text, request
 
-    def _validate_prompt(self, name: str, token_ids: list[int]) -> None:
+    def _validate_prompt(self, name: str, token_ids: list[int], longest: int) -> None:
         if not token_ids:
             raise InvalidArgumentError(f"{name} is empty; a prompt needs at least one token", "prompt")
         for position, token_id in enumerate(token_ids):
             if not 0 <= token_id < self.vocab_size:
                 raise InvalidArgumentError(f"{name}: token id {token_id} at position {position} is outside the "
                                            f"vocabulary [0, {self.vocab_size})", "prompt")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidArgumentError(f"{name} is {len(token_ids)} tokens long, which leaves no room for an output "
-                                       f"token under max_model_len={self.max_model_len}", "prompt")
+        if len(token_ids) > longest:
+            what = "is longer than" if longest == self.max_model_len else "leaves no room for an output token under"
+            raise InvalidArgumentError(f"{name} is {len(token_ids)} tokens long, which {what} "
+                                       f"max_model_len={self.max_model_len}", "prompt")
 
     def _resolve_params(self, name: str, prompt_len: int, params: SamplingParams) -> SamplingParams:
         room = self.max_model_len - prompt_len

@@ -51,7 +51,7 @@ def check_request(request: EngineCoreRequest, *, vocab_size: int | None, max_mod
     prompt = request.prompt_token_ids
     if not prompt:
         raise ValueError(f"prompt_token_ids of request {request.request_id!r} is empty")
-    if max_model_len and len(prompt) >= max_model_len:
+    if max_model_len and len(prompt) >= max_model_len + pooling:  # a pooling prompt generates nothing
         raise ValueError(f"prompt_token_ids of request {request.request_id!r} holds {len(prompt)} tokens, "
                          f"leaving no room for output under max_model_len={max_model_len}")
     token_range("prompt_token_ids", prompt)

@@ -77,11 +77,11 @@ def tokenize_inputs(input_processor: Any, request: EmbeddingRequest) -> list[dic
             raise RequestFieldError(f"{label} is an empty list of token ids; every input needs at least one", "input")
         else:
             check_vocabulary(label, item, input_processor.vocab_size)
-        token_ids = input_processor.truncate(item, request.truncate_prompt_tokens)
-        if len(token_ids) >= max_len:
-            # The engine's limit (a prompt leaves room for one token), in this endpoint's words.
+        token_ids = input_processor.truncate(item, request.truncate_prompt_tokens, max_len)
+        if len(token_ids) > max_len:
+            # The engine's limit, in this endpoint's words.
             raise RequestFieldError(f"{label} is {len(token_ids)} tokens long; this model embeds at most "
-                                    f"{max_len - 1} tokens per input (max_model_len={max_len}); shorten it or set "
+                                    f"{max_len} tokens per input (max_model_len); shorten it or set "
                                     "truncate_prompt_tokens", "input")
         prompts.append({"prompt_token_ids": token_ids} if text is None or len(token_ids) < len(item)
                        else {"prompt": text, "prompt_token_ids": token_ids})

@@ -23,8 +23,15 @@ from fastapi.responses import JSONResponse, Response
 from sparrow.engine.exceptions import EngineDeadError
 from sparrow.entrypoints.openai.protocol_embeddings import MAX_EMBEDDING_INPUTS, EmbeddingRequest
 from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_fields, check_unicode
-from sparrow.entrypoints.openai.serving_engine import APIError, OpenAIServing, bad_request, engine_dead, field_error
-from sparrow.entrypoints.openai.streams import cancel_on_disconnect, merge_streams
+from sparrow.entrypoints.openai.serving_engine import (
+    APIError,
+    OpenAIServing,
+    bad_request,
+    collect_finals,
+    engine_dead,
+    field_error,
+)
+from sparrow.entrypoints.openai.streams import cancel_on_disconnect
 from sparrow.errors import InvalidArgumentError
 from sparrow.outputs import PoolingRequestOutput
 from sparrow.pooling_params import PoolingParams
@@ -135,7 +142,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise bad_request(exc) from None
         prompts = await self.off_loop(tokenize_inputs, self.engine.input_processor, request, default_param="input")
         streams = await self._submit(request_id, prompts, params, request)
-        finals = await cancel_on_disconnect(raw_request, self._collect(streams))
+        finals = await cancel_on_disconnect(raw_request, collect_finals(streams, _in_input_words))
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         return JSONResponse(self._response(request_id, model, finals, request.encoding_format))
@@ -163,19 +170,6 @@ class OpenAIServingEmbedding(OpenAIServing):
             await engine.abort(submitted)
             raise engine_dead(exc) from None
         return streams
-
-    @staticmethod
-    async def _collect(streams: list[AsyncGenerator[Any, None]]) -> list[PoolingRequestOutput]:
-        """Every input's output, in the inputs' order; the engine's failures as HTTP errors."""
-        finals: dict[int, PoolingRequestOutput] = {}
-        try:
-            async for index, output in merge_streams(streams):
-                finals[index] = output
-        except EngineDeadError as exc:
-            raise engine_dead(exc) from None
-        except ValueError as exc:
-            raise _in_input_words(exc) from None  # the engine core rejected a request
-        return [finals[index] for index in range(len(streams))]
 
     @staticmethod
     def _response(request_id: str, model: str, finals: list[PoolingRequestOutput],

@@ -83,9 +83,11 @@ def logit_bias(value: dict[str, float] | None) -> dict[int, float] | None:
                        param="logit_bias", code="invalid_value") from None
 
 
-async def collect_finals(streams: list[AsyncGenerator[RequestOutput, None]]) -> list[RequestOutput]:
+async def collect_finals(streams: list[AsyncGenerator[Any, None]],
+                         rejected: Callable[[ValueError], APIError] | None = None) -> list[Any]:
     """Every stream's last output, in the streams' order (a whole, non-streamed response); the
-    engine's failures as the HTTP errors they are."""
+    engine's failures as the HTTP errors they are (a rejection through ``rejected``, by default
+    a 400 naming the error's field)."""
     from sparrow.entrypoints.openai.streams import merge_streams
 
     finals: dict[int, RequestOutput] = {}
@@ -95,7 +97,7 @@ async def collect_finals(streams: list[AsyncGenerator[RequestOutput, None]]) -> 
     except EngineDeadError as exc:
         raise engine_dead(exc) from None
     except ValueError as exc:
-        raise bad_request(exc) from None  # the engine core rejected a request
+        raise (rejected or bad_request)(exc) from None  # the engine core rejected a request
     return [finals[index] for index in range(len(streams))]
 
 

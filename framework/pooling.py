@@ -149,7 +149,6 @@ def pooling_problems(config: Any) -> list[tuple[str, str]]:
                          "enable_prefix_caching=False"))
     for field, value, reason in (
         ("speculative_config", config.speculative.speculative_config, "a pooling model generates no tokens"),
-        ("enable_lora", config.lora.enable_lora, "LoRA adapters are not supported on pooling models yet"),
         ("reasoning_parser", config.model.reasoning_parser, "a pooling model generates no text to parse"),
         ("kv_connector", config.kv_transfer.kv_connector, "KV connectors are not supported on pooling models"),
     ):

@@ -152,7 +152,8 @@ def test_sentence_transformers_mean_pooling_in_chunks_and_through_preemption(dir
         llm.shutdown()
 
 
-def test_cls_pooling_from_pooler_config_over_the_files_and_the_causal_lm_checkpoint(dirs, hf_reference):
+def test_cls_pooling_over_the_files_and_the_causal_lm_checkpoint_with_an_adapter(dirs, hf_reference,
+                                                                                  tmp_path_factory):
     from sparrow import LLM
 
     llm = LLM(dirs["st"], max_model_len=128, max_num_batched_tokens=16,
@@ -164,11 +165,31 @@ def test_cls_pooling_from_pooler_config_over_the_files_and_the_causal_lm_checkpo
     finally:
         llm.shutdown()
     # The causal LM itself as an embedding model (vLLM's convert="embed"): its LM head is not read.
-    llm = LLM(dirs["causal"], convert="embed", max_model_len=128, multiprocess=False)
+    # With a LoRA adapter, a request embeds as HF does on the weights with the adapter merged.
+    from transformers import AutoModel
+
+    from sparrow import LoRARequest
+    from sparrow.tiny.lora import build_lora_adapter, merge_lora_adapter
+
+    root = tmp_path_factory.mktemp("pooling-lora")
+    adapter = build_lora_adapter(dirs["causal"], root / "adapter", rank=4, alpha=8, seed=2)
+    merged = AutoModel.from_pretrained(merge_lora_adapter(dirs["causal"], adapter, root / "merged"),
+                                       dtype=torch.float32).eval()
+    llm = LLM(dirs["causal"], convert="embed", max_model_len=128, multiprocess=False, enable_lora=True,
+              max_lora_rank=4)
     try:
         assert llm.llm_engine.config.model.runner == "pooling"
         for prompt, output in zip(PROMPTS, llm.embed(PROMPTS, use_tqdm=False)):
             assert_close(output.outputs.embedding, pooled(hf_reference(prompt), "LAST", True))
+        lora = LoRARequest("adapter", 1, str(adapter))
+        base_and_adapted = llm.embed([PROMPTS[3], PROMPTS[3]], lora_request=[None, lora], use_tqdm=False)
+        assert_close(base_and_adapted[0].outputs.embedding, pooled(hf_reference(PROMPTS[3]), "LAST", True))
+        with torch.no_grad():
+            ids = torch.tensor([base_and_adapted[1].prompt_token_ids])
+            expected = pooled(merged(ids).last_hidden_state[0], "LAST", True)
+        assert_close(base_and_adapted[1].outputs.embedding, expected)
+        base, adapted = (torch.tensor(output.outputs.embedding) for output in base_and_adapted)
+        assert not torch.allclose(base, adapted, atol=1e-3)  # the adapter changed the vector
     finally:
         llm.shutdown()
 

@@ -271,3 +271,19 @@ def test_pooling_requests_are_checked_before_the_engine_sees_them(dirs):
     with pytest.raises(ValueError, match="runner='pooling'") as excinfo:
         processor.process_inputs("x", {"prompt_token_ids": [1, 2]}, SamplingParams(), pooling_params=PoolingParams())
     assert excinfo.value.field == "pooling_params"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["LAST", "MEAN"])
+def test_cuda_embeddings_equal_hf_with_graphs_and_chunks(dirs, hf_reference, kind):
+    """On the GPU (skipped without one): the CUDA runner's graphs and padded steps pool the same
+    vectors, in float32, through chunked prefill."""
+    from sparrow import LLM
+
+    llm = LLM(dirs["encoder"], device="cuda", dtype="float32", max_model_len=256, max_num_batched_tokens=32,
+              gpu_memory_utilization=0.3, pooler_config={"pooling_type": kind}, multiprocess=False)
+    try:
+        for prompt, output in zip(PROMPTS, llm.encode(PROMPTS, use_tqdm=False)):
+            assert_close(output.outputs.data, pooled(hf_reference(prompt), kind, True), atol=1e-3)
+    finally:
+        llm.shutdown()

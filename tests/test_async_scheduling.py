@@ -6,6 +6,7 @@ finish reasons must be identical, with chunked prefill, prefix caching and preem
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 
@@ -56,6 +57,20 @@ def run(async_scheduling: bool, prompts, params, **engine_args) -> tuple[list, i
         llm.shutdown()
 
 
+# A small token budget chunks the long prompts; 30 blocks of 16 tokens cannot hold mixed_batch(),
+# so requests are preempted, and some while their previous step is still in flight.
+UNDER_PRESSURE = dict(max_num_batched_tokens=48, num_kv_blocks=30, enable_prefix_caching=True)
+
+
+@functools.lru_cache(maxsize=1)
+def synchronous_reference() -> tuple[tuple, ...]:
+    """The synchronous engine's summaries of mixed_batch() under UNDER_PRESSURE: the reference of
+    this module and of tests/test_deferred_tokens.py, computed once per process (it is
+    deterministic: greedy or seeded requests only)."""
+    prompts, params = mixed_batch()
+    return tuple(run(False, prompts, params, **UNDER_PRESSURE)[0])
+
+
 def summary(output) -> tuple:
     completion = output.outputs[0]
     logprobs = None
@@ -79,11 +94,8 @@ def assert_same(got: tuple, want: tuple, what: str) -> None:
 
 def test_overlapped_tokens_equal_the_synchronous_engine_under_pressure():
     prompts, params = mixed_batch()
-    # A small token budget chunks the long prompts; 30 blocks of 16 tokens cannot hold the batch,
-    # so requests are preempted, and some while their previous step is still in flight.
-    engine_args = dict(max_num_batched_tokens=48, num_kv_blocks=30, enable_prefix_caching=True)
-    reference, _ = run(False, prompts, params, **engine_args)
-    overlapped, preemptions = run(True, prompts, params, **engine_args)
+    reference = synchronous_reference()
+    overlapped, preemptions = run(True, prompts, params, **UNDER_PRESSURE)
     assert preemptions > 0
     for index, (want, got) in enumerate(zip(reference, overlapped)):
         assert_same(got, want, f"request {index} differs with async_scheduling")
@@ -104,7 +116,9 @@ def test_overlapped_engine_process_and_stop_strings():
         stopped = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[s])
                                          for s in stops], use_tqdm=False)
         again = llm.generate(prompts, free, use_tqdm=False)
-    with LLM(async_scheduling=False) as llm:
+    # The reference is the synchronous engine; in this process, which gives the same tokens as
+    # its engine-core process without starting one.
+    with LLM(async_scheduling=False, multiprocess=False) as llm:
         reference = llm.generate(prompts, free, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in reference]
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in reference]

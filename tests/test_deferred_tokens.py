@@ -17,7 +17,7 @@ from sparrow import LLM, SamplingParams
 from sparrow.wire import CachedRequestData, NewRequestData, SchedulerOutput
 from sparrow.worker.deferred_tokens import PendingTokens
 from sparrow.worker.input_batch import CachedRequestState, InputBatch
-from tests.test_async_scheduling import assert_same, mixed_batch, summary
+from tests.test_async_scheduling import UNDER_PRESSURE, assert_same, mixed_batch, summary, synchronous_reference
 
 
 def runner_of(llm):
@@ -28,12 +28,10 @@ def runner_of(llm):
                          ids=["zero_copy", "copied_inputs", "host_path"])
 def test_fed_tokens_equal_the_synchronous_engine_on_every_path(separate_device, host_only, monkeypatch):
     prompts, params = mixed_batch()
-    engine_args = dict(max_num_batched_tokens=48, num_kv_blocks=30, enable_prefix_caching=True, multiprocess=False)
-    with LLM(async_scheduling=False, **engine_args) as llm:
-        reference = [summary(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+    reference = synchronous_reference()  # one synchronous run for the three paths (and test_async_scheduling)
     if host_only:  # every step after a deferred one settles its tokens first
         monkeypatch.setattr(PendingTokens, "continues_in", lambda self, so: False)
-    with LLM(async_scheduling=True, **engine_args) as llm:
+    with LLM(async_scheduling=True, multiprocess=False, **UNDER_PRESSURE) as llm:
         runner = runner_of(llm)
         runner.separate_device_buffers = separate_device  # the copying path of a GPU, on the CPU
         runner._input_buffers = None

@@ -8,6 +8,10 @@ The directory is an encoder checkpoint saved by `AutoModel` from a Qwen3 test mo
 `add_special_tokens` changes what is embedded. The server declares it Matryoshka
 (`--hf-overrides`), so that `dimensions` is served too. The generation endpoints on it, and this
 one on a generative model, are 400s saying which kind of model is served.
+
+vLLM's `/score` and `/rerank` on the same server (httpx: the openai client has no score API):
+each score HF's cosine similarity of the pair's pooled vectors, in both pairings, the rerank
+order and `top_n`, `usage` the HF tokenizer's count of the distinct texts.
 """
 
 from __future__ import annotations
@@ -261,6 +265,105 @@ def test_generation_endpoints_say_the_model_is_an_embedding_model(server, client
     assert tokens == tokenizer(TEXTS[0]).input_ids
 
 
+def hf_cosine(hidden, text_1: str, text_2: str) -> float:
+    """The score vLLM's bi-encoder scoring gives a pair: the cosine similarity of HF's pooled,
+    normalized vectors."""
+    return float(normalized(hidden(text_1)[-1]) @ normalized(hidden(text_2)[-1]))
+
+
+def post_to(server, path: str, body: dict, headers: dict | None = HEADERS) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=60)
+
+
+def test_score_is_hf_cosine_similarity_one_to_many_and_pair_by_pair(server, hf):
+    tokenizer, hidden = hf
+    query, documents = TEXTS[3], [TEXTS[1], TEXTS[0], TEXTS[3]]  # the query again: a score of 1
+    body = post_to(server, "/score", {"model": MODEL_NAME, "text_1": query, "text_2": documents}).json()
+    assert set(body) == {"id", "object", "created", "model", "data", "usage"}, body
+    assert body["id"].startswith("score-") and body["object"] == "list" and body["model"] == MODEL_NAME
+    assert [item["index"] for item in body["data"]] == [0, 1, 2]
+    assert all(set(item) == {"index", "object", "score"} and item["object"] == "score" for item in body["data"])
+    for item, document in zip(body["data"], documents):
+        assert abs(item["score"] - hf_cosine(hidden, query, document)) < ATOL, item
+    assert abs(body["data"][2]["score"] - 1.0) < ATOL
+    # Each distinct text embedded (and counted) once: the query is not embedded again per pair.
+    distinct_tokens = sum(len(tokenizer(text).input_ids) for text in {query, *documents})
+    assert body["usage"] == {"prompt_tokens": distinct_tokens, "total_tokens": distinct_tokens}
+
+    # N -> N under vLLM's other names, on /v1/score; one string against one string.
+    firsts, seconds = [TEXTS[0], TEXTS[2]], [TEXTS[3], TEXTS[0]]
+    pairwise = post_to(server, "/v1/score", {"queries": firsts, "documents": seconds}).json()
+    assert [item["index"] for item in pairwise["data"]] == [0, 1]
+    for item, first, second in zip(pairwise["data"], firsts, seconds):
+        assert abs(item["score"] - hf_cosine(hidden, first, second)) < ATOL, item
+    assert pairwise["usage"]["prompt_tokens"] == sum(len(tokenizer(text).input_ids) for text in {*firsts, *seconds})
+    single = post_to(server, "/score", {"data_1": TEXTS[0], "data_2": TEXTS[2], "truncate_prompt_tokens": 2}).json()
+    ids = [tokenizer(text).input_ids[-2:] for text in (TEXTS[0], TEXTS[2])]
+    expected = float(normalized(hidden(ids[0])[-1]) @ normalized(hidden(ids[1])[-1]))
+    assert len(single["data"]) == 1 and abs(single["data"][0]["score"] - expected) < ATOL, single
+    assert single["usage"]["prompt_tokens"] == sum(map(len, ids))
+
+
+def test_rerank_orders_documents_by_hf_cosine_similarity(server, hf):
+    tokenizer, hidden = hf
+    query = TEXTS[0]
+    documents = [TEXTS[1], TEXTS[3], TEXTS[2], TEXTS[0], TEXTS[3]]  # a duplicate: the same score, in order
+    expected = [hf_cosine(hidden, query, document) for document in documents]
+    order = sorted(range(len(documents)), key=lambda index: expected[index], reverse=True)
+    body = post_to(server, "/rerank", {"model": MODEL_NAME, "query": query, "documents": documents}).json()
+    assert set(body) == {"id", "model", "usage", "results"} and body["id"].startswith("rerank-"), body
+    assert [result["index"] for result in body["results"]] == order
+    for result in body["results"]:
+        assert set(result) == {"index", "document", "relevance_score"}, result
+        assert result["document"] == {"text": documents[result["index"]]}
+        assert abs(result["relevance_score"] - expected[result["index"]]) < ATOL, result
+    distinct_tokens = sum(len(tokenizer(text).input_ids) for text in {query, *documents})
+    assert body["usage"] == {"prompt_tokens": distinct_tokens, "total_tokens": distinct_tokens}
+    # top_n cuts the ranking; return_documents false leaves the texts out (Jina's and Cohere's paths too).
+    for path in ("/v1/rerank", "/v2/rerank"):
+        top = post_to(server, path, {"query": query, "documents": documents, "top_n": 2,
+                                     "return_documents": False}).json()
+        assert [result["index"] for result in top["results"]] == order[:2], top
+        assert all(set(result) == {"index", "relevance_score"} for result in top["results"]), top
+        assert top["usage"] == body["usage"]
+    assert len(post_to(server, "/rerank", {"query": query, "documents": documents[:2],
+                                           "top_n": 9}).json()["results"]) == 2
+
+
+@pytest.mark.parametrize(("path", "fields", "param", "phrase"), [
+    ("/score", {"text_2": ["a", "b", "c"]}, "text_2", "text_2 has 3 texts and text_1 2"),
+    ("/score", {"text_1": ["a", "b"], "text_2": "c"}, "text_2", "text_2 has 1 text and text_1 2"),
+    ("/score", {"text_2": None}, "text_2", "text_2: missing"),
+    ("/score", {"text_2": None, "documents": "b"}, "documents", "documents: does not go with text_1"),
+    ("/score", {"text_1": []}, "text_1", "text_1 is empty"),
+    ("/score", {"text_2": ["b", ""]}, "text_2", "text_2[1] is an empty string"),
+    ("/score", {"text_2": [1]}, "text_2", "valid string"),
+    ("/score", {"text_2": ["c", "word " * 600]}, "text_2", "this model embeds at most 512"),
+    ("/score", {"use_activation": True}, "use_activation", "unknown field"),
+    ("/score", {"mm_processor_kwargs": {}}, "mm_processor_kwargs", "not supported yet"),
+    ("/v1/score", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "truncate_prompt_tokens"),
+    ("/rerank", {"documents": []}, "documents", "documents is empty"),
+    ("/rerank", {"query": ""}, "query", "query is an empty string"),
+    ("/rerank", {"query": ["a"]}, "query", "valid string"),
+    ("/rerank", {"top_n": -1}, "top_n", "greater than or equal to 0"),
+    ("/v1/rerank", {"bogus": 1}, "bogus", "unknown field"),
+    ("/v2/rerank", {"priority": 1}, "priority", "scheduler"),
+])
+def test_score_and_rerank_refusals_are_400s_naming_the_field(server, path, fields, param, phrase):
+    base = {"text_1": ["a", "b"], "text_2": ["c", "d"]} if "score" in path else {"query": "a", "documents": ["b"]}
+    response = post_to(server, path, {"model": MODEL_NAME, **base, **fields})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "BadRequestError" and error["param"] == param, error
+    assert phrase in error["message"], error
+
+
+def test_score_and_rerank_outside_v1_need_the_api_key(server):
+    for path, body in (("/score", {"text_1": "a", "text_2": "b"}), ("/rerank", {"query": "a", "documents": ["b"]}),
+                       ("/v2/rerank", {"query": "a", "documents": ["b"]})):
+        assert post_to(server, path, body, headers=None).status_code == 401, path
+
+
 def test_a_generative_model_answers_embeddings_with_a_400():
     """The app over an engine without a pooler (a generative one; stubbed: the check reads only
     the input processor's ``pooling``)."""
@@ -274,12 +377,16 @@ def test_a_generative_model_answers_embeddings_with_a_400():
         input_processor=types.SimpleNamespace(pooling=None, max_logprobs=20))
     app = build_app(engine)  # type: ignore[arg-type]
 
-    async def call() -> httpx.Response:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
-            return await http.post("/v1/embeddings", json={"model": "generative", "input": "hi"})
+    calls = {"/v1/embeddings": {"input": "hi"}, "/score": {"text_1": "a", "text_2": "b"},
+             "/v1/score": {"queries": "a", "documents": ["b"]}, "/rerank": {"query": "a", "documents": ["b"]},
+             "/v1/rerank": {"query": "a", "documents": ["b"]}, "/v2/rerank": {"query": "a", "documents": ["b"]}}
 
-    response = asyncio.run(call())
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == "model" and "is not an embedding model" in error["message"], error
-    assert "--runner pooling" in error["message"], error
+    async def call() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            return [await http.post(path, json={"model": "generative", **body}) for path, body in calls.items()]
+
+    for path, response in zip(calls, asyncio.run(call())):
+        assert response.status_code == 400, (path, response.text)
+        error = response.json()["error"]
+        assert error["param"] == "model" and "is not an embedding model" in error["message"], error
+        assert "--runner pooling" in error["message"], error

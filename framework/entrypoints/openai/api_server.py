@@ -16,6 +16,9 @@
     GET  /v1/responses/{id}/input_items  its input items, paginated
     POST /v1/embeddings        one vector per input, from a pooling model (--runner pooling); the
                                generation endpoints are 400s on such a model, this one on the others
+    POST /score, /v1/score     vLLM's: the cosine similarity of text pairs' vectors, from a pooling model
+    POST /rerank, /v1/rerank, /v2/rerank  vLLM's (Jina's and Cohere's shape): documents ranked by
+                               that similarity to a query
     POST /tokenize             text or chat messages -> token ids, as the endpoints above tokenize them
     POST /detokenize           token ids -> text
     GET  /tokenizer_info       the tokenizer's configuration (special tokens, chat template, ...)
@@ -89,6 +92,7 @@ from sparrow.entrypoints.openai.serving_models import (
     runtime_lora_updating,
 )
 from sparrow.entrypoints.openai.serving_responses import OpenAIServingResponses
+from sparrow.entrypoints.openai.serving_score import OpenAIServingScore, add_score_routes
 from sparrow.entrypoints.openai.serving_tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -177,9 +181,10 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
                                        chat_template_content_format=content_format,
                                        tool_parser_cls=chat.tool_parser_cls, enable_auto_tools=chat.enable_auto_tools)
     embeddings = OpenAIServingEmbedding(engine, model_names)
+    scores = OpenAIServingScore(engine, model_names)
     lora_modules = lora_modules_from_args(engine, args)
     request_logger = request_logger_from_args(args)
-    for handler in (completions, chat, tokenization, responses, embeddings):
+    for handler in (completions, chat, tokenization, responses, embeddings, scores):
         handler.lora_modules = lora_modules
         handler.request_logger = request_logger
         handler.return_tokens_as_token_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
@@ -223,6 +228,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERROR_RESPONSES)
     async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
         return await embeddings.create_embedding(request, raw_request)
+
+    add_score_routes(app, scores, api_key, _ERROR_RESPONSES)
 
     # Query values are taken as text and checked by the handler, so that a bad one is a 400 naming
     # it; include also as the openai client sends a list (include[]=...).

@@ -72,7 +72,8 @@ def bind_listeners(host: str, port: int) -> list[socket.socket]:
 
 
 # The endpoints whose requests --enable-server-load-tracking counts (vLLM's: those that run the model).
-_LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"})
+_LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings",
+                         "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"})
 
 
 class RequestTracker:

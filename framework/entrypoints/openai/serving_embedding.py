@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 import time
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from fastapi import Request
@@ -59,50 +59,55 @@ def embedding_inputs(request: EmbeddingRequest) -> list[tuple[str, str | list[in
 
 
 def tokenize_inputs(input_processor: Any, request: EmbeddingRequest) -> list[dict[str, Any]]:
-    """Every input as an engine prompt, ``{"prompt": text, "prompt_token_ids": [...]}`` (no text
-    for token inputs or cut ones), each checked: not empty, inside the vocabulary, and short
-    enough for the model once cut to ``truncate_prompt_tokens``. Blocking: the endpoint runs it
-    on the engine's input thread."""
+    """Every input as an engine prompt (``tokenize_one``). Blocking: the endpoint runs it on the
+    engine's input thread."""
     check_unicode(request)
+    return [tokenize_one(input_processor, label, item, field="input", add_special_tokens=request.add_special_tokens,
+                         truncate_prompt_tokens=request.truncate_prompt_tokens)
+            for label, item in embedding_inputs(request)]
+
+
+def tokenize_one(input_processor: Any, label: str, item: str | list[int], *, field: str, add_special_tokens: bool,
+                 truncate_prompt_tokens: int | None) -> dict[str, Any]:
+    """One input as an engine prompt, ``{"prompt": text, "prompt_token_ids": [...]}`` (no text for
+    token inputs or cut ones), checked: not empty, inside the vocabulary, and short enough for the
+    model once cut to ``truncate_prompt_tokens``. ``label`` names the input in messages
+    (``input[2]``), ``field`` is the request field a refusal names."""
     max_len = input_processor.max_model_len
-    prompts = []
-    for label, item in embedding_inputs(request):
-        text = None
-        if isinstance(item, str):
-            if not item:
-                raise RequestFieldError(f"{label} is an empty string; every input needs some text", "input")
-            if input_processor.tokenizer is None:
-                raise RequestFieldError(f"{label}: text inputs need the model's tokenizer, and this server has none "
-                                        "(skip_tokenizer_init); send token ids", "input")
-            text = item
-            item = input_processor.tokenize(item, add_special_tokens=request.add_special_tokens, field=label)
-            if not item:
-                raise RequestFieldError(f"{label} tokenizes to no tokens (add_special_tokens="
-                                        f"{str(request.add_special_tokens).lower()}); every input needs at least one",
-                                        "input")
-        elif not item:
-            raise RequestFieldError(f"{label} is an empty list of token ids; every input needs at least one", "input")
-        else:
-            check_vocabulary(label, item, input_processor.vocab_size)
-        token_ids = input_processor.truncate(item, request.truncate_prompt_tokens, max_len)
-        if len(token_ids) > max_len:
-            # The engine's limit, in this endpoint's words.
-            raise RequestFieldError(f"{label} is {len(token_ids)} tokens long; this model embeds at most "
-                                    f"{max_len} tokens per input (max_model_len); shorten it or set "
-                                    "truncate_prompt_tokens", "input")
-        prompts.append({"prompt_token_ids": token_ids} if text is None or len(token_ids) < len(item)
-                       else {"prompt": text, "prompt_token_ids": token_ids})
-    return prompts
+    text = None
+    if isinstance(item, str):
+        if not item:
+            raise RequestFieldError(f"{label} is an empty string; every input needs some text", field)
+        if input_processor.tokenizer is None:
+            raise RequestFieldError(f"{label}: text inputs need the model's tokenizer, and this server has none "
+                                    "(skip_tokenizer_init); send token ids", field)
+        text = item
+        item = input_processor.tokenize(item, add_special_tokens=add_special_tokens, field=label)
+        if not item:
+            raise RequestFieldError(f"{label} tokenizes to no tokens (add_special_tokens="
+                                    f"{str(add_special_tokens).lower()}); every input needs at least one", field)
+    elif not item:
+        raise RequestFieldError(f"{label} is an empty list of token ids; every input needs at least one", field)
+    else:
+        check_vocabulary(label, item, input_processor.vocab_size, field)
+    token_ids = input_processor.truncate(item, truncate_prompt_tokens, max_len)
+    if len(token_ids) > max_len:
+        # The engine's limit, in this endpoint's words.
+        raise RequestFieldError(f"{label} is {len(token_ids)} tokens long; this model embeds at most "
+                                f"{max_len} tokens per input (max_model_len); shorten it or set "
+                                "truncate_prompt_tokens", field)
+    return ({"prompt_token_ids": token_ids} if text is None or len(token_ids) < len(item)
+            else {"prompt": text, "prompt_token_ids": token_ids})
 
 
-def check_vocabulary(label: str, token_ids: list[int], vocab_size: int) -> None:
+def check_vocabulary(label: str, token_ids: list[int], vocab_size: int, field: str = "input") -> None:
     """A 400 naming the first token id the model has no embedding for (the engine would refuse
     it too, naming a prompt of a request id the client never saw)."""
     if max(token_ids) < vocab_size:  # ids are >= 0 (the request model)
         return
     position = next(index for index, token_id in enumerate(token_ids) if token_id >= vocab_size)
     raise RequestFieldError(f"{label}[{position}]: token id {token_ids[position]} is outside the model's vocabulary "
-                            f"[0, {vocab_size})", "input")
+                            f"[0, {vocab_size})", field)
 
 
 def encode_vector(vector: Any, encoding_format: str) -> list[float] | str:
@@ -117,38 +122,63 @@ def encode_vector(vector: Any, encoding_format: str) -> list[float] | str:
 class OpenAIServingEmbedding(OpenAIServing):
     request_id_prefix = "embd"
 
-    def check_pooling(self, model: str) -> None:
+    def check_pooling(self, model: str, endpoint: str = "/v1/embeddings") -> None:
         """A generative engine has no vectors to give: a 400 saying how to serve an embedding model."""
         if self.engine.input_processor.pooling is None:
             raise APIError(400, f"the model {model!r} is not an embedding model: this server runs it for text "
-                           "generation, and /v1/embeddings needs a pooling model; start one with `sparrow serve "
+                           f"generation, and {endpoint} needs a pooling model; start one with `sparrow serve "
                            "MODEL --runner pooling` (a checkpoint saved without its LM head, such as architecture "
                            "Qwen3Model, is served as one by default)", "BadRequestError", param="model",
                            code="unsupported")
 
-    async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> Response:
+    def check_request(self, request: Any, endpoint: str = "/v1/embeddings") -> str:
+        """The served model a pooling request names, once it is one this server embeds with and the
+        request has no field it cannot honour."""
         model = self.check_model(request.model)
-        self.check_pooling(model)
+        self.check_pooling(model, endpoint)
         try:
             check_fields(request)
         except RequestFieldError as exc:
             raise field_error(exc) from None
-        request_id = self.new_request_id()
+        return model
+
+    def pooling_params(self, request_id: str, **fields: Any) -> PoolingParams:
+        """The model's pooling with the request's ``fields`` (PoolingParams keywords), checked
+        against the model (``dimensions``) before any tokenizing."""
         try:
-            params = PoolingParams(dimensions=request.dimensions, normalize=request.normalize)
-            # Checked against the model (dimensions) before any tokenizing.
-            params = self.engine.input_processor.pooling.resolve(request_id, params)
+            return self.engine.input_processor.pooling.resolve(request_id, PoolingParams(**fields))
         except InvalidArgumentError as exc:
             raise bad_request(exc) from None
+
+    async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> Response:
+        model = self.check_request(request)
+        request_id = self.new_request_id()
+        params = self.pooling_params(request_id, dimensions=request.dimensions, normalize=request.normalize)
         prompts = await self.off_loop(tokenize_inputs, self.engine.input_processor, request, default_param="input")
-        streams = await self._submit(request_id, prompts, params, request)
-        finals = await cancel_on_disconnect(raw_request, collect_finals(streams, _in_input_words))
+        finals = await self.embed(request_id, prompts, params, request, raw_request, _in_input_words)
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         return JSONResponse(self._response(request_id, model, finals, request.encoding_format))
 
-    async def _submit(self, request_id: str, prompts: list[dict[str, Any]], params: PoolingParams,
-                      request: EmbeddingRequest) -> list[AsyncGenerator[Any, None]]:
+    async def embed(self, request_id: str, prompts: list[dict[str, Any]], params: PoolingParams, request: Any,
+                    raw_request: Request, rejected: Callable[[ValueError], APIError],
+                    labels: list[str] | None = None) -> list[PoolingRequestOutput] | None:
+        """Every prompt's pooled output, in order (None: the client went away, and the prompts not
+        yet pooled were aborted). ``request`` gives ``model`` (the LoRA adapter) and ``priority``;
+        ``rejected`` turns an engine-side refusal into the request's words; ``labels`` name the
+        prompts in messages (by default ``input i``)."""
+        streams = await self._submit(request_id, prompts, params, request, rejected)
+        finals = await cancel_on_disconnect(raw_request, collect_finals(streams, rejected))
+        if finals is not None:
+            for index, final in enumerate(finals):
+                if final.outputs.data is None:  # ended before its vector was computed (the server is stopping)
+                    label = labels[index] if labels is not None else f"input {index}"
+                    raise APIError(503, f"{label} was aborted before its embedding was computed",
+                                   "ServiceUnavailableError", code="aborted")
+        return finals
+
+    async def _submit(self, request_id: str, prompts: list[dict[str, Any]], params: PoolingParams, request: Any,
+                      rejected: Callable[[ValueError], APIError]) -> list[AsyncGenerator[Any, None]]:
         """One engine request per input, each validated as it is submitted; a refused one aborts
         those submitted before it."""
         engine = self.engine
@@ -165,7 +195,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                 streams.append(engine.stream_outputs(sub_id, collector))
         except ValueError as exc:
             await engine.abort(submitted)
-            raise _in_input_words(exc) from None
+            raise rejected(exc) from None
         except EngineDeadError as exc:
             await engine.abort(submitted)
             raise engine_dead(exc) from None
@@ -176,23 +206,23 @@ class OpenAIServingEmbedding(OpenAIServing):
                   encoding_format: str) -> dict[str, Any]:
         """The EmbeddingResponse as a plain dict: a response can hold millions of numbers, which
         pydantic would validate one by one only to dump them again."""
-        data = []
-        prompt_tokens = 0
-        for index, final in enumerate(finals):
-            vector = final.outputs.data
-            if vector is None:  # ended before its vector was computed (the server is stopping)
-                raise APIError(503, f"input {index} was aborted before its embedding was computed",
-                               "ServiceUnavailableError", code="aborted")
-            data.append({"object": "embedding", "embedding": encode_vector(vector, encoding_format), "index": index})
-            prompt_tokens += len(final.prompt_token_ids)
+        data = [{"object": "embedding", "embedding": encode_vector(final.outputs.data, encoding_format),
+                 "index": index} for index, final in enumerate(finals)]
+        prompt_tokens = sum(len(final.prompt_token_ids) for final in finals)
         return {"id": request_id, "object": "list", "created": int(time.time()), "model": model, "data": data,
                 "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
-def _in_input_words(exc: ValueError) -> APIError:
-    """An engine-side refusal as a 400; one naming the prompt names ``input``, the field that
-    carried it here."""
-    error = bad_request(exc, default_param="input")
-    if error.param in _PROMPT_FIELDS:
-        error.param = "input"
-    return error
+def in_field_words(field: str) -> Callable[[ValueError], APIError]:
+    """An engine-side refusal as a 400; one naming the prompt names ``field``, the request field
+    that carried it here."""
+    def rejected(exc: ValueError) -> APIError:
+        error = bad_request(exc, default_param=field)
+        if error.param in _PROMPT_FIELDS:
+            error.param = field
+        return error
+
+    return rejected
+
+
+_in_input_words = in_field_words("input")

@@ -229,7 +229,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
         return await embeddings.create_embedding(request, raw_request)
 
-    add_score_routes(app, scores, api_key, _ERROR_RESPONSES)
+    add_score_routes(app, scores, _ERROR_RESPONSES)
 
     # Query values are taken as text and checked by the handler, so that a bad one is a 400 naming
     # it; include also as the openai client sends a list (include[]=...).

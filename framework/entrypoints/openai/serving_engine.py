@@ -157,8 +157,8 @@ class OpenAIServing:
         client sent)."""
         if self.engine.input_processor.pooling is not None:
             raise APIError(400, f"the model {model!r} is an embedding model (this server runs it as a pooling "
-                           f"model): it answers POST /v1/embeddings, not {endpoint}; serve a generative model to "
-                           "generate text", "BadRequestError", param="model", code="unsupported")
+                           f"model): it answers /v1/embeddings, /v1/score and /v1/rerank, not {endpoint}; serve a "
+                           "generative model to generate text", "BadRequestError", param="model", code="unsupported")
 
     def lora_request_of(self, model: str | None) -> Any:
         """The LoRARequest a request's ``model`` names, or None for the base model."""

@@ -13,12 +13,11 @@ and a padding token between them, for every pair).
 
 from __future__ import annotations
 
-import secrets
 import time
 import uuid
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from sparrow.entrypoints.openai.protocol_score import (
@@ -30,7 +29,7 @@ from sparrow.entrypoints.openai.protocol_score import (
 )
 from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_unicode
 from sparrow.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, in_field_words, tokenize_one
-from sparrow.entrypoints.openai.serving_engine import APIError, field_error
+from sparrow.entrypoints.openai.serving_engine import field_error
 
 # (label, field, text): a distinct text of a request, named as the client first wrote it.
 Text = tuple[str, str, str]
@@ -146,11 +145,11 @@ class OpenAIServingScore(OpenAIServingEmbedding):
         return scores, sum(len(final.prompt_token_ids) for final in finals)
 
 
-def add_score_routes(app: FastAPI, scores: OpenAIServingScore, api_key: str | None,
+def add_score_routes(app: FastAPI, scores: OpenAIServingScore,
                      error_responses: dict[int | str, dict[str, Any]]) -> None:
     """vLLM's paths for both endpoints. The schema lists each endpoint once, under /v1; the other
-    paths, the same handlers, need the API key too (``api_key_check``)."""
-    alias: dict[str, Any] = {"include_in_schema": False, "dependencies": [Depends(api_key_check(api_key))]}
+    paths are the same handlers (the API key guards them too: http_guards._GUARDED_PATHS)."""
+    alias: dict[str, Any] = {"include_in_schema": False}
 
     @app.post("/v1/score", response_model=ScoreResponse, responses=error_responses)
     @app.post("/score", **alias)
@@ -163,16 +162,3 @@ def add_score_routes(app: FastAPI, scores: OpenAIServingScore, api_key: str | No
     async def create_rerank(request: RerankRequest, raw_request: Request) -> Response:
         return await scores.create_rerank(request, raw_request)
 
-
-def api_key_check(api_key: str | None) -> Any:
-    """A route dependency: with ``--api-key``, a 401 for a request without the key.
-    (RequestLimitsMiddleware checks it only on /v1/* and the tokenizer endpoints.)"""
-    async def check(raw_request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = raw_request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           "AuthenticationError", code="invalid_api_key")
-
-    return check

@@ -23,6 +23,17 @@ if "HF_MODULES_CACHE" not in os.environ:
 # Set in os.environ so that engine processes, `sparrow` subprocesses and docs examples inherit it;
 # tests that depend on the cache size set kv_cache_memory_bytes or num_kv_blocks themselves.
 os.environ.setdefault("SPARROW_CPU_KVCACHE_SPACE", "0.25")
+# The engine's OpenMP wait policy (sparrow_cpu.threads: spin 5,000 times, then sleep) for the test
+# processes too: it must be set before anything loads torch, and this is the only place that runs
+# that early. Without it an in-process engine (multiprocess=False, the layer and kernel tests) keeps
+# libgomp's default of spinning ~3 ms at every barrier, and beside the other xdist worker on a
+# 2-core machine every parallel region waits for a time slice: tests/test_spec_draft.py took 80 s
+# instead of 21 s beside one busy process. configure_openmp leaves a user's own setting alone, as
+# the engine does; engine processes inherit the values they would set themselves, and
+# tests/test_cpu_threads.py clears them to check the engine's defaults.
+from sparrow_cpu import threads as _cpu_threads  # noqa: E402 - torch-free
+
+_cpu_threads.configure_openmp()
 
 
 def _cuda_available() -> bool:

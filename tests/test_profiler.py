@@ -65,14 +65,29 @@ def test_every_tensor_parallel_rank_profiles(qwen3_dir, monkeypatch):
 
 
 def test_server_profile_routes_exist_only_with_the_directory(qwen3_dir, tmp_path, monkeypatch):
+    import asyncio
+    import types
+
+    from sparrow.entrypoints.openai.api_server import build_app
     from tests.test_server_lifecycle import MODEL_NAME, ServerProcess
 
+    # Without the directory the app has no profile routes (build_app decides; its engine is a stub
+    # here, the far side of a route table, so that only the profiled server below starts a model).
+
     monkeypatch.delenv("SPARROW_TORCH_PROFILER_DIR", raising=False)
-    server = ServerProcess(qwen3_dir, tmp_path / "plain.log")
-    try:
-        assert httpx.post(server.url + "/start_profile", timeout=30).status_code == 404
-    finally:
-        server.stop()
+    model_config = types.SimpleNamespace(generation_config="auto", override_generation_config={},
+                                         reasoning_parser=None, max_model_len=256)
+    engine = types.SimpleNamespace(
+        served_model_name=MODEL_NAME, default_sampling_params={}, model_config=model_config, tokenizer=None,
+        config=types.SimpleNamespace(lora=types.SimpleNamespace(enable_lora=False)),
+        input_processor=types.SimpleNamespace(pooling=None, max_logprobs=20))
+    app = build_app(engine)  # type: ignore[arg-type]
+
+    async def post(path: str) -> int:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+            return (await http.post(path)).status_code
+
+    assert asyncio.run(post("/start_profile")) == 404 and asyncio.run(post("/stop_profile")) == 404
     monkeypatch.setenv("SPARROW_TORCH_PROFILER_DIR", str(tmp_path / "server-traces"))
     server = ServerProcess(qwen3_dir, tmp_path / "profiled.log")
     try:

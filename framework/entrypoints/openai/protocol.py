@@ -14,7 +14,18 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
+from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer
+
+# The base models, error bodies and model cards live in protocol_base (re-exported: the endpoints
+# import them from here).
+from sparrow.entrypoints.openai.protocol_base import (  # noqa: F401
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    OpenAIBaseModel,
+    RequestModel,
+)
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -23,45 +34,6 @@ MAX_N = 128  # samples per prompt; each is a sequence in the engine
 
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
-
-
-class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False, protected_namespaces=())
-
-
-class RequestModel(OpenAIBaseModel):
-    """A request body or a part of one: no coercion between JSON types (``"4"`` is not 4, ``true``
-    is not 1), so that a client's mistake is a 400 naming the field rather than a guess."""
-
-    model_config = ConfigDict(strict=True)
-
-
-# -- errors -----------------------------------------------------------------------------------
-class ErrorInfo(OpenAIBaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(OpenAIBaseModel):
-    error: ErrorInfo
-
-
-# -- models -----------------------------------------------------------------------------------
-class ModelCard(OpenAIBaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "sparrow"
-    root: str | None = None
-    parent: str | None = None  # a LoRA adapter's base model
-    max_model_len: int | None = None
-
-
-class ModelList(OpenAIBaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard] = Field(default_factory=list)
 
 
 # -- shared -----------------------------------------------------------------------------------

@@ -36,8 +36,9 @@ What is checked:
     budgets                chunked prefill off needs max_num_batched_tokens >= max_model_len (a
                            longer prompt could never be scheduled); max_model_len >= 2
     async_scheduling       no speculative decoding, KV connector or pooling model
-    runner="pooling"       a pooler prefix caching can serve (LAST), and nothing that generates
-                           (speculative decoding, LoRA, a reasoning parser, a KV connector)
+    runner="pooling"       a platform that pools, a pooler prefix caching can serve (LAST), and
+                           nothing that generates (speculative decoding, a reasoning parser, a
+                           KV connector)
     worker_extension_cls   imports, is a class, and replaces nothing of the platform's worker
     parallel               the model's heads and MLP split evenly over tensor_parallel_size;
                            data_parallel_rank < data_parallel_size

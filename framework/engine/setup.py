@@ -20,7 +20,7 @@ from sparrow.engine.preflight import (
 )
 from sparrow.hub_cache import resolve_hub_id  # spec_decode.config imports it from here
 from sparrow.plugins import get_registry
-from sparrow.pooling import PREFIX_CACHE_SAFE
+from sparrow.pooling import PREFIX_CACHE_SAFE, PoolingConfigError, resolve_pooler_config, resolve_runner
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +74,6 @@ def _check_max_model_len(max_model_len: int, model_max: int) -> None:
 def _pooling_settings(model: Any, hf_config: Any, model_path: str) -> dict[str, Any]:
     """The runner resolved ("generate" or "pooling"; vLLM's task and convert folded into it) and a
     pooling model's whole pooler_config (sparrow.pooling)."""
-    from sparrow.pooling import PoolingConfigError, resolve_pooler_config, resolve_runner
-
     try:
         runner = resolve_runner(model.runner, model.task, model.convert, hf_config)
         given = model.pooler_config

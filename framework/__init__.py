@@ -28,6 +28,8 @@ _EXPORTS: dict[str, str | tuple[str, str]] = {
     "PoolingRequestOutput": "sparrow.outputs",
     "EmbeddingOutput": "sparrow.outputs",
     "EmbeddingRequestOutput": "sparrow.outputs",
+    "ClassificationOutput": "sparrow.outputs",
+    "ClassificationRequestOutput": "sparrow.outputs",
     "ScoringOutput": "sparrow.outputs",
     "ScoringRequestOutput": "sparrow.outputs",
     "PromptType": "sparrow.inputs",

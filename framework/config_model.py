@@ -33,12 +33,14 @@ class ModelConfig(_Section):
     tokenizer_revision: str | None = Field(None, description="The revision of a Hub id tokenizer (default: main).")
     download_dir: str | None = Field(None, description="The Hugging Face cache a Hub id is read from; Sparrow never "
                                      "downloads into it (default: HF_HUB_CACHE).")
-    runner: str = Field("auto", description="vLLM's model runner kind: generate (text), pooling (one embedding "
-                        "vector per prompt: LLM.embed, /v1/embeddings) or auto (pooling for an encoder architecture "
-                        "such as Qwen3Model, else generate).")
-    task: str = Field("auto", description="vLLM's older name for runner: auto, generate, or embed (runner pooling).")
-    convert: str = Field("auto", description="vLLM's model conversion: auto, none, or embed (run a *ForCausalLM "
-                         "checkpoint such as Qwen3-Embedding as an embedding model; implies runner pooling).")
+    runner: str = Field("auto", description="vLLM's model runner kind: generate (text), pooling (one vector per "
+                        "prompt: LLM.embed, /v1/embeddings, LLM.classify, /classify) or auto (pooling for an encoder "
+                        "architecture such as Qwen3Model or a *ForSequenceClassification one, else generate).")
+    task: str = Field("auto", description="vLLM's older name for runner: auto, generate, embed, or classify / score "
+                      "(runner pooling with the checkpoint's classification head).")
+    convert: str = Field("auto", description="vLLM's model conversion: auto, none, embed (run a *ForCausalLM "
+                         "checkpoint such as Qwen3-Embedding as an embedding model; implies runner pooling) or "
+                         "classify (a *ForSequenceClassification checkpoint's score head; the default for one).")
     pooler_config: dict[str, Any] | None = Field(
         None, description="A pooling model's pooler, e.g. '{\"pooling_type\": \"MEAN\", \"normalize\": true}': "
         "pooling_type LAST, MEAN or CLS, normalize (L2) true or false (default: the directory's "
@@ -161,11 +163,12 @@ class ModelConfig(_Section):
     @field_validator("runner", "task", "convert")
     @classmethod
     def _model_kinds(cls, value: str, info: Any) -> str:
-        allowed = {"runner": ("auto", "generate", "pooling"), "task": ("auto", "generate", "embed"),
-                   "convert": ("auto", "none", "embed")}[info.field_name]
+        allowed = {"runner": ("auto", "generate", "pooling"), "task": ("auto", "generate", "embed", "classify",
+                                                                         "score"),
+                   "convert": ("auto", "none", "embed", "classify")}[info.field_name]
         if value not in allowed:
-            raise ValueError(f"must be one of {', '.join(allowed)} (Sparrow's pooling models embed: classification, "
-                             "scoring and reward models are not supported)")
+            raise ValueError(f"must be one of {', '.join(allowed)} (Sparrow's pooling models embed or classify: "
+                             "reward models are not supported)")
         return value
 
     @field_validator("pooler_config", "override_pooler_config")

@@ -138,7 +138,7 @@ class SafetensorsLoader(ModelLoader):
         weights = iter_safetensors(model_dir, tp)
         pooling = self.config is not None and self.config.model.runner == "pooling"
         if pooling:
-            weights = causal_lm_names(weights)
+            weights = causal_lm_names(weights, classify=self.config.model.convert == "classify")
         loaded = model.load_weights(weights)  # type: ignore[operator]
         if pooling and isinstance(loaded, set):
             loaded.add("lm_head.weight")  # an embedding checkpoint has no LM head, and pooling reads none
@@ -147,14 +147,32 @@ class SafetensorsLoader(ModelLoader):
             check_loaded(loaded)
 
 
-def causal_lm_names(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """An embedding checkpoint's tensors under their ``*ForCausalLM`` names: an encoder saved by
+def causal_lm_names(weights: Iterator[tuple[str, Any]], classify: bool = False) -> Iterator[tuple[str, Any]]:
+    """A pooling checkpoint's tensors under their ``*ForCausalLM`` names: an encoder saved by
     ``AutoModel`` (or Qwen3-Embedding) names them without the ``model.`` prefix, and its LM head,
-    if any, is never read by a pooling model."""
+    if any, is never read by a pooling model. A classifier's ``score`` layer is kept when the
+    model classifies (``classify``), and dropped when it embeds."""
     for name, tensor in weights:
         if name.startswith("lm_head."):
             continue
+        if name.startswith("score."):
+            if classify:
+                yield name, tensor
+            continue
         yield (name if name.startswith("model.") else f"model.{name}"), tensor
+
+
+def add_classifier_head(model: torch.nn.Module, hf_config: Any, dtype: torch.dtype, device: torch.device) -> None:
+    """Give ``model`` the ``score`` layer of a sequence classifier (``convert="classify"``), as
+    transformers builds it: ``Linear(hidden_size, num_labels, bias=False)``, replicated on every
+    tensor-parallel rank (the pooled hidden state is whole on each). A model class that brings
+    its own ``score`` module keeps it."""
+    from sparrow.pooling import num_labels
+
+    if isinstance(getattr(model, "score", None), torch.nn.Module):
+        return
+    model.score = torch.nn.Linear(int(hf_config.hidden_size), num_labels(hf_config), bias=False, dtype=dtype,
+                                  device=device)
 
 
 class DummyLoader(ModelLoader):
@@ -231,6 +249,8 @@ def load_model(
     method = get_quantization_method(config, hf_config) if config is not None else None
     with torch.no_grad(), quantization_scope(method):
         model = model_cls(hf_config, attn_backend_cls, dtype, torch.device(device), tp)
+        if config is not None and config.model.runner == "pooling" and config.model.convert == "classify":
+            add_classifier_head(model, hf_config, dtype, torch.device(device))
         loader.load_weights(model, model_dir, tp)
     return model.eval()
 

@@ -198,13 +198,7 @@ class EmbeddingOutput:
 
     @staticmethod
     def from_base(pooling_output: PoolingOutput) -> EmbeddingOutput:
-        data = pooling_output.data
-        if data is None:
-            raise ValueError("the request finished without a vector: it was aborted, or the platform's workers do "
-                             "not pool (a platform plugin without pooling support)")
-        if getattr(data, "ndim", 1) != 1:
-            raise ValueError(f"an embedding is one vector; got data of shape {tuple(data.shape)}")
-        return EmbeddingOutput(data.tolist())
+        return EmbeddingOutput(_pooled_vector(pooling_output, "an embedding").tolist())
 
     @property
     def hidden_size(self) -> int:
@@ -229,9 +223,55 @@ class EmbeddingRequestOutput:
                                       request_output.num_cached_tokens, request_output.prompt)
 
 
+def _pooled_vector(pooling_output: PoolingOutput, what: str) -> Any:
+    data = pooling_output.data
+    if data is None:
+        raise ValueError("the request finished without a vector: it was aborted, or the platform's workers do "
+                         "not pool (a platform plugin without pooling support)")
+    if getattr(data, "ndim", 1) != 1:
+        raise ValueError(f"{what} is one vector; got data of shape {tuple(data.shape)}")
+    return data
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """A classifier's outputs for one prompt, one per label (``LLM.classify``): probabilities
+    after its activation (softmax, or sigmoid for one label), or logits with ``use_activation=False``."""
+
+    probs: list[float]
+
+    @staticmethod
+    def from_base(pooling_output: PoolingOutput) -> ClassificationOutput:
+        return ClassificationOutput(_pooled_vector(pooling_output, "a classification").tolist())
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """vLLM's output of ``LLM.classify``: ``outputs.probs`` for one prompt."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+
+    @staticmethod
+    def from_base(request_output: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return ClassificationRequestOutput(
+            request_output.request_id, ClassificationOutput.from_base(request_output.outputs),
+            request_output.prompt_token_ids, request_output.finished, request_output.num_cached_tokens,
+            request_output.prompt)
+
+
 @dataclass(slots=True)
 class ScoringOutput:
-    """The score of one pair of texts (an embedding model's: the cosine similarity of their vectors)."""
+    """The score of one pair of texts: an embedding model's cosine similarity of their vectors,
+    or a cross-encoder's output for both texts read together."""
 
     score: float
 

@@ -1,11 +1,15 @@
-"""Pooling (embedding) models: which runner a model gets, and how its pooler is configured.
+"""Pooling models: which runner a model gets, which head it pools into, and how its pooler is configured.
 
-An engine runs ``runner="generate"`` (text) or ``runner="pooling"`` (one vector per prompt,
-vLLM's embedding models). ``auto`` picks pooling for a checkpoint whose architecture is a bare
-encoder (``Qwen3Model``, ``*EmbeddingModel``, ``*ForTextEncoding``, as ``AutoModel`` saves it)
-and generate for ``*ForCausalLM``; ``runner="pooling"`` (or vLLM's ``convert="embed"``, or the
-older ``task="embed"``) runs a ``*ForCausalLM`` checkpoint such as Qwen3-Embedding as an
-embedding model, its LM head unused.
+An engine runs ``runner="generate"`` (text) or ``runner="pooling"`` (one vector per prompt).
+``auto`` picks pooling for a checkpoint whose architecture is a bare encoder (``Qwen3Model``,
+``*EmbeddingModel``, ``*ForTextEncoding``, as ``AutoModel`` saves it) or a sequence classifier
+(``*ForSequenceClassification``), and generate for ``*ForCausalLM``; ``runner="pooling"`` (or
+vLLM's ``convert="embed"``, or the older ``task="embed"``) runs a ``*ForCausalLM`` checkpoint such
+as Qwen3-Embedding as an embedding model, its LM head unused.
+
+A pooling engine's head (finalized as ``convert``): ``embed`` (the pooled hidden state is the
+vector) or ``classify`` (the checkpoint's ``score`` layer maps it to ``num_labels`` logits:
+``LLM.classify``, and cross-encoder ``LLM.score`` / rerank when ``num_labels`` is 1).
 
 The pooler (``pooler_config``): ``pooling_type`` LAST (the last prompt token's final hidden
 state), MEAN (the mean over the prompt) or CLS (the first token's), and ``normalize`` (L2).
@@ -23,6 +27,8 @@ from typing import Any
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # Architecture names that are encoders without an LM head (vLLM's automatic conversion to embed).
 _ENCODER_SUFFIXES = ("EmbeddingModel", "ForTextEncoding", "Model")
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+POOLING_HEADS = ("embed", "classify")
 # sentence-transformers' 1_Pooling/config.json flags -> our pooling type.
 _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
 PREFIX_CACHE_SAFE = ("LAST",)
@@ -43,25 +49,86 @@ def architecture_is_encoder(hf_config: Any) -> bool:
         and not architectures[0].endswith(("ForCausalLM", "LMHeadModel"))
 
 
-def resolve_runner(runner: str, task: str, convert: str, hf_config: Any) -> str:
-    """"generate" or "pooling" from vLLM's three ways of saying it (they must agree)."""
-    wanted = {name: value for name, value in (
-        ("runner", {"auto": None, "generate": "generate", "pooling": "pooling"}[runner]),
-        ("task", {"auto": None, "generate": "generate", "embed": "pooling"}[task]),
-        ("convert", {"auto": None, "none": None, "embed": "pooling"}[convert]),
-    ) if value is not None}
-    if len(set(wanted.values())) > 1:
-        given = ", ".join(f"{name}={dict(runner=runner, task=task, convert=convert)[name]!r}" for name in wanted)
-        raise PoolingConfigError(next(iter(wanted)), f"{given} disagree: a model runs either as a generative model "
-                                 "or as a pooling (embedding) one")
-    encoder = architecture_is_encoder(hf_config)
-    if wanted.get("runner", wanted.get("task")) == "generate" and encoder:
-        field = "runner" if "runner" in wanted else "task"
-        raise PoolingConfigError(field, f"{field}='generate': architecture {hf_config.architectures[0]} is an encoder "
-                                 "saved without its LM head, so it cannot generate text; it runs as runner='pooling'")
-    if wanted:
-        return next(iter(wanted.values()))
-    return "pooling" if encoder else "generate"
+def architecture_is_classifier(hf_config: Any) -> bool:
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    return bool(architectures) and architectures[0].endswith(CLASSIFIER_SUFFIX)
+
+
+# What each of vLLM's three spellings asks for: (runner, head), None where it says nothing.
+_SPELLINGS: dict[str, dict[str, tuple[str | None, str | None]]] = {
+    "runner": {"auto": (None, None), "generate": ("generate", None), "pooling": ("pooling", None)},
+    "task": {"auto": (None, None), "generate": ("generate", None), "embed": ("pooling", "embed"),
+             "classify": ("pooling", "classify"), "score": ("pooling", "classify")},
+    "convert": {"auto": (None, None), "none": (None, None), "embed": ("pooling", "embed"),
+                "classify": ("pooling", "classify")},
+}
+
+
+def resolve_runner(runner: str, task: str, convert: str, hf_config: Any) -> tuple[str, str]:
+    """(runner, head) from vLLM's three ways of saying it (they must agree): runner "generate" or
+    "pooling"; head "none" for a generative model, else "embed" or "classify"."""
+    given = {"runner": runner, "task": task, "convert": convert}
+    asked = {name: _SPELLINGS[name][value] for name, value in given.items()}
+    for index in (0, 1):  # the runners, then the heads
+        wanted = {name: kinds[index] for name, kinds in asked.items() if kinds[index] is not None}
+        if len(set(wanted.values())) > 1:
+            said = ", ".join(f"{name}={given[name]!r}" for name in wanted)
+            raise PoolingConfigError(next(iter(wanted)), f"{said} disagree: a model runs either as a generative "
+                                     "model or as a pooling one, with one head (embed or classify)")
+    runners = {name: kinds[0] for name, kinds in asked.items() if kinds[0] is not None}
+    heads = {name: kinds[1] for name, kinds in asked.items() if kinds[1] is not None}
+    classifier = architecture_is_classifier(hf_config)
+    encoder = classifier or architecture_is_encoder(hf_config)
+    if "generate" in runners.values() and encoder:
+        field = next(iter(runners))
+        kind = "a sequence classifier" if classifier else "an encoder saved without its LM head"
+        raise PoolingConfigError(field, f"{field}={given[field]!r}: architecture {hf_config.architectures[0]} is "
+                                 f"{kind}, so it cannot generate text; it runs as runner='pooling'")
+    resolved_runner = next(iter(runners.values())) if runners else ("pooling" if encoder else "generate")
+    if resolved_runner == "generate":
+        return "generate", "none"
+    head = next(iter(heads.values())) if heads else ("classify" if classifier else "embed")
+    if head == "classify" and not classifier:
+        field = next(iter(heads))
+        architecture = (list(getattr(hf_config, "architectures", None) or []) or ["(none)"])[0]
+        raise PoolingConfigError(field, f"{field}={given[field]!r} needs a sequence-classification checkpoint "
+                                 f"(architecture *{CLASSIFIER_SUFFIX}, with a score layer); {architecture} has none "
+                                 "(vLLM's conversion of a causal LM through classifier_from_token is not supported)")
+    return "pooling", head
+
+
+def num_labels(hf_config: Any) -> int:
+    """A classifier's number of outputs (config.json ``num_labels`` / ``id2label``)."""
+    return int(getattr(hf_config, "num_labels", 2) or 2)
+
+
+_ST_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Sigmoid": None,
+                   "torch.nn.modules.activation.Softmax": None}
+
+
+def classifier_activation(hf_config: Any, task: str) -> str:
+    """"softmax", "sigmoid" or "identity": what turns a classifier's logits into its output, as
+    vLLM decides it. ``classify`` follows transformers' loss for ``problem_type`` (regression:
+    identity; multi-label: sigmoid; otherwise softmax, or sigmoid for a single label);
+    ``score`` (a cross-encoder) first reads sentence-transformers' ``activation_fn``. Raises
+    ValueError for an activation it does not know."""
+    if task == "score":
+        st = getattr(hf_config, "sentence_transformers", None)
+        name = st.get("activation_fn") if isinstance(st, dict) else None
+        name = name or getattr(hf_config, "sbert_ce_default_activation_function", None)
+        if name:
+            if name not in _ST_ACTIVATIONS:
+                raise ValueError(f"the model's cross-encoder activation_fn {name!r} is not supported (one of "
+                                 f"{', '.join(_ST_ACTIVATIONS)})")
+            chosen = _ST_ACTIVATIONS[name]
+            if chosen is not None:
+                return chosen
+    problem_type = getattr(hf_config, "problem_type", None) or ""
+    if problem_type == "regression":
+        return "identity"
+    if problem_type == "multi_label_classification":
+        return "sigmoid"
+    return "sigmoid" if num_labels(hf_config) < 2 else "softmax"
 
 
 def check_pooler_config(value: Any, field: str = "pooler_config") -> dict[str, Any]:
@@ -79,16 +146,16 @@ def check_pooler_config(value: Any, field: str = "pooler_config") -> dict[str, A
                                          f"{', '.join(POOLING_TYPES)}, got {item!r} (vLLM's ALL and STEP poolers "
                                          "are not supported)")
             checked[key] = item.upper()
-        elif key == "normalize":
+        elif key in ("normalize", "use_activation"):
             if item is None:
                 continue
             if not isinstance(item, bool):
-                raise PoolingConfigError(f"{field}.normalize", f"{field}.normalize must be true or false, got {item!r}")
+                raise PoolingConfigError(f"{field}.{key}", f"{field}.{key} must be true or false, got {item!r}")
             checked[key] = item
         else:
             raise PoolingConfigError(f"{field}.{key}", f"{field}.{key} is not supported (a pooler_config takes "
-                                     "pooling_type and normalize; classification, reward and chunked-embedding "
-                                     "settings are not built)")
+                                     "pooling_type, normalize (embedding) and use_activation (classification); "
+                                     "reward, step and chunked-embedding settings are not built)")
     return checked
 
 
@@ -121,12 +188,20 @@ def sentence_transformers_pooler(model_dir: str | Path) -> dict[str, Any]:
     return found
 
 
-def resolve_pooler_config(given: dict[str, Any] | None, model_dir: str | Path) -> dict[str, Any]:
+def resolve_pooler_config(given: dict[str, Any] | None, model_dir: str | Path, head: str = "embed") -> dict[str, Any]:
     """The whole pooler: the user's keys over the directory's sentence-transformers files over
-    vLLM's default for embedding (LAST, normalized)."""
+    vLLM's defaults (embed: LAST, normalized; classify: LAST, with the activation on)."""
+    given = check_pooler_config(given or {})
+    wrong = "use_activation" if head == "embed" else "normalize"
+    if wrong in given:
+        applies = "a classifier's outputs (convert='classify')" if head == "embed" else "embedding vectors"
+        raise PoolingConfigError(f"pooler_config.{wrong}", f"pooler_config.{wrong} applies to {applies}; this "
+                                 f"model's head is {head!r}")
+    if head == "classify":
+        return {"pooling_type": "LAST", "use_activation": True, **given}
     resolved: dict[str, Any] = {"pooling_type": "LAST", "normalize": True}
     resolved.update(sentence_transformers_pooler(model_dir))
-    resolved.update(check_pooler_config(given or {}))
+    resolved.update(given)
     return resolved
 
 

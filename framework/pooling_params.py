@@ -1,10 +1,12 @@
-"""PoolingParams with vLLM's fields: what a pooling (embedding) request asks of its vector.
+"""PoolingParams with vLLM's fields: what a pooling request asks of its vector.
 
 A pooling engine (``runner="pooling"``) runs each prompt once through the model and returns one
 vector per prompt, the final hidden states pooled as the engine's pooler says (LAST, MEAN or CLS;
-see :mod:`sparrow.pooling`). A request may then cut the vector to its first ``dimensions``
-(Matryoshka embeddings) and choose whether it is L2-normalized. Pure Python, no torch: the
-frontend applies these to the vector the engine core sends back.
+see :mod:`sparrow.pooling`), passed through a classifier's score layer when the model has one.
+An embedding request may then cut the vector to its first ``dimensions`` (Matryoshka
+embeddings) and choose whether it is L2-normalized; a classification request whether the
+activation (softmax or sigmoid) is applied. Pure Python, no torch: the frontend applies these
+to the vector the engine core sends back.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import msgspec
 
 from sparrow.errors import InvalidArgumentError
 
-# The pooling tasks a request may name, and what Sparrow's pooler returns for each.
-POOLING_TASKS = ("embed", "encode")
+# The pooling tasks a request may name: an embedding model's ("embed", and "encode", the same
+# vector here) and a classifier's ("classify"; "score" for a cross-encoder's pair of texts).
+POOLING_TASKS = ("embed", "encode", "classify", "score")
+EMBED_TASKS = ("embed", "encode")
 
 
 def _fail(field: str, requirement: str, value: Any) -> None:
@@ -36,13 +40,18 @@ class PoolingParams(
     ``matryoshka_dimensions`` in config.json, or through ``hf_overrides``), as vLLM refuses it
     otherwise. ``normalize``: L2-normalize the vector (None: the pooler's default, which is the
     model's sentence-transformers ``Normalize`` module or ``pooler_config.normalize``).
-    ``task``: "embed" (default) or "encode", which are the same here: one vector per prompt.
+    ``use_activation``: a classifier's softmax / sigmoid over its logits (None: the pooler's
+    default, on); False returns the raw logits. ``task``: "embed" or "encode" (the same here:
+    one vector per prompt) for an embedding model, "classify" or "score" for a classifier (None:
+    the engine's kind). Embedding fields on a classification task, and ``use_activation`` on an
+    embedding one, are refused when the request is submitted.
     """
 
     truncate_prompt_tokens: int | None = None
     dimensions: int | None = None
     normalize: bool | None = None
     task: str | None = None
+    use_activation: bool | None = None
 
     def __post_init__(self) -> None:
         keep = self.truncate_prompt_tokens
@@ -55,11 +64,12 @@ class PoolingParams(
                     or self.dimensions < 1:
                 _fail("dimensions", "must be a positive integer", self.dimensions)
             self.dimensions = int(self.dimensions)
-        if self.normalize is not None and not isinstance(self.normalize, bool):
-            _fail("normalize", "must be True, False or None", self.normalize)
+        for field in ("normalize", "use_activation"):
+            if getattr(self, field) is not None and not isinstance(getattr(self, field), bool):
+                _fail(field, "must be True, False or None", getattr(self, field))
         if self.task is not None and self.task not in POOLING_TASKS:
-            _fail("task", f"must be one of {', '.join(POOLING_TASKS)} (Sparrow's pooling models embed; "
-                  "classification, scoring and reward heads are not supported)", self.task)
+            _fail("task", f"must be one of {', '.join(POOLING_TASKS)} (reward and token-level pooling are not "
+                  "supported)", self.task)
 
     def clone(self, **changes: Any) -> PoolingParams:
         return msgspec.structs.replace(self, **changes)

@@ -260,7 +260,8 @@ def test_pooling_requests_are_checked_before_the_engine_sees_them(dirs):
     from sparrow.engine.input_processor import InputProcessor
 
     for kwargs, field in ((dict(dimensions=0), "dimensions"), (dict(normalize="yes"), "normalize"),
-                          (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"), (dict(task="classify"), "task")):
+                          (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"), (dict(task="reward"), "task"),
+                          (dict(use_activation="yes"), "use_activation")):
         with pytest.raises(ValueError) as excinfo:
             PoolingParams(**kwargs)
         assert excinfo.value.field == field

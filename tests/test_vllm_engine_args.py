@@ -34,8 +34,8 @@ def test_vllm_values_sparrow_runs_are_accepted_and_change_nothing(qwen3_dir):
 @pytest.mark.parametrize(("name", "value", "words"), [
     ("pipeline_parallel_size", 2, "pipeline parallelism is not implemented"),
     ("runner", "classify", "must be one of auto, generate, pooling"),
-    ("task", "score", "must be one of auto, generate, embed"),
-    ("convert", "reward", "must be one of auto, none, embed"),
+    ("task", "reward", "must be one of auto, generate, embed, classify, score"),
+    ("convert", "reward", "must be one of auto, none, embed, classify"),
     ("scheduling_policy", "sjf", "'fcfs' or 'priority'"),
 ])
 def test_values_sparrow_does_not_run_are_refused_by_name(name, value, words):

@@ -52,8 +52,10 @@ class AsyncEngineUtilities:
         return self.config
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
-        # vLLM's task names: a pooling model embeds (encode() is the same vector here).
-        return ("embed", "encode") if self.config.model.runner == "pooling" else ("generate",)
+        # vLLM's task names: an embedding model's ("embed", "encode": the same vector here) or a
+        # classifier's ("classify", and "score" for a cross-encoder).
+        pooling = self.input_processor.pooling
+        return ("generate",) if pooling is None else pooling.supported_tasks
 
     async def is_tracing_enabled(self) -> bool:
         return False

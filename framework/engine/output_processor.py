@@ -147,8 +147,9 @@ class OutputProcessor:
     when a request is submitted, ``process_outputs`` for every batch the engine core sends,
     ``abort_requests`` when the caller gives up on requests."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, pooling: Any = None) -> None:
         self._decoder = TokenDecoder.from_tokenizer(tokenizer) if tokenizer is not None else None
+        self._pooling = pooling  # a pooling model's sparrow.engine.pooling_io.PoolingIO, else None
         # engine-core request id -> state
         self._states: dict[str, RequestState] = {}
         # parent request id -> parent, for requests with n > 1
@@ -272,8 +273,10 @@ class OutputProcessor:
                 return None, False
             state.metrics.finished_time = now
             self._forget(state)
+            activation = self._pooling.activation(state.pooling) if self._pooling is not None else None
             return pooled_output(state.external_id, engine_core_output.pooling_output, state.pooling, state.prompt,
-                                 state.prompt_token_ids, state.num_cached_tokens), False  # type: ignore[return-value]
+                                 state.prompt_token_ids, state.num_cached_tokens,
+                                 activation), False  # type: ignore[return-value]
         state.record_token_times(len(new_token_ids), now)
         state.record_logprobs(engine_core_output)
         state.token_ids.extend(new_token_ids)

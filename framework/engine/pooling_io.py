@@ -1,6 +1,8 @@
 """The frontend's half of a pooling model (runner="pooling"): a request's ``PoolingParams``
 checked against the model, its engine-core request, and the vector that comes back turned into
-a ``PoolingRequestOutput`` (cut to ``dimensions``, then L2-normalized when asked).
+a ``PoolingRequestOutput`` (an embedding cut to ``dimensions``, then L2-normalized when asked;
+a classifier's logits through its activation, softmax or sigmoid, unless ``use_activation`` is
+False).
 
 The engine core returns the worker's pooled vector as it is (sparrow.worker.pooler); applying
 the per-request choices here keeps the step loop free of them, and costs one vector per prompt.
@@ -14,8 +16,8 @@ import numpy as np
 
 from sparrow.errors import InvalidArgumentError
 from sparrow.outputs import PoolingOutput, PoolingRequestOutput
-from sparrow.pooling import matryoshka_dimensions
-from sparrow.pooling_params import PoolingParams
+from sparrow.pooling import classifier_activation, matryoshka_dimensions, num_labels
+from sparrow.pooling_params import EMBED_TASKS, PoolingParams
 from sparrow.sampling_params import RequestOutputKind, SamplingParams
 
 # What a pooling request's EngineCoreRequest carries as sampling parameters: nothing is sampled
@@ -24,34 +26,74 @@ _CARRIER = SamplingParams(max_tokens=1, detokenize=False, output_kind=RequestOut
 
 
 class PoolingIO:
-    def __init__(self, pooler_config: dict[str, Any], hf_config: Any) -> None:
+    def __init__(self, pooler_config: dict[str, Any], hf_config: Any, head: str = "embed") -> None:
+        self.head = head  # "embed" or "classify" (the finalized convert)
         self.default_normalize = bool(pooler_config.get("normalize", True))
+        self.default_activation = bool(pooler_config.get("use_activation", True))
         self.hidden_size = int(hf_config.hidden_size)
         self.matryoshka = matryoshka_dimensions(hf_config)
+        self.num_labels = num_labels(hf_config) if head == "classify" else None
+        # vLLM's tasks: a cross-encoder scores (a pair's one logit) when it has a single label.
+        self.supported_tasks: tuple[str, ...] = EMBED_TASKS if head == "embed" else \
+            ("classify", "score") if self.num_labels == 1 else ("classify",)
+        # task -> the activation over a classifier's logits, or why it cannot be applied
+        self._activations: dict[str, str] = {}
+        self._unusable: dict[str, str] = {}
+        for task in self.supported_tasks if head == "classify" else ():
+            try:
+                self._activations[task] = classifier_activation(hf_config, task)
+            except ValueError as exc:
+                self._unusable[task] = str(exc)
+
+    def activation(self, params: PoolingParams) -> str | None:
+        """The activation over a resolved request's logits (None: an embedding, or raw logits)."""
+        if self.head != "classify" or params.use_activation is False:
+            return None
+        return self._activations.get(params.task or "classify")
 
     def resolve(self, request_id: str, params: Any, field: str = "pooling_params") -> PoolingParams:
-        """``params`` (None: the defaults) checked against this model, with ``normalize`` filled in."""
+        """``params`` (None: the defaults) checked against this model, with ``task`` and
+        ``normalize`` / ``use_activation`` filled in."""
         if params is None:
             params = PoolingParams()
         elif not isinstance(params, PoolingParams):
             raise InvalidArgumentError(f"{field} of request {request_id!r} must be PoolingParams, got "
                                        f"{type(params).__name__}", field)
-        dimensions = params.dimensions
-        if dimensions is not None:
-            if self.matryoshka is None:
-                raise InvalidArgumentError(
-                    f"dimensions={dimensions}: this model does not declare Matryoshka embeddings (is_matryoshka or "
-                    "matryoshka_dimensions in config.json, or through hf_overrides), so its vectors cannot be "
-                    "shortened", "dimensions")
-            if self.matryoshka and dimensions not in self.matryoshka:
-                raise InvalidArgumentError(f"dimensions={dimensions} is not one of the model's Matryoshka dimensions "
-                                           f"{self.matryoshka}", "dimensions")
-            if dimensions > self.hidden_size:
-                raise InvalidArgumentError(f"dimensions={dimensions} exceeds the model's {self.hidden_size}",
-                                           "dimensions")
-        if params.normalize is None:
-            params = params.clone(normalize=self.default_normalize)
-        return params
+        task = params.task or self.supported_tasks[0]
+        if task not in self.supported_tasks:
+            kind = "an embedding model" if self.head == "embed" else f"a classifier with {self.num_labels} labels"
+            extra = " (score needs a cross-encoder: a classifier with one label)" if task == "score" else ""
+            raise InvalidArgumentError(f"task={task!r}: this engine runs {kind}, whose tasks are "
+                                       f"{', '.join(self.supported_tasks)}{extra}", "task")
+        if task in self._unusable:
+            raise InvalidArgumentError(f"task={task!r}: {self._unusable[task]}", "task")
+        if self.head == "classify":
+            for name in ("dimensions", "normalize"):
+                if getattr(params, name) is not None:
+                    raise InvalidArgumentError(f"{name}={getattr(params, name)!r} applies to embeddings; task "
+                                               f"{task!r} returns a classifier's outputs (see use_activation)", name)
+            use_activation = self.default_activation if params.use_activation is None else params.use_activation
+            return params.clone(task=task, use_activation=use_activation)
+        if params.use_activation is not None:
+            raise InvalidArgumentError(f"use_activation={params.use_activation!r} applies to a classifier's outputs; "
+                                       "this engine runs an embedding model (see normalize)", "use_activation")
+        self._check_dimensions(params.dimensions)
+        return params.clone(task=task, normalize=self.default_normalize if params.normalize is None
+                            else params.normalize)
+
+    def _check_dimensions(self, dimensions: int | None) -> None:
+        if dimensions is None:
+            return
+        if self.matryoshka is None:
+            raise InvalidArgumentError(
+                f"dimensions={dimensions}: this model does not declare Matryoshka embeddings (is_matryoshka or "
+                "matryoshka_dimensions in config.json, or through hf_overrides), so its vectors cannot be "
+                "shortened", "dimensions")
+        if self.matryoshka and dimensions not in self.matryoshka:
+            raise InvalidArgumentError(f"dimensions={dimensions} is not one of the model's Matryoshka dimensions "
+                                       f"{self.matryoshka}", "dimensions")
+        if dimensions > self.hidden_size:
+            raise InvalidArgumentError(f"dimensions={dimensions} exceeds the model's {self.hidden_size}", "dimensions")
 
     @staticmethod
     def carrier_params(params: PoolingParams) -> SamplingParams:
@@ -62,14 +104,23 @@ class PoolingIO:
 
 
 def pooled_output(request_id: str, vector: bytes | None, params: PoolingParams, prompt: str | None,
-                  prompt_token_ids: list[int], num_cached_tokens: int) -> PoolingRequestOutput:
+                  prompt_token_ids: list[int], num_cached_tokens: int,
+                  activation: str | None = None) -> PoolingRequestOutput:
     """The caller's output for the engine core's vector (None: the request was aborted, and
-    ``outputs.data`` is None)."""
+    ``outputs.data`` is None). ``activation`` ("softmax", "sigmoid", "identity" or None) is
+    applied to a classifier's logits (PoolingIO.activation)."""
     data = None
     if vector is not None:
         import torch
 
         values = np.frombuffer(vector, dtype="<f4")
+        if activation is not None:
+            logits = torch.from_numpy(values.copy())
+            data = {"softmax": lambda: torch.softmax(logits, dim=-1), "sigmoid": lambda: torch.sigmoid(logits),
+                    "identity": lambda: logits}[activation]()
+            return PoolingRequestOutput(request_id=request_id, outputs=PoolingOutput(data),
+                                        prompt_token_ids=prompt_token_ids, finished=True,
+                                        num_cached_tokens=num_cached_tokens, prompt=prompt)
         if params.dimensions is not None:
             values = values[: params.dimensions]
         if params.normalize:
@@ -111,4 +162,4 @@ def with_truncation(request_id: str, params: Any, truncate_prompt_tokens: int | 
     if truncate_prompt_tokens is None:
         return params
     return PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens, dimensions=params.dimensions,
-                         normalize=params.normalize, task=params.task)
+                         normalize=params.normalize, task=params.task, use_activation=params.use_activation)

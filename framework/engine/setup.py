@@ -72,10 +72,11 @@ def _check_max_model_len(max_model_len: int, model_max: int) -> None:
 
 
 def _pooling_settings(model: Any, hf_config: Any, model_path: str) -> dict[str, Any]:
-    """The runner resolved ("generate" or "pooling"; vLLM's task and convert folded into it) and a
-    pooling model's whole pooler_config (sparrow.pooling)."""
+    """The runner resolved ("generate" or "pooling"; vLLM's task and convert folded into it), a
+    pooling model's head as ``convert`` ("embed" or "classify") and its whole pooler_config
+    (sparrow.pooling)."""
     try:
-        runner = resolve_runner(model.runner, model.task, model.convert, hf_config)
+        runner, head = resolve_runner(model.runner, model.task, model.convert, hf_config)
         given = model.pooler_config
         if model.override_pooler_config is not None:
             if given is not None and given != model.override_pooler_config:
@@ -85,11 +86,12 @@ def _pooling_settings(model: Any, hf_config: Any, model_path: str) -> dict[str, 
         if runner != "pooling" and given is not None:
             raise PoolingConfigError("pooler_config", "pooler_config applies to a pooling model; this one runs "
                                      "as runner='generate' (set runner='pooling' to embed with it)")
-        pooler = resolve_pooler_config(given, model_path) if runner == "pooling" else None
+        pooler = resolve_pooler_config(given, model_path, head) if runner == "pooling" else None
     except PoolingConfigError as exc:
         raise ConfigError(f"invalid engine argument {exc.field!r}: {exc}") from None
-    return {"runner": runner, "task": "auto", "convert": "auto", "pooler_config": pooler,
-            "override_pooler_config": None}
+    # Finalized, vLLM's three spellings are one: the runner, and the head as convert.
+    return {"runner": runner, "task": "auto", "convert": "auto" if runner == "generate" else head,
+            "pooler_config": pooler, "override_pooler_config": None}
 
 
 def _pooling_io(config: EngineConfig, hf_config: Any) -> Any:
@@ -97,7 +99,7 @@ def _pooling_io(config: EngineConfig, hf_config: Any) -> Any:
         return None
     from sparrow.engine.pooling_io import PoolingIO
 
-    return PoolingIO(config.model.pooler_config, hf_config)
+    return PoolingIO(config.model.pooler_config, hf_config, config.model.convert)
 
 
 def _quantization(requested: str | None, hf_config: Any) -> str | None:
@@ -313,5 +315,5 @@ def build_frontend(config: EngineConfig) -> Frontend:
                               f"cannot work with the tokenizer of {config.model.tokenizer!r}: {message}") from None
     from sparrow.engine.generation_defaults import generation_defaults
 
-    return Frontend(tokenizer, hf_config, input_processor, OutputProcessor(tokenizer),
+    return Frontend(tokenizer, hf_config, input_processor, OutputProcessor(tokenizer, input_processor.pooling),
                     generation_defaults(config.model))

@@ -5,41 +5,21 @@ from __future__ import annotations
 import itertools
 import numbers
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sparrow.config import EngineConfig
 from sparrow.engine.async_inputs import request_params
 from sparrow.engine.llm_engine import LLMEngine
-from sparrow.engine.pooling_io import with_truncation
+from sparrow.entrypoints.llm_pooling import PoolingMethods
+from sparrow.entrypoints.llm_pooling import prompt_list as _prompt_list
 from sparrow.errors import InvalidArgumentError
-from sparrow.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from sparrow.outputs import RequestOutput
 from sparrow.param_checks import INT64_MAX, INT64_MIN
-from sparrow.pooling_params import POOLING_TASKS, PoolingParams
 from sparrow.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = Sequence[Mapping[str, Any]]
 
-
-
-def _pooling_refused(method: str) -> InvalidArgumentError:
-    if method == "encode":
-        return InvalidArgumentError("LLM.encode() / embed() need a pooling model: start the LLM with "
-                                    "runner='pooling' (an embedding model such as Qwen3-Embedding)", "runner")
-    if method == "score":
-        return InvalidArgumentError("LLM.score() needs an embedding model (runner='pooling'), whose vectors it "
-                                    "compares; cross-encoder rerankers are not supported", "runner")
-    return InvalidArgumentError(f"LLM.{method}() needs a classification or reward model, which Sparrow does not "
-                                "support (it runs generative and embedding models); use generate(), chat() or "
-                                "embed()", method)
-
-
-def _prompt_list(prompts: Any) -> list[Any]:
-    if isinstance(prompts, (str, Mapping)):
-        return [prompts]
-    if isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
-        raise TypeError(f"prompts must be a string, a prompt dict or a list of them, got {type(prompts).__name__}")
-    return list(prompts)
 
 
 def _check_priority(index: int, value: Any) -> int:
@@ -49,7 +29,7 @@ def _check_priority(index: int, value: Any) -> int:
     return int(value)
 
 
-class LLM:
+class LLM(PoolingMethods):
     """An offline engine. ``model`` is a local Hugging Face directory; None (or "sparrow-tiny")
     is the built-in model, built locally on first use. Every engine argument of
     :class:`~sparrow.config.EngineConfig` is accepted as a keyword (``max_model_len``,
@@ -240,76 +220,6 @@ class LLM:
         from sparrow.beam_search import beam_search
 
         return beam_search(self, prompts, params, lora_request, use_tqdm, concurrency_limit)
-
-    # -- pooling models (runner="pooling") -------------------------------------------------
-    def encode(self, prompts: Any, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
-               truncate_prompt_tokens: int | None = None, use_tqdm: bool | Callable[..., Any] = True,
-               lora_request: Any = None, pooling_task: str | None = None,
-               tokenization_kwargs: dict[str, Any] | None = None) -> list[PoolingRequestOutput]:
-        """One vector per prompt from a pooling model (``runner="pooling"``), in input order:
-        ``outputs.data`` is a float32 tensor. ``pooling_params`` is one for all or one per prompt
-        (None: the defaults); ``pooling_task`` "embed" or "encode" (the same here)."""
-        if pooling_task is not None and pooling_task not in POOLING_TASKS:
-            raise InvalidArgumentError(f"pooling_task must be one of {', '.join(POOLING_TASKS)}, got {pooling_task!r} "
-                                       "(classification, scoring and reward heads are not supported)", "pooling_task")
-        if tokenization_kwargs:
-            raise InvalidArgumentError("tokenization_kwargs are not supported: tokenize yourself and pass "
-                                       "{'prompt_token_ids': [...]}, or use truncate_prompt_tokens",
-                                       "tokenization_kwargs")
-        prompts = _prompt_list(prompts)
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params_list = [pooling_params] * len(prompts)
-        elif isinstance(pooling_params, (list, tuple)):
-            params_list = list(pooling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} pooling_params; they must match")
-        else:
-            raise InvalidArgumentError(f"pooling_params must be a PoolingParams or a list of them (one per prompt), "
-                                       f"got {type(pooling_params).__name__}", "pooling_params")
-        from sparrow.lora.engine import lora_requests_per_prompt
-
-        lora_requests = lora_requests_per_prompt(lora_request, len(prompts))
-        engine = self.llm_engine
-        pooling = engine.input_processor.pooling
-        processed = []
-        for index, (prompt, params) in enumerate(zip(prompts, params_list)):
-            request_id = str(next(self._request_counter))
-            params = with_truncation(request_id, params, truncate_prompt_tokens)
-            if pooling is None:
-                raise _pooling_refused("encode")
-            resolved = pooling.resolve(request_id, params)
-            processed.append(engine.process_request(request_id, prompt, pooling.carrier_params(resolved),
-                                                    lora_request=lora_requests[index], pooling_params=resolved))
-        return self._submit_and_run(processed, use_tqdm)
-
-    def embed(self, prompts: Any, *, truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool | Callable[..., Any] = True,
-              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, lora_request: Any = None,
-              tokenization_kwargs: dict[str, Any] | None = None) -> list[EmbeddingRequestOutput]:
-        """vLLM's ``LLM.embed``: ``encode`` with each vector as ``outputs.embedding`` (a list of floats)."""
-        outputs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
-                              use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="embed",
-                              tokenization_kwargs=tokenization_kwargs)
-        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
-
-    def classify(self, *args: Any, **kwargs: Any) -> list[Any]:
-        raise _pooling_refused("classify")
-
-    def score(self, data_1: Any, data_2: Any, /, *, truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool | Callable[..., Any] = True, pooling_params: PoolingParams | None = None,
-              lora_request: Any = None, tokenization_kwargs: dict[str, Any] | None = None) -> list[Any]:
-        """vLLM's ``LLM.score`` with an embedding model: the cosine similarity of each pair's
-        vectors, one text against many or two lists side by side (``sparrow.entrypoints.llm_score``)."""
-        if self.llm_engine.input_processor.pooling is None:
-            raise _pooling_refused("score")
-        from sparrow.entrypoints.llm_score import score
-
-        return score(self, data_1, data_2, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
-                     pooling_params=pooling_params, lora_request=lora_request,
-                     tokenization_kwargs=tokenization_kwargs)
-
-    def reward(self, *args: Any, **kwargs: Any) -> list[Any]:
-        raise _pooling_refused("reward")
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The parameters ``generate`` and ``chat`` use when given none: the model's generation

@@ -37,15 +37,18 @@ def sparrow_register_model_architectures(register: Callable[..., None]) -> None:
 
 def resolve_model_class(hf_config: Any, registry_architectures: dict[str, str]) -> type:
     """The model class of the first of ``hf_config.architectures`` that is registered. An encoder
-    saved without its LM head (``Qwen3Model``, what ``AutoModel`` saves; an embedding model) runs
-    on its ``*ForCausalLM`` class, whose head a pooling model leaves unused."""
+    saved without its LM head (``Qwen3Model``, what ``AutoModel`` saves; an embedding model) and
+    a sequence classifier (``Qwen3ForSequenceClassification``) run on their ``*ForCausalLM``
+    class, whose LM head a pooling model leaves unused (the model loader adds a classifier's
+    ``score`` layer)."""
     architectures = list(getattr(hf_config, "architectures", None) or [])
     for architecture in architectures:
         if architecture in registry_architectures:
             return import_object(registry_architectures[architecture])
-        causal_lm = architecture.removesuffix("Model") + "ForCausalLM"
-        if architecture.endswith("Model") and causal_lm in registry_architectures:
-            return import_object(registry_architectures[causal_lm])
+        for suffix in ("ForSequenceClassification", "Model"):
+            causal_lm = architecture.removesuffix(suffix) + "ForCausalLM"
+            if architecture.endswith(suffix) and causal_lm in registry_architectures:
+                return import_object(registry_architectures[causal_lm])
     raise UnsupportedArchitectureError(
         f"config.json architectures {architectures} are not supported; "
         f"supported architectures: {', '.join(sorted(registry_architectures))}"

@@ -109,7 +109,9 @@ class ModelRunner(SamplingStep):
         # fed on the device; "host": settled first). Read by tests and when profiling.
         self.feed_counts: collections.Counter[str] = collections.Counter()
         # A pooling model (runner="pooling") pools its prompts' hidden states instead of sampling.
-        self.pooler = Pooler(config.model.pooler_config["pooling_type"]) \
+        # A classifier (convert="classify") maps the pooled state through its score layer.
+        self.pooler = Pooler(config.model.pooler_config["pooling_type"],
+                             head=getattr(model, "score", None) if config.model.convert == "classify" else None) \
             if config.model.runner == "pooling" and config.model.pooler_config else None
 
     # -- KV cache ---------------------------------------------------------------------------

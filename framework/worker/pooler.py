@@ -9,10 +9,14 @@ prompt's last token has been computed, its vector is returned in
     MEAN  the mean over every prompt token (sums carried across chunks)
     CLS   the first token's
 
-The frontend applies each request's ``dimensions`` and ``normalize`` (sparrow.pooling_outputs).
+A classifier (``convert="classify"``) passes the pooled states through its ``score`` layer
+(the ``head``), so its output is ``num_labels`` logits. The frontend applies each request's
+``dimensions`` and ``normalize``, or a classifier's activation (sparrow.engine.pooling_io).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 import torch
@@ -21,8 +25,9 @@ from sparrow.worker.input_batch import InputBatch
 
 
 class Pooler:
-    def __init__(self, pooling_type: str) -> None:
+    def __init__(self, pooling_type: str, head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.pooling_type = pooling_type
+        self.head = head  # [N, hidden] -> [N, num_labels] (a classifier's score layer), or None
         # MEAN: req_id -> (float32 sum of the hidden states computed so far [hidden], their count)
         self._sums: dict[str, tuple[torch.Tensor, int]] = {}
         # CLS: req_id -> the first token's hidden state, kept until the prompt completes
@@ -51,7 +56,10 @@ class Pooler:
         rows = np.flatnonzero(complete_rows).tolist()
         if not rows:
             return {}
-        host = vectors[rows].to(device="cpu", dtype=torch.float32).numpy()
+        vectors = vectors[rows]
+        if self.head is not None:
+            vectors = self.head(vectors)
+        host = vectors.to(device="cpu", dtype=torch.float32).numpy()
         self.forget([req_ids[row] for row in rows])
         return {req_ids[row]: host[position].astype("<f4").tobytes() for position, row in enumerate(rows)}
 

@@ -140,8 +140,6 @@ class SafetensorsLoader(ModelLoader):
         if pooling:
             weights = causal_lm_names(weights, classify=self.config.model.convert == "classify")
         loaded = model.load_weights(weights)  # type: ignore[operator]
-        if pooling and isinstance(loaded, set):
-            loaded.add("lm_head.weight")  # an embedding checkpoint has no LM head, and pooling reads none
         check_loaded = getattr(model, "check_loaded", None)  # a plugin's model may check for itself
         if callable(check_loaded) and isinstance(loaded, set):
             check_loaded(loaded)
@@ -249,8 +247,12 @@ def load_model(
     method = get_quantization_method(config, hf_config) if config is not None else None
     with torch.no_grad(), quantization_scope(method):
         model = model_cls(hf_config, attn_backend_cls, dtype, torch.device(device), tp)
-        if config is not None and config.model.runner == "pooling" and config.model.convert == "classify":
-            add_classifier_head(model, hf_config, dtype, torch.device(device))
+        if config is not None and config.model.runner == "pooling":
+            # A pooling model never computes logits: its LM head's memory is given back unread.
+            if isinstance(getattr(model, "lm_head", None), torch.nn.Module):
+                model.lm_head = None
+            if config.model.convert == "classify":
+                add_classifier_head(model, hf_config, dtype, torch.device(device))
         loader.load_weights(model, model_dir, tp)
     return model.eval()
 

@@ -16,9 +16,10 @@
     GET  /v1/responses/{id}/input_items  its input items, paginated
     POST /v1/embeddings        one vector per input, from a pooling model (--runner pooling); the
                                generation endpoints are 400s on such a model, this one on the others
-    POST /score, /v1/score     vLLM's: the cosine similarity of text pairs' vectors, from a pooling model
+    POST /classify             vLLM's: class probabilities per input, from a sequence classifier
+    POST /score, /v1/score     vLLM's: text pairs' scores: their vectors' cosine similarity, or a cross-encoder's
     POST /rerank, /v1/rerank, /v2/rerank  vLLM's (Jina's and Cohere's shape): documents ranked by
-                               that similarity to a query
+                               that score against a query
     POST /tokenize             text or chat messages -> token ids, as the endpoints above tokenize them
     POST /detokenize           token ids -> text
     GET  /tokenizer_info       the tokenizer's configuration (special tokens, chat template, ...)
@@ -82,6 +83,7 @@ from sparrow.entrypoints.openai.protocol_responses import (
 from sparrow.entrypoints.openai.request_checks import validation_message
 from sparrow.entrypoints.openai.request_logger import request_logger_from_args
 from sparrow.entrypoints.openai.serving_chat import OpenAIServingChat
+from sparrow.entrypoints.openai.serving_classify import OpenAIServingClassify, add_classify_routes
 from sparrow.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from sparrow.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from sparrow.entrypoints.openai.serving_engine import APIError, engine_dead
@@ -182,9 +184,10 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
                                        tool_parser_cls=chat.tool_parser_cls, enable_auto_tools=chat.enable_auto_tools)
     embeddings = OpenAIServingEmbedding(engine, model_names)
     scores = OpenAIServingScore(engine, model_names)
+    classify = OpenAIServingClassify(engine, model_names)
     lora_modules = lora_modules_from_args(engine, args)
     request_logger = request_logger_from_args(args)
-    for handler in (completions, chat, tokenization, responses, embeddings, scores):
+    for handler in (completions, chat, tokenization, responses, embeddings, scores, classify):
         handler.lora_modules = lora_modules
         handler.request_logger = request_logger
         handler.return_tokens_as_token_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
@@ -230,6 +233,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
         return await embeddings.create_embedding(request, raw_request)
 
     add_score_routes(app, scores, _ERROR_RESPONSES)
+    add_classify_routes(app, classify, _ERROR_RESPONSES)
 
     # Query values are taken as text and checked by the handler, so that a bad one is a 400 naming
     # it; include also as the openai client sends a list (include[]=...).

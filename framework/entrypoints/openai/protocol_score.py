@@ -1,12 +1,12 @@
 """Request and response bodies of vLLM's ``POST /score`` and ``POST /rerank`` (Jina's and Cohere's
-rerank shape), served here from an embedding model as vLLM serves them from one: each pair's
-score is the cosine similarity of its two texts' vectors (bi-encoder scoring; cross-encoders,
-which score both texts at once, are not served).
+rerank shape), served here as vLLM serves them: from an embedding model each pair's score is the
+cosine similarity of its two texts' vectors (bi-encoder scoring), from a cross-encoder (a
+classifier with one label) the classifier's output on both texts read together.
 
 As the other request models (``protocol``): strict JSON types, and unknown fields kept only so
 that ``request_checks`` can refuse each one with a 400 naming it. vLLM's classification options
-(``use_activation``, ``softmax``, ``activation``: a cross-encoder's) and its multimodal inputs are
-among those refused.
+(``use_activation``, ``softmax``, ``activation``: a cross-encoder's; here it always applies the
+model's activation) and its multimodal inputs are among those refused.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class RerankRequest(_ScoringFields):
 class ScoreResponseData(OpenAIBaseModel):
     index: int  # the pair's position: the position of its text of the second side (1 -> N), or of both
     object: Literal["score"] = "score"
-    score: float  # the cosine similarity of the pair's vectors, in [-1, 1]
+    score: float  # the cosine similarity of the pair's vectors, in [-1, 1]; a cross-encoder's output
 
 
 class ScoreResponse(OpenAIBaseModel):
@@ -98,7 +98,7 @@ class ScoreResponse(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     data: list[ScoreResponseData]
-    usage: EmbeddingUsage  # the tokens embedded, each distinct text once
+    usage: EmbeddingUsage  # the tokens embedded, each distinct text once (a cross-encoder: every pair's)
 
 
 class RerankDocument(OpenAIBaseModel):

@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from sparrow.engine.exceptions import EngineDeadError
+from sparrow.entrypoints.openai.protocol_classify import ClassificationRequest
 from sparrow.entrypoints.openai.protocol_embeddings import MAX_EMBEDDING_INPUTS, EmbeddingRequest
 from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_fields, check_unicode
 from sparrow.entrypoints.openai.serving_engine import (
@@ -40,9 +41,10 @@ from sparrow.pooling_params import PoolingParams
 _PROMPT_FIELDS = frozenset({"prompt", "prompt_token_ids"})
 
 
-def embedding_inputs(request: EmbeddingRequest) -> list[tuple[str, str | list[int]]]:
-    """The request's inputs as (label, text or token ids): one per vector. Labels name the input
-    in messages as the client wrote it (``input``, ``input[2]``)."""
+def embedding_inputs(request: EmbeddingRequest | ClassificationRequest) -> list[tuple[str, str | list[int]]]:
+    """The request's inputs as (label, text or token ids): one per vector (or per classification:
+    /classify takes the same inputs). Labels name the input in messages as the client wrote it
+    (``input``, ``input[2]``)."""
     value = request.input
     if isinstance(value, str):
         return [("input", value)]
@@ -58,21 +60,23 @@ def embedding_inputs(request: EmbeddingRequest) -> list[tuple[str, str | list[in
     return [(f"input[{index}]", item if isinstance(item, str) else list(item)) for index, item in enumerate(items)]
 
 
-def tokenize_inputs(input_processor: Any, request: EmbeddingRequest) -> list[dict[str, Any]]:
+def tokenize_inputs(input_processor: Any, request: EmbeddingRequest | ClassificationRequest,
+                    verb: str = "embeds") -> list[dict[str, Any]]:
     """Every input as an engine prompt (``tokenize_one``). Blocking: the endpoint runs it on the
     engine's input thread."""
     check_unicode(request)
     return [tokenize_one(input_processor, label, item, field="input", add_special_tokens=request.add_special_tokens,
-                         truncate_prompt_tokens=request.truncate_prompt_tokens)
+                         truncate_prompt_tokens=request.truncate_prompt_tokens, verb=verb)
             for label, item in embedding_inputs(request)]
 
 
 def tokenize_one(input_processor: Any, label: str, item: str | list[int], *, field: str, add_special_tokens: bool,
-                 truncate_prompt_tokens: int | None) -> dict[str, Any]:
+                 truncate_prompt_tokens: int | None, verb: str = "embeds") -> dict[str, Any]:
     """One input as an engine prompt, ``{"prompt": text, "prompt_token_ids": [...]}`` (no text for
     token inputs or cut ones), checked: not empty, inside the vocabulary, and short enough for the
     model once cut to ``truncate_prompt_tokens``. ``label`` names the input in messages
-    (``input[2]``), ``field`` is the request field a refusal names."""
+    (``input[2]``), ``field`` is the request field a refusal names, ``verb`` what the model does
+    with an input in the too-long message ("embeds", "classifies")."""
     max_len = input_processor.max_model_len
     text = None
     if isinstance(item, str):
@@ -93,7 +97,7 @@ def tokenize_one(input_processor: Any, label: str, item: str | list[int], *, fie
     token_ids = input_processor.truncate(item, truncate_prompt_tokens, max_len)
     if len(token_ids) > max_len:
         # The engine's limit, in this endpoint's words.
-        raise RequestFieldError(f"{label} is {len(token_ids)} tokens long; this model embeds at most "
+        raise RequestFieldError(f"{label} is {len(token_ids)} tokens long; this model {verb} at most "
                                 f"{max_len} tokens per input (max_model_len); shorten it or set "
                                 "truncate_prompt_tokens", field)
     return ({"prompt_token_ids": token_ids} if text is None or len(token_ids) < len(item)
@@ -123,8 +127,16 @@ class OpenAIServingEmbedding(OpenAIServing):
     request_id_prefix = "embd"
 
     def check_pooling(self, model: str, endpoint: str = "/v1/embeddings") -> None:
-        """A generative engine has no vectors to give: a 400 saying how to serve an embedding model."""
-        if self.engine.input_processor.pooling is None:
+        """A generative engine has no vectors to give, nor a classifier: a 400 saying how to serve
+        an embedding model."""
+        pooling = self.engine.input_processor.pooling
+        if pooling is not None and pooling.head == "classify":
+            also = ", /v1/score and /v1/rerank (a cross-encoder)" if pooling.num_labels == 1 else ""
+            raise APIError(400, f"the model {model!r} is a classifier ({pooling.num_labels} label"
+                           f"{'' if pooling.num_labels == 1 else 's'}), not an embedding model: it answers /classify"
+                           f"{also}, not {endpoint}; serve an embedding model for vectors", "BadRequestError",
+                           param="model", code="unsupported")
+        if pooling is None:
             raise APIError(400, f"the model {model!r} is not an embedding model: this server runs it for text "
                            f"generation, and {endpoint} needs a pooling model; start one with `sparrow serve "
                            "MODEL --runner pooling` (a checkpoint saved without its LM head, such as architecture "
@@ -162,18 +174,18 @@ class OpenAIServingEmbedding(OpenAIServing):
 
     async def embed(self, request_id: str, prompts: list[dict[str, Any]], params: PoolingParams, request: Any,
                     raw_request: Request, rejected: Callable[[ValueError], APIError],
-                    labels: list[str] | None = None) -> list[PoolingRequestOutput] | None:
+                    labels: list[str] | None = None, what: str = "embedding") -> list[PoolingRequestOutput] | None:
         """Every prompt's pooled output, in order (None: the client went away, and the prompts not
         yet pooled were aborted). ``request`` gives ``model`` (the LoRA adapter) and ``priority``;
         ``rejected`` turns an engine-side refusal into the request's words; ``labels`` name the
-        prompts in messages (by default ``input i``)."""
+        prompts in messages (by default ``input i``), ``what`` the output in them."""
         streams = await self._submit(request_id, prompts, params, request, rejected)
         finals = await cancel_on_disconnect(raw_request, collect_finals(streams, rejected))
         if finals is not None:
             for index, final in enumerate(finals):
                 if final.outputs.data is None:  # ended before its vector was computed (the server is stopping)
                     label = labels[index] if labels is not None else f"input {index}"
-                    raise APIError(503, f"{label} was aborted before its embedding was computed",
+                    raise APIError(503, f"{label} was aborted before its {what} was computed",
                                    "ServiceUnavailableError", code="aborted")
         return finals
 

@@ -152,13 +152,18 @@ class OpenAIServing:
                        "NotFoundError", param="model", code="model_not_found")
 
     def check_generative(self, model: str, endpoint: str) -> None:
-        """On a pooling (embedding) model, the generation endpoints are a 400 saying so before any
-        work (the input processor would refuse each prompt too, naming sampling_params, which no
-        client sent)."""
-        if self.engine.input_processor.pooling is not None:
-            raise APIError(400, f"the model {model!r} is an embedding model (this server runs it as a pooling "
-                           f"model): it answers /v1/embeddings, /v1/score and /v1/rerank, not {endpoint}; serve a "
-                           "generative model to generate text", "BadRequestError", param="model", code="unsupported")
+        """On a pooling model (embeddings, a classifier), the generation endpoints are a 400 saying so
+        before any work (the input processor would refuse each prompt too, naming sampling_params)."""
+        pooling = self.engine.input_processor.pooling
+        if pooling is None:
+            return
+        kind, answers = "an embedding model", "/v1/embeddings, /v1/score and /v1/rerank"
+        if pooling.head == "classify":
+            kind = "a classifier"
+            answers = "/classify, /v1/score and /v1/rerank" if pooling.num_labels == 1 else "/classify"
+        raise APIError(400, f"the model {model!r} is {kind} (this server runs it as a pooling model): it answers "
+                       f"{answers}, not {endpoint}; serve a generative model to generate text", "BadRequestError",
+                       param="model", code="unsupported")
 
     def lora_request_of(self, model: str | None) -> Any:
         """The LoRARequest a request's ``model`` names, or None for the base model."""

@@ -1,6 +1,10 @@
 """POST /score (and /v1/score) and POST /rerank (and /v1/rerank, /v2/rerank), vLLM's, on an
 embedding model (``--runner pooling``): a pair's score is the cosine similarity of its two texts'
-vectors, as vLLM scores with an embedding model and as ``LLM.score`` does offline.
+vectors, as vLLM scores with an embedding model and as ``LLM.score`` does offline. On a
+cross-encoder (a classifier with one label) each pair is one prompt, its two texts tokenized
+together (``tokenizer(text_1, text_pair=text_2)``, as ``LLM.score`` pairs them), and its score is
+the classifier's output after its activation (sigmoid by default); ``usage`` counts every pair's
+tokens, as vLLM does.
 
 Pairs as vLLM forms them: one text against each text of the other side (1 -> N; a rerank's query
 against its documents), or two lists of the same length side by side (N -> N). Each distinct text
@@ -20,6 +24,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from sparrow.entrypoints.llm_score import pair_token_ids
 from sparrow.entrypoints.openai.protocol_score import (
     MAX_SCORE_TEXTS,
     RerankRequest,
@@ -29,7 +34,7 @@ from sparrow.entrypoints.openai.protocol_score import (
 )
 from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_unicode
 from sparrow.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, in_field_words, tokenize_one
-from sparrow.entrypoints.openai.serving_engine import field_error
+from sparrow.entrypoints.openai.serving_engine import APIError, field_error
 
 # (label, field, text): a distinct text of a request, named as the client first wrote it.
 Text = tuple[str, str, str]
@@ -81,8 +86,56 @@ def tokenize_texts(input_processor: Any, request: ScoreRequest | RerankRequest, 
                          truncate_prompt_tokens=request.truncate_prompt_tokens) for label, field, text in texts]
 
 
+def side_pairs(first: tuple[str, str | list[str]], second: tuple[str, str | list[str]]
+               ) -> list[tuple[Text, Text]]:
+    """Every pair as its two texts, each named by its own side, in the response's order (once
+    ``pair_texts`` has checked that the sides pair)."""
+    (field_1, value_1), (field_2, value_2) = first, second
+    side_1 = [(label, field_1, text) for label, text in side_texts(field_1, value_1)]
+    side_2 = [(label, field_2, text) for label, text in side_texts(field_2, value_2)]
+    return [(side_1[0 if len(side_1) == 1 else k], text_2) for k, text_2 in enumerate(side_2)]
+
+
+def tokenize_pairs(input_processor: Any, request: ScoreRequest | RerankRequest, pairs: list[tuple[Text, Text]]
+                   ) -> list[dict[str, Any]]:
+    """Every pair as one cross-encoder prompt: both texts through the tokenizer at once, cut to
+    ``truncate_prompt_tokens`` (the last k tokens, as the engine cuts a prompt) and checked to fit
+    the model. Blocking: run on the engine's input thread."""
+    check_unicode(request)
+    for pair in pairs:
+        for label, field, text in pair:
+            if not text:
+                raise RequestFieldError(f"{label} is an empty string; every text needs some", field)
+    if input_processor.tokenizer is None:
+        raise RequestFieldError("a cross-encoder tokenizes each pair of texts together, and this server has no "
+                                "tokenizer (skip_tokenizer_init)", pairs[0][0][1])
+    max_len = input_processor.max_model_len
+    prompts = []
+    for index, ((label_1, field_1, text_1), (label_2, field_2, text_2)) in enumerate(pairs):
+        token_ids = input_processor.truncate(pair_token_ids(input_processor.tokenizer, text_1, text_2, index),
+                                             request.truncate_prompt_tokens, max_len)
+        if len(token_ids) > max_len:
+            raise RequestFieldError(
+                f"pair {index} ({label_1} with {label_2}) is {len(token_ids)} tokens long; this model reads a pair "
+                f"as one input of at most {max_len} tokens (max_model_len); shorten it or set truncate_prompt_tokens",
+                field_1 if len(text_1) > len(text_2) else field_2)
+        prompts.append({"prompt_token_ids": token_ids})
+    return prompts
+
+
 class OpenAIServingScore(OpenAIServingEmbedding):
     """vLLM's score and rerank endpoints, on the embeddings endpoint's engine requests."""
+
+    def check_pooling(self, model: str, endpoint: str = "/score") -> None:
+        """An embedding model (bi-encoder) or a cross-encoder (a classifier with one label)."""
+        pooling = self.engine.input_processor.pooling
+        if pooling is None or pooling.head != "classify":
+            super().check_pooling(model, endpoint)
+        elif pooling.num_labels != 1:
+            raise APIError(400, f"the model {model!r} is a classifier with {pooling.num_labels} labels: {endpoint} "
+                           "needs an embedding model or a cross-encoder (a classifier with one label, whose output "
+                           "is the pair's score); classify texts with /classify", "BadRequestError", param="model",
+                           code="unsupported")
 
     async def create_score(self, request: ScoreRequest, raw_request: Request) -> Response:
         model = self.check_request(request, "/score")
@@ -124,12 +177,13 @@ class OpenAIServingScore(OpenAIServingEmbedding):
 
     async def _scores(self, request_id: str, request: ScoreRequest | RerankRequest, raw_request: Request,
                       first: tuple[str, Any], second: tuple[str, Any]) -> tuple[list[float], int] | None:
-        """Every pair's cosine similarity, in order, and the tokens embedded (None: the client went
-        away)."""
+        """Every pair's score, in order, and the tokens computed (None: the client went away)."""
         try:
             texts, pairs = pair_texts(first, second)
         except RequestFieldError as exc:
             raise field_error(exc) from None
+        if self.engine.input_processor.pooling.head == "classify":
+            return await self._cross_scores(request_id, request, raw_request, first[0], side_pairs(first, second))
         params = self.pooling_params(request_id)
         prompts = await self.off_loop(tokenize_texts, self.engine.input_processor, request, texts,
                                       default_param=first[0])
@@ -143,6 +197,20 @@ class OpenAIServingScore(OpenAIServingEmbedding):
         vectors = [final.outputs.data for final in finals]
         scores = [float(torch.nn.functional.cosine_similarity(vectors[i], vectors[j], dim=0)) for i, j in pairs]
         return scores, sum(len(final.prompt_token_ids) for final in finals)
+
+    async def _cross_scores(self, request_id: str, request: ScoreRequest | RerankRequest, raw_request: Request,
+                            first_field: str, pairs: list[tuple[Text, Text]]) -> tuple[list[float], int] | None:
+        """A cross-encoder's score of every pair (one engine request each), and their tokens."""
+        params = self.pooling_params(request_id, task="score")
+        prompts = await self.off_loop(tokenize_pairs, self.engine.input_processor, request, pairs,
+                                      default_param=first_field)
+        labels = [f"pair {index} ({text_1[0]} with {text_2[0]})" for index, (text_1, text_2) in enumerate(pairs)]
+        finals = await self.embed(request_id, prompts, params, request, raw_request, in_field_words(first_field),
+                                  labels=labels, what="score")
+        if finals is None:
+            return None
+        return ([float(final.outputs.data[0]) for final in finals],
+                sum(len(final.prompt_token_ids) for final in finals))
 
 
 def add_score_routes(app: FastAPI, scores: OpenAIServingScore,

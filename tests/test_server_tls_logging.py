@@ -249,9 +249,12 @@ def test_the_log_config_file_routes_the_servers_logs(server):
     # The engine's start-up, logged before uvicorn starts, follows the file too; so does uvicorn.
     assert re.search(r"^sparrow\.engine\.engine_process\|INFO\|engine core pid \d+ ready", log, re.M), log
     assert re.search(r"^uvicorn\.error\|INFO\|Application startup complete", log, re.M), log
+    # The engine-core process applies the file too ($SPARROW_LOGGING_CONFIG_PATH, set by the server).
+    assert re.search(r"^sparrow\.engine\.core\|INFO\|engine core ready in", log, re.M), log
     # ... and no longer reaches the default handler (the process's output).
     output = server.output.read_text(errors="replace")
     assert f"serving {MODEL_NAME} on" not in output and "engine core pid" not in output, output
+    assert "engine core ready in" not in output, output
 
 
 def test_a_reasoning_parser_from_a_plugin_file_splits_the_reply(server, client, end_of_thinking):

@@ -330,11 +330,9 @@ def _serve(config: EngineConfig, input_path: str, output_path: str, zmq_ctx: zmq
 
 
 def _setup_logging() -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=os.environ.get("SPARROW_LOGGING_LEVEL", "INFO").upper(),
-            format=f"%(levelname)s %(asctime)s [EngineCore pid={os.getpid()}] %(name)s: %(message)s",
-        )
+    from sparrow.utils.process_logging import setup_process_logging
+
+    setup_process_logging(f"EngineCore pid={os.getpid()}")
 
 
 def _install_signal_handlers() -> None:

@@ -253,11 +253,9 @@ class WorkerProc:
 
 
 def _setup_logging(rank: int) -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=os.environ.get("SPARROW_LOGGING_LEVEL", "INFO").upper(),
-            format=f"%(levelname)s %(asctime)s [Worker rank={rank} pid={os.getpid()}] %(name)s: %(message)s",
-        )
+    from sparrow.utils.process_logging import setup_process_logging
+
+    setup_process_logging(f"Worker rank={rank} pid={os.getpid()}")
 
 
 def _limit_cpu_threads(local_world_size: int) -> None:

@@ -1,7 +1,9 @@
 """The ``sparrow serve`` flags that configure the server process rather than a request: TLS
 (``--ssl-*``, checked and turned into uvicorn's keywords) and ``--log-config-file`` (applied to
-this process's logging once). Checked before the model loads; every error is a ValueError naming
-the flag. Imports nothing heavy (``sparrow`` builds every command's parser from cli_args).
+this process's logging once, and by the engine's processes through
+``$SPARROW_LOGGING_CONFIG_PATH``, sparrow.utils.process_logging). Checked before the model
+loads; every error is a ValueError naming the flag. Imports nothing heavy (``sparrow`` builds
+every command's parser from cli_args).
 """
 
 from __future__ import annotations
@@ -129,6 +131,10 @@ def check_serve_flags(args: argparse.Namespace) -> dict[str, Any]:
         if log_config_file not in _applied_log_config:
             apply_log_config(load_log_config(log_config_file), log_config_file)
             _applied_log_config.append(log_config_file)
+        # The engine's processes (engine core, workers) apply the same file when they start.
+        from sparrow.utils.process_logging import ENV_LOGGING_CONFIG_PATH
+
+        os.environ[ENV_LOGGING_CONFIG_PATH] = os.path.abspath(log_config_file)
         # Already applied (before the engine starts, so that its loggers follow it): uvicorn must
         # not configure logging again, which would reopen the file's handlers.
         kwargs["log_config"] = None

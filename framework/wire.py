@@ -52,6 +52,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     extra_group_block_ids: list[list[int]] = []
     # The LoRA adapter the request runs with (None: the base model).
     lora_request: LoRARequest | None = None
+    # vLLM's cache_salt, for the caches a worker keeps of its own (a draft model's prefix cache).
+    cache_salt: str | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -157,6 +159,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True,
     # A pooling model's request (runner="pooling"): what its vector is for. ``sampling_params``
     # then only carries the prompt through (nothing is sampled).
     pooling_params: PoolingParams | None = None
+    # vLLM's cache_salt: keys the request's prefix-cache blocks (only the same salt shares them).
+    cache_salt: str | None = None
 
 
 # -- engine core -> frontend --------------------------------------------------------------------

@@ -35,6 +35,13 @@ from sparrow_cpu import threads as _cpu_threads  # noqa: E402 - torch-free
 
 _cpu_threads.configure_openmp()
 
+# Hypothesis' default 200 ms deadline per example is a timing assertion: on CI's 2 cores, beside
+# the other xdist worker, a pure-Python example can take longer and fail for no bug.
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("sparrow", deadline=None)
+_hypothesis_settings.load_profile("sparrow")
+
 
 def _cuda_available() -> bool:
     try:

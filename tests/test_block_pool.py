@@ -233,6 +233,21 @@ def test_hash_is_stable_and_keyed_by_extra_keys() -> None:
         hash_block_tokens(None, (1,), (object(),))
 
 
+def test_a_cache_salt_keys_every_block_and_adds_to_the_lora_key() -> None:
+    from sparrow.lora.request import LoRARequest
+
+    hashes = {}
+    for label, salt, lora in (("plain", None, None), ("a", "a", None), ("a too", "a", None), ("b", "b", None),
+                              ("lora", None, LoRARequest("x", 1, "/x")), ("lora a", "a", LoRARequest("x", 1, "/x"))):
+        request = make_request(label, list(range(8)))
+        request.cache_salt, request.lora_request = salt, lora
+        hashes[label] = update_request_block_hashes(request, 4)
+    assert hashes["a"] == hashes["a too"]
+    others = [hashes[label] for label in ("plain", "a", "b", "lora", "lora a")]
+    # Every block of each kind differs from the same block of every other kind.
+    assert all(len({blocks[index] for blocks in others}) == len(others) for index in range(2))
+
+
 # -- state machine: the pool against a list model ------------------------------------------------
 class BlockPoolMachine(RuleBasedStateMachine):
     """Random allocate / cache / touch / free sequences; the model is a list (the LRU order), of

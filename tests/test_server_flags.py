@@ -297,6 +297,41 @@ def test_prompt_tokens_details_count_the_prefix_cache_hits(client):
     assert streamed[-1].usage.prompt_tokens_details.cached_tokens == chat.usage.prompt_tokens_details.cached_tokens
 
 
+def test_cache_salt_keeps_requests_out_of_each_others_prefix_cache(client, http):
+    """vLLM's cache_salt: a request shares cached blocks only with requests of the same salt, on
+    both endpoints; the tokens are the same either way. An empty salt is a 400 naming it."""
+    prompt = " ".join(f"salted{index}" for index in range(40))
+
+    def cached(salt, chat=False):
+        extra = {"cache_salt": salt} if salt is not None else {}
+        if chat:
+            reply = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": prompt}],
+                                                   max_tokens=4, temperature=0, extra_body=extra)
+            return reply.usage.prompt_tokens_details.cached_tokens, reply.choices[0].message.content
+        reply = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0,
+                                          extra_body=extra)
+        return reply.usage.prompt_tokens_details.cached_tokens, reply.choices[0].text
+
+    unsalted, text = cached(None)
+    assert unsalted == 0
+    first_a, text_a = cached("tenant-a")
+    assert first_a == 0 and text_a == text  # no hit on the unsalted blocks, the same tokens
+    again_a, _ = cached("tenant-a")
+    assert again_a >= 16  # the same salt shares
+    assert cached("tenant-b")[0] == 0 and cached(None)[0] >= 16  # another salt does not; no salt finds its own
+    cached("tenant-a", chat=True)
+    assert cached("tenant-a", chat=True)[0] >= 16 and cached("tenant-c", chat=True)[0] == 0
+    for path, body in (("/v1/completions", {"prompt": prompt}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]})):
+        response = http.post(path, json={"model": MODEL_NAME, "max_tokens": 2, "cache_salt": "", **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "cache_salt", response.text
+    # Beam search keys every beam's request with the salt: a request of that salt finds its blocks.
+    beams = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, n=2,
+                                      extra_body={"use_beam_search": True, "cache_salt": "tenant-d"})
+    assert len(beams.choices) == 2
+    assert cached("tenant-d")[0] >= 16 and cached("tenant-e")[0] == 0
+
+
 def test_disable_log_requests_is_the_default_and_contradicts_enable():
     """vLLM's older --disable-log-requests asks for what is already the default (no request log);
     beside --enable-log-requests it is refused rather than one of them silently winning."""

@@ -180,6 +180,31 @@ def test_shared_prefixes_share_draft_blocks_and_stay_exact(engines):
     assert_no_block_leak(same)
 
 
+def test_a_cache_salt_keys_the_drafts_own_prefix_cache_too(engines):
+    """vLLM's cache_salt reaches the draft's cache: a new request adopts the draft blocks of
+    requests with its salt only (none of the unsalted ones, none of another salt's), as the
+    target's prefix cache does; the output stays exact."""
+    base, same, _ = engines
+    expected = token_ids(base.generate([PROMPTS[2]], GREEDY))
+    proposer = runner_of(same).proposer
+    adopted: list[int] = []
+    touch = proposer.pool.touch
+    proposer.pool.touch = lambda blocks: adopted.append(len(blocks)) or touch(blocks)
+    try:
+        largest = {}
+        for label, salt in (("plain", None), ("a", "tenant-a"), ("b", "tenant-b"), ("a again", "tenant-a")):
+            adopted.clear()
+            prompt = {"prompt": PROMPTS[2], **({"cache_salt": salt} if salt else {})}
+            outputs = same.generate([prompt], GREEDY)
+            assert token_ids(outputs) == expected, label
+            largest[label] = (max(adopted, default=0), outputs[0].num_cached_tokens)
+    finally:
+        del proposer.pool.touch
+    assert largest["a"] == (0, 0) and largest["b"] == (0, 0), largest
+    assert largest["a again"][0] >= 1 and largest["a again"][1] >= runner_of(same).block_size, largest
+    assert_no_block_leak(same)
+
+
 def test_rows_without_draft_blocks_go_without_drafts_and_stay_exact(engines):
     """With every draft block taken, rows get no drafts (counted in num_rows_without_room) and the
     output is the target's own; once the blocks are back, drafting resumes."""

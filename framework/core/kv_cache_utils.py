@@ -83,12 +83,17 @@ def update_request_block_hashes(request: Request, block_size: int) -> list[Block
 
 
 def request_extra_keys(request: Request) -> tuple[Any, ...] | None:
-    """What besides the tokens a request's KV depends on: its LoRA adapter (name and id), so that
-    a request never reuses blocks computed under another adapter or without one."""
+    """What besides the tokens keys a request's blocks: its LoRA adapter (name and id), so that a
+    request never reuses blocks computed under another adapter or without one, and its
+    ``cache_salt``, so that only requests with the same salt share blocks (vLLM's)."""
+    keys: tuple[Any, ...] = ()
     lora_request = getattr(request, "lora_request", None)
-    if lora_request is None:
-        return None
-    return ("lora", lora_request.lora_name, lora_request.lora_int_id)
+    if lora_request is not None:
+        keys += ("lora", lora_request.lora_name, lora_request.lora_int_id)
+    salt = getattr(request, "cache_salt", None)
+    if salt is not None:
+        keys += ("salt", salt)
+    return keys or None
 
 
 @dataclass(slots=True, frozen=True)

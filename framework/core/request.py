@@ -47,7 +47,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
         "priority", "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
         "max_tokens", "stop_reason", "block_hashes", "_output_token_ids", "_all_token_ids",
-        "structured_output", "lora_request", "num_output_placeholders",
+        "structured_output", "lora_request", "num_output_placeholders", "cache_salt",
     )
 
     def __init__(
@@ -60,6 +60,7 @@ class Request:
         priority: int = 0,
         max_tokens: int | None = None,
         lora_request: Any = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -85,6 +86,9 @@ class Request:
         self.structured_output: Any = None
         # The LoRA adapter (sparrow.lora.request.LoRARequest) or None; it keys the prefix cache.
         self.lora_request = lora_request
+        # vLLM's cache_salt (None: none): it keys the prefix cache too, so that only requests with
+        # the same salt share blocks (tenants isolated from each other's cache hits).
+        self.cache_salt = cache_salt
         # Overlapped (async) scheduling: tokens scheduled to be sampled by steps still running,
         # whose ids the scheduler has not seen yet (the worker feeds them to the next step itself).
         self.num_output_placeholders = 0

@@ -54,13 +54,16 @@ async def async_beam_search(engine: AsyncLLM, prompt: Any, request_id: str, para
     prompt_text, prompt_ids = await engine.run_input_work(search_prompt, processor, request_id, prompt, step_params,
                                                           priority)
     eos = frozenset(processor.eos_token_ids)
+    # vLLM's cache_salt (checked with the prompt) keys every beam's request, as it keys the prompt's.
+    salt = {"cache_salt": prompt["cache_salt"]} if isinstance(prompt, Mapping) and prompt.get("cache_salt") else {}
     max_model_len = engine.model_config.max_model_len or 0
     state = BeamSearchState([BeamSearchSequence(tokens=prompt_ids, lora_request=lora_request)])
     for step in range(params.max_tokens):
         state.end_full_beams(max_model_len)
         if not state.beams:
             break
-        results = await _one_token_each(engine, state.beams, step_params, f"{request_id}-beam{step}", priority)
+        results = await _one_token_each(engine, state.beams, step_params, f"{request_id}-beam{step}", priority,
+                                        salt)
         state.advance([result.outputs[0].logprobs[0] if result.outputs and result.outputs[0].logprobs else None
                        for result in results], params, eos)
     best = state.best(params, eos)
@@ -76,12 +79,14 @@ async def async_beam_search(engine: AsyncLLM, prompt: Any, request_id: str, para
 
 
 async def _one_token_each(engine: AsyncLLM, beams: list[BeamSearchSequence], step_params: SamplingParams,
-                          id_prefix: str, priority: int) -> list[RequestOutput]:
-    """The final output of one request per beam (``{id_prefix}-{i}``), submitted together."""
+                          id_prefix: str, priority: int, salt: Mapping[str, str]) -> list[RequestOutput]:
+    """The final output of one request per beam (``{id_prefix}-{i}``), submitted together;
+    ``salt``: the search's ``{"cache_salt": ...}``, or empty."""
 
     async def final(index: int, beam: BeamSearchSequence) -> RequestOutput:
         last = None
-        async for output in engine.generate({"prompt_token_ids": beam.tokens}, step_params, f"{id_prefix}-{index}",
+        async for output in engine.generate({"prompt_token_ids": beam.tokens, **salt}, step_params,
+                                            f"{id_prefix}-{index}",
                                             lora_request=beam.lora_request, priority=priority):
             last = output
         assert last is not None

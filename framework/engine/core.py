@@ -95,6 +95,7 @@ class EngineCore:
             priority=request.priority,
             max_tokens=request.max_tokens,
             lora_request=request.lora_request,
+            cache_salt=request.cache_salt,
         )
         if request.lora_request is not None:
             from sparrow.lora.engine import check_lora_request

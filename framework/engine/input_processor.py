@@ -30,9 +30,9 @@ from sparrow.sampling_params import SamplingParams
 from sparrow.wire import EngineCoreRequest
 
 PromptType = Union[str, Mapping[str, Any], Sequence[Mapping[str, Any]]]
-# The keys a prompt dict may have (vLLM's TextPrompt and TokensPrompt). vLLM's others
-# (multi_modal_data, mm_processor_kwargs, cache_salt, prompt_embeds, ...) are refused, never dropped.
-PROMPT_KEYS = ("prompt", "prompt_token_ids")
+# The keys a prompt dict may have (vLLM's TextPrompt and TokensPrompt, with cache_salt). vLLM's
+# others (multi_modal_data, mm_processor_kwargs, prompt_embeds, ...) are refused, never dropped.
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 
 # vLLM's default cap on logprobs per position.
 DEFAULT_MAX_LOGPROBS = 20
@@ -52,6 +52,16 @@ def describe_prompt(request_id: str, text: str | None, token_ids: Sequence[Any] 
     shown = list(token_ids or [])[:_PREVIEW_TOKENS]
     more = ", ..." if token_ids is not None and len(token_ids) > _PREVIEW_TOKENS else ""
     return f"prompt of request {request_id!r} (token ids [{', '.join(map(str, shown))}{more}])"
+
+
+def prompt_cache_salt(request_id: str, prompt: Any) -> str | None:
+    """A prompt dict's ``cache_salt`` (vLLM's): a non-empty string that keys the request's prefix
+    cache blocks, so that only requests with the same salt share them; None without one."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidArgumentError(f"cache_salt of request {request_id!r} must be a non-empty string, got "
+                                   f"{salt!r}", "cache_salt")
+    return salt
 
 
 class InputProcessor:
@@ -219,8 +229,8 @@ class InputProcessor:
                 if key not in PROMPT_KEYS and value is not None:
                     raise InvalidArgumentError(
                         f"{label}: key {key!r} is not supported (Sparrow takes text or token ids only: no "
-                        f"multi-modal data, embeddings or cache salts); a prompt dict takes "
-                        f"{' and '.join(PROMPT_KEYS)}", f"prompt.{key}")
+                        f"multi-modal data or embeddings); a prompt dict takes {', '.join(PROMPT_KEYS)}",
+                        f"prompt.{key}")
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):
                 raise InvalidArgumentError(f"{label}: 'prompt' must be a string, got {type(text).__name__}", "prompt")
@@ -287,6 +297,7 @@ class InputProcessor:
                                        f"{self.scheduler_without_priority!r} scheduler does not order requests by "
                                        "priority; start the engine with scheduler='priority' (or a policy that "
                                        "uses priorities) or leave priority at 0", "priority")
+        cache_salt = prompt_cache_salt(request_id, prompt)
         text, token_ids = self.tokenize_prompt(request_id, prompt)
         # A pooling prompt generates nothing, so it may fill max_model_len (as in vLLM).
         longest = self.max_model_len if pooling_params is not None else self.max_model_len - 1
@@ -310,6 +321,7 @@ class InputProcessor:
             max_tokens=params.max_tokens,
             lora_request=lora_request,  # checked against the engine's LoRA settings by the caller
             pooling_params=pooling_params,
+            cache_salt=cache_salt,
         )
         return text, request
 

@@ -130,7 +130,7 @@ def greedy(model: Any, hidden_states: torch.Tensor, last: torch.Tensor) -> list[
 
 
 class _DraftRequest:
-    __slots__ = ("state", "block_ids", "num_computed", "fed", "keys")
+    __slots__ = ("state", "block_ids", "num_computed", "fed", "keys", "root")
 
     def __init__(self, state: Any) -> None:
         self.state = state  # the runner's CachedRequestState: a resumed request gets a new one
@@ -138,6 +138,10 @@ class _DraftRequest:
         self.num_computed = 0  # leading tokens of the request whose KV the draft holds
         self.fed: list[int] = []  # drafts fed after them last time (their KV is speculative)
         self.keys: list[BlockHash] = []  # index keys of block_ids[: len(keys)], full of verified tokens
+        # The parent of the first block's key: None, or the request's cache_salt hashed, so that
+        # only requests with the same salt share the draft's cached blocks (as the scheduler's).
+        salt = getattr(state, "cache_salt", None)
+        self.root: BlockHash | None = None if salt is None else hash_block_tokens(None, (), ("salt", salt))
 
 
 class _Plan:
@@ -210,7 +214,7 @@ class DraftModelProposer(SpecProposer):
     def _adopt_prefix(self, req: _DraftRequest, tokens: np.ndarray, length: int) -> None:
         """Start a new request from the cached blocks of its longest indexed prefix (whole blocks
         before its last token, which is recomputed for its logits)."""
-        block_size, keys, blocks, parent = self.block_size, [], [], None
+        block_size, keys, blocks, parent = self.block_size, [], [], req.root
         for index in range((length - 1) // block_size):
             parent = hash_block_tokens(parent, tuple(tokens[index * block_size : (index + 1) * block_size].tolist()))
             block = self.pool.get_cached_block(parent)
@@ -231,7 +235,7 @@ class DraftModelProposer(SpecProposer):
             req = plan.req
             for index in range(len(req.keys), min(req.num_computed, plan.length - 1) // block_size):
                 block_tokens = token_ids[plan.row, index * block_size : (index + 1) * block_size].tolist()
-                key = hash_block_tokens(req.keys[-1] if req.keys else None, tuple(block_tokens))
+                key = hash_block_tokens(req.keys[-1] if req.keys else req.root, tuple(block_tokens))
                 self.pool.cache_block(self.pool.blocks[req.block_ids[index]], key)
                 req.keys.append(key)
 

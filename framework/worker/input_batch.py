@@ -37,6 +37,8 @@ class CachedRequestState:
     extra_group_block_ids: list[list[int]] = field(default_factory=list)
     # The request's LoRA adapter (sparrow.lora.request.LoRARequest), or None for the base model.
     lora_request: Any = None
+    # vLLM's cache_salt (None: none), which keys a draft model's prefix cache as the scheduler's.
+    cache_salt: str | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -225,7 +225,7 @@ class ModelRunner(SamplingStep):
                 sampling_params=new.sampling_params, block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens, output_token_ids=list(new.output_token_ids),
                 extra_group_block_ids=[list(block_ids) for block_ids in new.extra_group_block_ids],
-                lora_request=new.lora_request,
+                lora_request=new.lora_request, cache_salt=new.cache_salt,
             )
         cached = so.scheduled_cached_reqs
         for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,

@@ -328,4 +328,5 @@ class Scheduler(StepOutputs, SchedulerInterface):
             output_token_ids=list(request.output_token_ids),
             extra_group_block_ids=self.kv_cache_manager.get_extra_group_block_ids(request.request_id),
             lora_request=request.lora_request,
+            cache_salt=request.cache_salt,
         )

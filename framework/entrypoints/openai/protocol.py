@@ -100,6 +100,9 @@ class SamplingFields(RequestModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = Field(0, ge=-INT64_MAX, le=INT64_MAX)
+    cache_salt: str | None = Field(
+        None, min_length=1, description="vLLM's: a salt that keys the request's prefix-cache blocks, so that it "
+        "shares cached blocks only with requests of the same salt (tenants kept out of each other's cache).")
 
     @field_validator("n", mode="before")
     @classmethod

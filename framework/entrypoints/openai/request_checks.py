@@ -52,7 +52,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "web_search_options": "web search",
     "mm_processor_kwargs": "multimodal inputs",
     "kv_transfer_params": "KV cache transfer",
-    "cache_salt": "cache_salt",
     "cache_control": "cache_control (prompt caching here is automatic)",
 }
 _GUIDED_PREFIX = "guided_"  # guided_decoding_backend, guided_whitespace_pattern, ... (the four are fields)

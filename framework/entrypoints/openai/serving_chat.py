@@ -134,6 +134,8 @@ def render_prompt(input_processor: Any, request: ChatCompletionRequest,
     token_ids = input_processor.truncate(all_ids, request.truncate_prompt_tokens)
     if len(token_ids) < len(all_ids):
         text = input_processor.tokenizer.decode(token_ids)
+    if request.cache_salt is not None:
+        return {"prompt": text, "prompt_token_ids": token_ids, "cache_salt": request.cache_salt}
     return {"prompt": text, "prompt_token_ids": token_ids}
 
 

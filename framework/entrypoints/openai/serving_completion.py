@@ -56,7 +56,8 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
 def tokenize_prompts(input_processor: Any, request: CompletionRequest) -> list[dict[str, Any]]:
     """Every prompt of the request as ``{"prompt": text, "prompt_token_ids": [...]}`` (no text for
     token prompts), tokenized with the request's ``add_special_tokens`` and cut to its
-    ``truncate_prompt_tokens``. Blocking: the endpoint runs it in a worker thread."""
+    ``truncate_prompt_tokens``, with its ``cache_salt``. Blocking: the endpoint runs it in a
+    worker thread."""
     check_unicode(request)
     prompts = []
     for prompt in completion_prompts(request.prompt):
@@ -69,6 +70,9 @@ def tokenize_prompts(input_processor: Any, request: CompletionRequest) -> list[d
         else:
             prompts.append({"prompt_token_ids": input_processor.truncate(prompt["prompt_token_ids"],
                                                                          request.truncate_prompt_tokens)})
+    if request.cache_salt is not None:
+        for prompt in prompts:
+            prompt["cache_salt"] = request.cache_salt
     return prompts
 
 

@@ -36,7 +36,11 @@ class StructuredOutputsParams(
 
     ``json``: a JSON schema (a dict, or its JSON text); ``json_object``: any JSON object;
     ``regex``: the whole output matches it; ``choice``: the output is one of these strings;
-    ``grammar``: an EBNF grammar (GBNF style, with a ``root`` rule). Checked here for shape; the
+    ``grammar``: an EBNF grammar (GBNF style, with a ``root`` rule); ``structural_tag``: vLLM's
+    structural tag, the JSON text of ``{"type": "structural_tag", "format": {...}}`` (xgrammar's
+    format: tags, sequences, JSON schemas, triggered tags...) or of the older ``{"type":
+    "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}`` (free text
+    until a trigger starts a tag, whose content follows its schema). Checked here for shape; the
     frontend compiles the grammar before the request reaches the engine core (see
     ``sparrow.structured_output.check``), so a bad schema, regex or grammar is a ValueError
     naming the field there.
@@ -47,6 +51,7 @@ class StructuredOutputsParams(
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         import json as json_module
@@ -73,7 +78,7 @@ class StructuredOutputsParams(
         if self.json_object is not None and self.json_object is not True:
             raise InvalidArgumentError(f"structured_outputs.json_object must be True when set, got "
                                        f"{self.json_object!r}", "structured_outputs.json_object")
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise InvalidArgumentError(f"structured_outputs.{name} must be a non-empty string, got {value!r}",
@@ -87,15 +92,24 @@ class StructuredOutputsParams(
                     raise InvalidArgumentError(f"structured_outputs.choice[{index}] must be a non-empty string, "
                                                f"got {text!r}", f"structured_outputs.choice[{index}]")
             self.choice = list(self.choice)
+        if self.structural_tag is not None:
+            try:
+                tag = json_module.loads(self.structural_tag)
+            except ValueError as exc:
+                raise InvalidArgumentError(f"structured_outputs.structural_tag is not valid JSON: {exc}",
+                                           "structured_outputs.structural_tag") from None
+            if not isinstance(tag, dict):
+                raise InvalidArgumentError(f"structured_outputs.structural_tag must be a JSON object, got "
+                                           f"{type(tag).__name__}", "structured_outputs.structural_tag")
 
     @property
     def kind(self) -> str:
-        """The field that is set: json, json_object, regex, choice or grammar."""
+        """The field that is set: json, json_object, regex, choice, grammar or structural_tag."""
         return next(name for name in STRUCTURED_OUTPUT_KINDS
                     if getattr(self, name) is not None and getattr(self, name) is not False)
 
 
-STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # SamplingParams fields that are read once and are always None afterwards (not shown in its repr).
 _OLDER_NAMES = ("guided_decoding", "logits_processors")
 # vLLM's name for StructuredOutputsParams before 0.11 (``SamplingParams(guided_decoding=...)``).

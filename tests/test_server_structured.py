@@ -95,6 +95,16 @@ def test_json_object_is_a_json_object(client, qwen3_dir):
     assert choice.finish_reason == "stop" and isinstance(json.loads(choice.message.content), dict)
 
 
+# vLLM's structural tag in xgrammar's format: <pet>, a JSON object of the schema, </pet>.
+PET_TAG = {"type": "tag", "begin": "<pet>", "end": "</pet>",
+           "content": {"type": "json_schema", "json_schema": PET_SCHEMA}}
+
+
+def pet_tag_ok(text: str) -> bool:
+    match = re.fullmatch(r"<pet>(.*)</pet>", text, re.S)
+    return match is not None and jsonschema.validate(json.loads(match.group(1)), PET_SCHEMA) is None
+
+
 @pytest.mark.parametrize("extra, check", [
     ({"guided_regex": r"[a-z]{1,6}@(foo|bar)\.com"}, lambda text: re.fullmatch(r"[a-z]{1,6}@(foo|bar)\.com", text)),
     ({"guided_choice": ["yes", "no"]}, lambda text: text in ("yes", "no")),
@@ -104,6 +114,10 @@ def test_json_object_is_a_json_object(client, qwen3_dir):
     ({"structured_outputs": {"regex": "[0-9]{3}"}}, lambda text: re.fullmatch("[0-9]{3}", text)),
     ({"response_format": json_schema_format(PET_SCHEMA)},
      lambda text: jsonschema.validate(json.loads(text), PET_SCHEMA) is None),
+    ({"response_format": {"type": "structural_tag", "format": PET_TAG}}, pet_tag_ok),
+    ({"structured_outputs": {"structural_tag": json.dumps({"type": "structural_tag", "format": PET_TAG})}},
+     pet_tag_ok),
+    ({"structural_tag": json.dumps({"type": "structural_tag", "format": PET_TAG})}, pet_tag_ok),
 ])
 def test_completions_honour_every_way_to_ask(client, extra, check):
     for stream in (False, True):
@@ -125,6 +139,16 @@ def test_completions_honour_every_way_to_ask(client, extra, check):
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
     ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern", "not supported"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "only one"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format", "neither"),
+    ({"response_format": {"type": "structural_tag", "format": PET_TAG, "triggers": ["<"]}}, "response_format",
+     "not both"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "nope"}}}, "response_format", "invalid"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["["],
+                          "structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}]}}, "response_format",
+     "begins none"),
+    ({"response_format": {"type": "json_object", "format": PET_TAG}}, "response_format.format",
+     "only allowed with type structural_tag"),
+    ({"structural_tag": "{not json"}, "structural_tag", "not valid JSON"),
 ])
 def test_bad_structured_outputs_are_400_naming_the_field(client, extra, param, phrase):
     with pytest.raises(openai.BadRequestError) as info:

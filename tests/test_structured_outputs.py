@@ -210,6 +210,42 @@ def test_every_constrained_output_is_valid_and_stops_under_preemption_and_chunki
     assert [output.outputs[0].token_ids for output in outputs[len(prompts):]] == alone
 
 
+def test_structural_tags_in_xgrammars_format_and_the_older_one_with_triggers(llm):
+    """vLLM's structural_tag. xgrammar's format: a tag whose content follows a JSON schema is the
+    whole output, and the request stops when it closes. The older form: free text until a
+    trigger, then the tag; a bias towards the trigger's token makes the model open tags, and each
+    one's content must follow the schema. Bad tags are ValueErrors naming the field."""
+    schema = SCHEMAS["nested"]
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<user>", "end": "</user>",
+                                                "content": {"type": "json_schema", "json_schema": schema}}}
+    for seed in (None, 3):
+        [output] = llm.generate([{"prompt": "Tell me about a user."}],
+                                constrained(seed, structural_tag=json.dumps(tag)), use_tqdm=False)
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        match = re.fullmatch(r"<user>(.*)</user>", completion.text, re.S)
+        assert match, completion.text
+        jsonschema.validate(json.loads(match.group(1)), schema)
+    [opening] = llm.get_tokenizer().encode("<", add_special_tokens=False)
+    older = {"type": "structural_tag", "triggers": ["<"],
+             "structures": [{"begin": "<tool>", "schema": SCHEMAS["enum"], "end": "</tool>"}]}
+    params = SamplingParams(temperature=0.0, max_tokens=60, logit_bias={opening: 30.0},
+                            structured_outputs=StructuredOutputsParams(structural_tag=json.dumps(older)))
+    text = llm.generate(["Call a tool."], params, use_tqdm=False)[0].outputs[0].text
+    calls = re.findall(r"<tool>(.*?)</tool>", text, re.S)
+    assert text.startswith("<tool>") and calls, text
+    for call in calls:
+        jsonschema.validate(json.loads(call), SCHEMAS["enum"])
+    for bad, phrase in (({"type": "structural_tag", "format": {"type": "nope"}}, "not recognized"),
+                        ({**older, "triggers": ["["]}, "begins none"),
+                        ({**older, "extra": 1}, "'extra' is not a key"),
+                        ({**older, "structures": [{"begin": "<a>", "schema": 3, "end": "</a>"}]}, "schema")):
+        with pytest.raises(ValueError, match=f"structured_outputs.structural_tag is invalid: .*{phrase}"):
+            check_structured_outputs(StructuredOutputsParams(structural_tag=json.dumps(bad)))
+    with pytest.raises(ValueError, match="structural_tag must be a JSON object"):
+        StructuredOutputsParams(structural_tag="[1]")
+
+
 def test_n_logprobs_stop_strings_and_a_shared_cached_prompt(llm):
     prompt = prompt_of(random.Random(3), 40)
     schema = SCHEMAS["nested"]

@@ -1,5 +1,5 @@
 """From ``StructuredOutputsParams`` to an xgrammar ``Grammar``: the one place that knows how each
-kind (json, json_object, regex, choice, grammar) becomes a grammar.
+kind (json, json_object, regex, choice, grammar, structural_tag) becomes a grammar.
 
 Used twice: by the frontend, which parses every request's grammar before it is sent (a bad schema,
 regex or grammar is a ValueError naming the field, and never reaches the engine core), and by the
@@ -62,10 +62,66 @@ def build_grammar(params: StructuredOutputsParams, *, any_whitespace: bool = Fal
             return xgrammar.Grammar.from_regex(params.regex)
         if kind == "choice":
             return xgrammar.Grammar.from_ebnf(choice_ebnf(params.choice or []))
+        if kind == "structural_tag":
+            return _structural_tag_grammar(xgrammar, params.structural_tag or "{}", any_whitespace)
         return xgrammar.Grammar.from_ebnf(params.grammar)
     except (RuntimeError, ValueError) as exc:
         message = CPP_PREFIX.sub("", str(exc)).strip()
         raise ValueError(f"structured_outputs.{kind} is invalid: {message}") from None
+
+
+def _structural_tag_grammar(xgrammar: Any, text: str, any_whitespace: bool) -> Any:
+    """A structural tag's grammar. The older form (``structures`` with ``begin``, ``schema`` and
+    ``end``, and ``triggers``) is xgrammar's ``triggered_tags`` format, as vLLM builds it; JSON
+    schemas in it allow no free whitespace unless ``any_whitespace``, as the JSON kinds."""
+    tag = json.loads(text)
+    if "structures" in tag:
+        tag = {"type": "structural_tag", "format": _triggered_tags(tag)}
+    if not any_whitespace:
+        tag = _strict_json_contents(xgrammar, tag)
+    return xgrammar.Grammar.from_structural_tag(json.dumps(tag))
+
+
+def _triggered_tags(tag: dict[str, Any]) -> dict[str, Any]:
+    """The older structural tag as the ``triggered_tags`` format it means (free text until a
+    trigger, then the tag it begins, then free text again); ValueError for a malformed one."""
+    unknown = sorted(set(tag) - {"type", "structures", "triggers"})
+    if unknown:
+        raise ValueError(f"{unknown[0]!r} is not a key of a structural tag with structures (type, structures, "
+                         "triggers)")
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("structures must be a non-empty list of {begin, schema, end}")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("triggers must be a non-empty list of strings (each a prefix of some begin)")
+    tags = []
+    for index, item in enumerate(structures):
+        if not isinstance(item, dict) or set(item) - {"begin", "schema", "end"} \
+                or not all(isinstance(item.get(key), str) for key in ("begin", "end")):
+            raise ValueError(f"structures[{index}] must be {{\"begin\": str, \"schema\": {{...}}, \"end\": str}}")
+        schema = {} if item.get("schema") is None else item["schema"]
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"structures[{index}].schema must be a JSON schema (an object)")
+        tags.append({"type": "tag", "begin": item["begin"], "end": item["end"],
+                     "content": {"type": "json_schema", "json_schema": schema}})
+    for trigger in triggers:
+        if not any(tag["begin"].startswith(trigger) for tag in tags):
+            raise ValueError(f"trigger {trigger!r} begins none of the structures' begin strings")
+    return {"type": "triggered_tags", "triggers": triggers, "tags": tags}
+
+
+def _strict_json_contents(xgrammar: Any, node: Any) -> Any:
+    """``node`` with every JSON-schema format (of the plain JSON style) replaced by the EBNF of
+    the same schema without free whitespace, which xgrammar's structural tags would allow."""
+    if isinstance(node, list):
+        return [_strict_json_contents(xgrammar, item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and node.get("style", "json") == "json" \
+            and isinstance(node.get("json_schema"), (dict, bool)) and set(node) <= {"type", "json_schema", "style"}:
+        schema = json.dumps(_strict_string_lengths(node["json_schema"]))
+        return {"type": "grammar", "grammar": str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False))}
+    return {key: _strict_json_contents(xgrammar, value) for key, value in node.items()}
 
 
 # JSON string characters that need no escape: anything but '"', '\\' and the control characters.

@@ -66,11 +66,15 @@ class JsonSchemaFormat(RequestModel):
 
 
 class ResponseFormat(RequestModel):
-    """OpenAI's response_format: ``type`` text, json_object or json_schema (with ``json_schema``).
+    """OpenAI's response_format: ``type`` text, json_object or json_schema (with ``json_schema``),
+    or vLLM's structural_tag (with ``format``, or the older ``structures`` and ``triggers``).
     The type is checked in ``structured_outputs``, so that an unsupported one says so."""
 
     type: str = "text"
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
 
 class SamplingFields(RequestModel):
@@ -100,6 +104,8 @@ class SamplingFields(RequestModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = Field(0, ge=-INT64_MAX, le=INT64_MAX)
+    structural_tag: str | None = Field(
+        None, description="vLLM's older form: a structural tag's JSON text (as response_format's structural_tag).")
     cache_salt: str | None = Field(
         None, min_length=1, description="vLLM's: a salt that keys the request's prefix-cache blocks, so that it "
         "shares cached blocks only with requests of the same salt (tenants kept out of each other's cache).")

@@ -39,7 +39,6 @@ IGNORED_MESSAGE_FIELDS = frozenset({"refusal", "annotations", "audio", "function
 _GUIDED = ("this guided decoding option "
            "(structured outputs take guided_json, guided_regex, guided_choice, guided_grammar)")
 NOT_SUPPORTED_YET: dict[str, str] = {
-    "structural_tag": "structural tags (structured outputs with tags)",
     "functions": "function calling (the deprecated form of tools)",
     "function_call": "function calling (the deprecated form of tool_choice)",
     "logits_processors": "custom logits processors",
@@ -205,7 +204,7 @@ _BEAM_NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 _BEAM_EMPTY = ("stop", "stop_token_ids", "allowed_token_ids", "logit_bias", "bad_words", "vllm_xargs",
                "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-               "tools", "prompt_logprobs")
+               "structural_tag", "tools", "prompt_logprobs")
 
 
 def check_beam_search(request: BaseModel, max_logprobs: int) -> None:

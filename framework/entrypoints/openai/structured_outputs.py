@@ -2,9 +2,10 @@
 
 Four ways to ask, as OpenAI and vLLM clients send them:
 
-    response_format  {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}
+    response_format  {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}},
+                     or vLLM's {"type": "structural_tag", "format": {...}} (or "structures" and "triggers")
     structured_outputs  vLLM's extra field: {"json": ...} | {"regex": ...} | {"choice": [...]} | ...
-    guided_json, guided_regex, guided_choice, guided_grammar  vLLM's older fields
+    guided_json, guided_regex, guided_choice, guided_grammar, structural_tag  vLLM's older fields
 
 At most one may be set. Every error is a ``RequestFieldError`` naming the field the client sent,
 and the grammar is parsed here, so that a bad schema, regex or grammar is a 400 and never reaches
@@ -14,6 +15,7 @@ event loop.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from sparrow.entrypoints.openai.protocol import ResponseFormat
@@ -22,10 +24,13 @@ from sparrow.errors import InvalidArgumentError
 from sparrow.sampling_params import STRUCTURED_OUTPUT_KINDS, StructuredOutputsParams
 
 # response_format types: "text" is no constraint; the others are structured outputs.
-RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
-# guided_* field -> StructuredOutputsParams field
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "structural_tag")
+# vLLM's older request fields (guided_*, structural_tag) -> StructuredOutputsParams field
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "grammar"}
+                 "guided_grammar": "grammar", "structural_tag": "structural_tag"}
+# response_format fields that go with one type only
+_TYPED_FIELDS = {"json_schema": ("json_schema",), "format": ("structural_tag",), "structures": ("structural_tag",),
+                 "triggers": ("structural_tag",)}
 
 
 def check_response_format(response_format: ResponseFormat | None) -> None:
@@ -37,9 +42,17 @@ def check_response_format(response_format: ResponseFormat | None) -> None:
     if kind not in RESPONSE_FORMAT_TYPES:
         raise not_supported("response_format", f"response_format of type {kind!r}",
                             f"; supported types: {', '.join(RESPONSE_FORMAT_TYPES)}")
-    if response_format.json_schema is not None and kind != "json_schema":
-        raise RequestFieldError(f"response_format.json_schema: only allowed with type json_schema, got type "
-                                f"{kind!r} (which would ignore the schema)", "response_format.json_schema")
+    for name, types in _TYPED_FIELDS.items():
+        if getattr(response_format, name) is not None and kind not in types:
+            raise RequestFieldError(f"response_format.{name}: only allowed with type {types[0]}, got type {kind!r} "
+                                    f"(which would ignore it)", f"response_format.{name}")
+    if kind == "structural_tag":
+        has_format = response_format.format is not None
+        has_structures = response_format.structures is not None or response_format.triggers is not None
+        if has_format == has_structures:
+            raise RequestFieldError("response_format: type structural_tag needs either format (xgrammar's structural "
+                                    "tag format) or structures and triggers (the older form), "
+                                    + ("not both" if has_format else "and got neither"), "response_format")
 
 
 def _from_response_format(response_format: ResponseFormat) -> tuple[dict[str, Any], str] | None:
@@ -55,6 +68,10 @@ def _from_response_format(response_format: ResponseFormat) -> tuple[dict[str, An
                                     "response_format")
         schema = spec.json_schema
         return {"json": schema if isinstance(schema, dict) else {}}, "response_format.json_schema.schema"
+    if response_format.type == "structural_tag":  # the whole response_format, as vLLM passes it on
+        tag = {name: getattr(response_format, name) for name in ("type", "format", "structures", "triggers")
+               if getattr(response_format, name) is not None}
+        return {"structural_tag": json.dumps(tag)}, "response_format"
     return None
 
 

@@ -180,3 +180,31 @@ class CallObjectScanner:
             self.failed = f"the call's {self.arg_keys[0]} are not a JSON object"
             return
         self.done = True
+
+
+class ArgumentsScanner(CallObjectScanner):
+    """A call's arguments alone, one JSON object, for formats that write the name outside the
+    JSON (Mistral's ``name[ARGS]{...}``). ``name`` is known from the start; otherwise it reads as a
+    :class:`CallObjectScanner` does, as if the object were the value of an "arguments" key, and is
+    done (checked with ``json.loads``) when that object closes."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(("arguments",))
+        self.name = name
+        self._key = "arguments"
+        self._phase = "value_start"
+
+    def _structural_char(self, text: str, char: str) -> None:
+        if self._phase == "value_start" and char != "{":
+            self.failed = "a call's arguments are a JSON object"
+            return
+        super()._structural_char(text, char)
+
+    def _end_value(self, text: str, end: int) -> None:
+        super()._end_value(text, end)
+        try:
+            json.loads(self.arguments(text))
+        except ValueError as exc:
+            self.failed = f"the arguments are not valid JSON: {exc}"
+            return
+        self.done = True

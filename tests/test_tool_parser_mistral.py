@@ -147,3 +147,18 @@ def test_the_arguments_scanner_streams_one_object():
         scanner = ArgumentsScanner("f")
         scanner.scan(bad, 0)
         assert scanner.failed and not scanner.done
+
+
+def test_a_request_it_parses_is_decoded_with_special_tokens():
+    """[TOOL_CALLS] is a special token: with tool_choice auto the request keeps special tokens in
+    its text (vLLM's adjust_request); forced choices and other parsers leave the request alone."""
+    from sparrow.entrypoints.openai.protocol import ChatCompletionRequest
+    from sparrow.entrypoints.openai.tool_parsers.base import adjust_request
+    from sparrow.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+
+    parser_cls = resolve_parser("tool parser", "mistral", get_registry().tool_parsers)
+    for cls, kind, skipped in ((parser_cls, "auto", False), (parser_cls, "required", True),
+                               (HermesToolParser, "auto", True), (None, "auto", True)):
+        request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+        adjust_request(cls, request, kind)
+        assert request.skip_special_tokens is skipped, (cls, kind)

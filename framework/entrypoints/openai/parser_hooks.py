@@ -17,6 +17,10 @@ def sparrow_register_tool_parsers(register: Callable[..., None]) -> None:
 
     register("hermes", HermesToolParser)
     register("llama3_json", Llama3JsonToolParser)
+    # Imported when chosen (--tool-call-parser), by "module:Class".
+    register("mistral", "sparrow.entrypoints.openai.tool_parsers.mistral:MistralToolParser")
+    register("pythonic", "sparrow.entrypoints.openai.tool_parsers.pythonic:PythonicToolParser")
+    register("qwen3_coder", "sparrow.entrypoints.openai.tool_parsers.qwen3_coder:Qwen3CoderToolParser")
 
 
 @hookimpl

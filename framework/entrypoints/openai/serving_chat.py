@@ -47,6 +47,7 @@ from sparrow.entrypoints.openai.serving_engine import (
 )
 from sparrow.entrypoints.openai.streams import cancel_on_disconnect, merge_streams
 from sparrow.entrypoints.openai.tool_calling import resolve_tool_choice, tool_structured_outputs
+from sparrow.entrypoints.openai.tool_parsers.base import adjust_request
 from sparrow.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 
 logger = logging.getLogger(__name__)
@@ -204,6 +205,7 @@ class OpenAIServingChat(OpenAIServing):
             tool_choice = resolve_tool_choice(request, auto_enabled=self.enable_auto_tools)
         except RequestFieldError as exc:
             raise field_error(exc) from None
+        adjust_request(self.tool_parser_cls, request, tool_choice.kind)
         if request.prompt_logprobs is not None and request.stream:
             raise APIError(400, "prompt_logprobs are not available when stream is true (as in vLLM)", "BadRequestError",
                            param="prompt_logprobs", code="invalid_value")

@@ -79,6 +79,7 @@ from sparrow.entrypoints.openai.serving_engine import (
 )
 from sparrow.entrypoints.openai.streams import cancel_on_disconnect, merge_streams
 from sparrow.entrypoints.openai.tool_calling import resolve_tool_choice, tool_structured_outputs
+from sparrow.entrypoints.openai.tool_parsers.base import adjust_request
 from sparrow.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -231,6 +232,7 @@ class OpenAIServingResponses(OpenAIServing):
             tool_choice = resolve_tool_choice(chat_request, auto_enabled=self.enable_auto_tools)
         except RequestFieldError as exc:
             raise field_error(exc) from None
+        adjust_request(self.tool_parser_cls, chat_request, tool_choice.kind)
         if tool_choice.forced:
             structured_outputs = await self.off_loop(tool_structured_outputs, chat_request, tool_choice)
         else:

@@ -62,7 +62,13 @@ class ExtractedToolCalls:
 
 
 class ToolParser:
-    """Base of every tool parser."""
+    """Base of every tool parser.
+
+    ``keeps_special_tokens``: the parser reads markers that are special tokens (Mistral's
+    ``[TOOL_CALLS]``), so a request it parses is decoded with ``skip_special_tokens`` false, as
+    vLLM's parsers set it in ``adjust_request`` (:func:`adjust_request`)."""
+
+    keeps_special_tokens: bool = False
 
     def __init__(self, tokenizer: Any = None, request: Any = None) -> None:
         self.tokenizer = tokenizer
@@ -79,6 +85,13 @@ class ToolParser:
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
         """The tool calls and the answer text of a whole choice."""
         raise NotImplementedError
+
+
+def adjust_request(parser_cls: type[ToolParser] | None, request: Any, tool_choice_kind: str) -> None:
+    """Before the request is submitted: decode it with special tokens when ``parser_cls`` will
+    parse its reply (``tool_choice`` auto) and reads special-token markers."""
+    if tool_choice_kind == "auto" and parser_cls is not None and parser_cls.keeps_special_tokens:
+        request.skip_special_tokens = False
 
 
 class StreamingToolParser(ToolParser):

@@ -27,9 +27,9 @@ chat templates refuse any other id when the call comes back in the next request'
 (a pre-v11 "id" key, a ``[CALL_ID]``) is not used: ours are new for each response.
 
 ``[TOOL_CALLS]`` and ``[ARGS]`` are special tokens in Mistral's vocabularies; a detokenizer that
-skips special tokens drops them, and then no call can be found. vLLM requires
-``skip_special_tokens=False`` for this parser; that is the request's (or the server's) setting,
-not this parser's.
+skips special tokens drops them, and then no call can be found. So the parser sets
+``keeps_special_tokens``: a request it parses (``tool_choice`` auto) is decoded with
+``skip_special_tokens`` false, as vLLM's parser adjusts the request.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def mistral_tool_call_id() -> str:
 
 
 class MistralToolParser(StreamingToolParser):
+    keeps_special_tokens = True
     call_start = "[TOOL_CALLS]"
     args_marker = "[ARGS]"
     call_id_marker = "[CALL_ID]"

@@ -114,6 +114,22 @@ def check_events(events: list, final_type: str = "response.completed", created: 
 
 
 # -- whole responses --------------------------------------------------------------------------
+def test_cache_salt_keys_the_prefix_cache_as_on_chat(client):
+    """vLLM's cache_salt on /v1/responses: only a request with the same salt reads the blocks."""
+    words = " ".join(f"salt{index}" for index in range(40))
+
+    def cached(salt):
+        response = client.responses.create(model=MODEL_NAME, input=words, max_output_tokens=2, temperature=0.0,
+                                           extra_body={"cache_salt": salt})
+        return response.usage.input_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") >= 16 and cached("tenant-b") == 0
+    with pytest.raises(openai.BadRequestError) as info:
+        cached("")
+    assert info.value.body["param"] == "cache_salt"
+
+
 def test_greedy_text_and_usage_equal_hf(client, hf):
     _, tokenizer = hf
     raw = client.responses.with_raw_response.create(

@@ -132,12 +132,14 @@ class ResponsesRequest(RequestModel):
     priority: int = Field(0, ge=-INT64_MAX, le=INT64_MAX)
     skip_special_tokens: bool = True
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra variables for the chat template.")
+    cache_salt: str | None = Field(None, min_length=1, description="vLLM's: keys the request's prefix-cache blocks "
+                                   "(shared only with requests of the same salt).")
 
 
 # Fields handed to ChatCompletionRequest under the same name.
 CHAT_PASS_THROUGH = ("temperature", "top_p", "user", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias",
-                     "priority", "skip_special_tokens", "chat_template_kwargs")
+                     "priority", "skip_special_tokens", "chat_template_kwargs", "cache_salt")
 
 
 # -- the response -----------------------------------------------------------------------------

@@ -208,3 +208,19 @@ def test_a_classifier_embeds_when_asked_and_async_classifies_concurrently(dirs):
 
     for index, output in asyncio.run(run()):
         assert_close(output.outputs.data, torch.softmax(logits(PROMPTS[index]), dim=-1))
+
+
+def test_classifier_and_encoder_architectures_run_on_their_causal_lm_classes():
+    """The registry's names for what transformers saves: X*ForSequenceClassification and XModel run
+    on XForCausalLM; Gemma 3's text-only classes (Gemma3Text*) on Gemma3ForCausalLM."""
+    from types import SimpleNamespace
+
+    from sparrow.models.registry import BUILTIN_ARCHITECTURES, resolve_model_class
+
+    registry = dict(BUILTIN_ARCHITECTURES)
+    for saved, runs_on in (("Qwen3ForSequenceClassification", "Qwen3ForCausalLM"), ("LlamaModel", "LlamaForCausalLM"),
+                           ("Gemma3TextForSequenceClassification", "Gemma3ForCausalLM"),
+                           ("Gemma3TextModel", "Gemma3ForCausalLM"), ("MixtralForSequenceClassification",
+                                                                      "MixtralForCausalLM")):
+        expected = registry[runs_on].rpartition(":")[2]
+        assert resolve_model_class(SimpleNamespace(architectures=[saved]), registry).__name__ == expected, saved

@@ -46,9 +46,13 @@ def resolve_model_class(hf_config: Any, registry_architectures: dict[str, str]) 
         if architecture in registry_architectures:
             return import_object(registry_architectures[architecture])
         for suffix in ("ForSequenceClassification", "Model"):
-            causal_lm = architecture.removesuffix(suffix) + "ForCausalLM"
-            if architecture.endswith(suffix) and causal_lm in registry_architectures:
-                return import_object(registry_architectures[causal_lm])
+            if not architecture.endswith(suffix):
+                continue
+            base = architecture.removesuffix(suffix)
+            # Gemma 3's text-only classes are Gemma3Text*, its causal LM Gemma3ForCausalLM.
+            for causal_lm in (base + "ForCausalLM", base.removesuffix("Text") + "ForCausalLM"):
+                if causal_lm in registry_architectures:
+                    return import_object(registry_architectures[causal_lm])
     raise UnsupportedArchitectureError(
         f"config.json architectures {architectures} are not supported; "
         f"supported architectures: {', '.join(sorted(registry_architectures))}"

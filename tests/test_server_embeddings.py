@@ -123,6 +123,24 @@ def test_float_vectors_equal_hf_in_input_order(server, client, hf):
                              "total_tokens": len(tokenizer("a").input_ids)}
 
 
+def test_the_chat_form_embeds_the_rendered_messages(server, hf):
+    """vLLM's chat form: messages rendered with the model's chat template (no generation prompt,
+    the template's own special tokens only) are one input, embedded as that text would be."""
+    tokenizer, hidden = hf
+    messages = [{"role": "system", "content": "You embed."}, {"role": "user", "content": "What is the capital?"}]
+    for extra, generation_prompt in (({}, False), ({"add_generation_prompt": True}, True)):
+        body = post(server, {"model": MODEL_NAME, "messages": messages, **extra}).json()
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        [item] = body["data"]
+        assert_close(item["embedding"], normalized(hidden(ids)[-1]))
+        assert body["usage"]["prompt_tokens"] == len(ids)
+    # truncate_prompt_tokens keeps the rendered prompt's last tokens.
+    body = post(server, {"model": MODEL_NAME, "messages": messages, "truncate_prompt_tokens": 5}).json()
+    ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False).input_ids
+    assert_close(body["data"][0]["embedding"], normalized(hidden(ids[-5:])[-1]))
+
+
 def test_base64_is_little_endian_float32_as_the_openai_client_decodes_it(server, client):
     floats = client.embeddings.create(model=MODEL_NAME, input=TEXTS[:3], encoding_format="float")
     # The openai client asks for base64 unless told otherwise, and decodes it.
@@ -195,7 +213,12 @@ def test_langchain_embed_documents(server, hf):
     ({"input": [[1, 2], [3, "4"]]}, "input", "input[1][1]: Input should be a valid integer"),
     ({"input": [1, "2"]}, "input", "valid integer"),
     ({"bogus": 1}, "bogus", "unknown field"),
-    ({"messages": [{"role": "user", "content": "hi"}]}, "messages", "unknown field"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "messages", "not both"),
+    ({"add_generation_prompt": True}, "add_generation_prompt", "applies to the chat form"),
+    ({"input": None, "messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"}, "chat_template",
+     "--trust-request-chat-template"),
+    ({"input": None, "messages": []}, "messages", "at least 1"),
+    ({"input": None}, "input", "got neither"),
     ({"dimensions": 65}, "dimensions", "exceeds the model's 64"),
     ({"dimensions": 0}, "dimensions", "greater than or equal to 1"),
     ({"dimensions": "8"}, "dimensions", "valid integer"),

@@ -183,6 +183,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
                                        chat_template_content_format=content_format,
                                        tool_parser_cls=chat.tool_parser_cls, enable_auto_tools=chat.enable_auto_tools)
     embeddings = OpenAIServingEmbedding(engine, model_names)
+    embeddings.chat_template, embeddings.chat_template_content_format = chat_template, content_format
     scores = OpenAIServingScore(engine, model_names)
     classify = OpenAIServingClassify(engine, model_names)
     lora_modules = lora_modules_from_args(engine, args)

@@ -65,9 +65,25 @@ def tokenize_inputs(input_processor: Any, request: EmbeddingRequest | Classifica
     """Every input as an engine prompt (``tokenize_one``). Blocking: the endpoint runs it on the
     engine's input thread."""
     check_unicode(request)
-    return [tokenize_one(input_processor, label, item, field="input", add_special_tokens=request.add_special_tokens,
+    add_special_tokens = True if request.add_special_tokens is None else request.add_special_tokens
+    return [tokenize_one(input_processor, label, item, field="input", add_special_tokens=add_special_tokens,
                          truncate_prompt_tokens=request.truncate_prompt_tokens, verb=verb)
             for label, item in embedding_inputs(request)]
+
+
+def chat_inputs(input_processor: Any, request: EmbeddingRequest, chat_template: str | None,
+                content_format: str) -> list[dict[str, Any]]:
+    """vLLM's chat form: the messages rendered as /v1/chat/completions renders them (the
+    request's template, else the server's --chat-template, else the tokenizer's), one input.
+    Blocking: the endpoint runs it on the engine's input thread."""
+    from sparrow.entrypoints.openai.serving_tokenization import tokenize_chat
+
+    if input_processor.tokenizer is None:
+        raise RequestFieldError("messages: the chat form needs the model's tokenizer, and this server has none "
+                                "(skip_tokenizer_init); send token ids as input", "messages")
+    token_ids = tokenize_chat(input_processor, request, chat_template, content_format)
+    return [tokenize_one(input_processor, "messages", token_ids, field="messages", add_special_tokens=False,
+                         truncate_prompt_tokens=request.truncate_prompt_tokens)]
 
 
 def tokenize_one(input_processor: Any, label: str, item: str | list[int], *, field: str, add_special_tokens: bool,
@@ -124,6 +140,10 @@ def encode_vector(vector: Any, encoding_format: str) -> list[float] | str:
 
 
 class OpenAIServingEmbedding(OpenAIServing):
+    # The chat form's rendering: the server's --chat-template and its content format (api_server).
+    chat_template: str | None = None
+    chat_template_content_format: str = "auto"
+
     request_id_prefix = "embd"
 
     def check_pooling(self, model: str, endpoint: str = "/v1/embeddings") -> None:
@@ -164,10 +184,26 @@ class OpenAIServingEmbedding(OpenAIServing):
 
     async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> Response:
         model = self.check_request(request)
+        chat = request.messages is not None
+        if chat == (request.input is not None):
+            field = "messages" if chat else "input"
+            raise field_error(RequestFieldError(f"{field}: send either input (texts or token ids) or messages (vLLM's "
+                                                "chat form), " + ("not both" if chat else "and got neither"), field))
+        if not chat:
+            for name in ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs"):
+                if getattr(request, name):
+                    raise field_error(RequestFieldError(f"{name}: applies to the chat form (messages); this request "
+                                                        "sends input", name))
+        self.check_chat_template(request)
         request_id = self.new_request_id()
         params = self.pooling_params(request_id, dimensions=request.dimensions, normalize=request.normalize)
-        prompts = await self.off_loop(tokenize_inputs, self.engine.input_processor, request, default_param="input")
-        finals = await self.embed(request_id, prompts, params, request, raw_request, _in_input_words)
+        if chat:
+            prompts = await self.off_loop(chat_inputs, self.engine.input_processor, request, self.chat_template,
+                                          self.chat_template_content_format, default_param="messages")
+        else:
+            prompts = await self.off_loop(tokenize_inputs, self.engine.input_processor, request, default_param="input")
+        finals = await self.embed(request_id, prompts, params, request, raw_request,
+                                  in_field_words("messages") if chat else _in_input_words)
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         return JSONResponse(self._response(request_id, model, finals, request.encoding_format))

@@ -105,15 +105,16 @@ def tokenize(input_processor: Any, request: TokenizeCompletionRequest | Tokenize
     return token_ids, token_strs
 
 
-def tokenize_chat(input_processor: Any, request: TokenizeChatRequest, chat_template: str | None = None,
+def tokenize_chat(input_processor: Any, request: Any, chat_template: str | None = None,
                   content_format: str = "auto") -> list[int]:
     """The token ids /v1/chat/completions would send the engine for these messages: the chat
     endpoint's ``render_prompt`` (which checks every string) on a chat request holding the same
     rendering fields."""
     chat_request = ChatCompletionRequest.model_construct(
         messages=request.messages, add_generation_prompt=request.add_generation_prompt,
-        continue_final_message=request.continue_final_message, add_special_tokens=request.add_special_tokens,
-        chat_template=request.chat_template, chat_template_kwargs=request.chat_template_kwargs, tools=request.tools)
+        continue_final_message=request.continue_final_message, add_special_tokens=bool(request.add_special_tokens),
+        chat_template=request.chat_template, chat_template_kwargs=request.chat_template_kwargs,
+        tools=getattr(request, "tools", None))
     return render_prompt(input_processor, chat_request, chat_template, content_format)["prompt_token_ids"]
 
 

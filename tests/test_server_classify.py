@@ -129,11 +129,22 @@ def test_classify_is_hf_softmax_with_the_checkpoints_labels(classifier, dirs):
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "truncate_prompt_tokens"),
     ({"priority": 1}, "priority", "scheduler"),
     ({"softmax": False}, "softmax", "unknown field"),
-    ({"messages": [{"role": "user", "content": "hi"}]}, "messages", "unknown field"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "messages", "not both"),
+    ({"chat_template_kwargs": {"x": 1}}, "chat_template_kwargs", "applies to the chat form"),
     ({"dimensions": 2}, "dimensions", "unknown field"),
 ])
 def test_classify_refusals_are_400s_naming_the_field(classifier, fields, param, phrase):
     assert_refused(post(classifier, "/classify", {"model": MODEL_NAME, "input": "hi", **fields}), param, phrase)
+
+
+def test_the_chat_form_classifies_the_rendered_messages(classifier, dirs):
+    tokenizer, logits = hf_reference(dirs["classifier"])
+    messages = [{"role": "user", "content": "Is this review positive?"}]
+    body = post(classifier, "/classify", {"model": MODEL_NAME, "messages": messages}).json()
+    ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False).input_ids
+    [item] = body["data"]
+    assert_close(item["probs"], torch.softmax(logits(ids), dim=-1))
+    assert body["usage"]["prompt_tokens"] == len(ids)
 
 
 def test_endpoints_that_need_another_model_name_it_and_the_classifier_goes_on(classifier):

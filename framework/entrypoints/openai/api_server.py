@@ -183,7 +183,6 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
                                        chat_template_content_format=content_format,
                                        tool_parser_cls=chat.tool_parser_cls, enable_auto_tools=chat.enable_auto_tools)
     embeddings = OpenAIServingEmbedding(engine, model_names)
-    embeddings.chat_template, embeddings.chat_template_content_format = chat_template, content_format
     scores = OpenAIServingScore(engine, model_names)
     classify = OpenAIServingClassify(engine, model_names)
     lora_modules = lora_modules_from_args(engine, args)
@@ -195,6 +194,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
         handler.enable_prompt_tokens_details = bool(getattr(args, "enable_prompt_tokens_details", False))
         handler.enable_force_include_usage = bool(getattr(args, "enable_force_include_usage", False))
         handler.trust_request_chat_template = bool(getattr(args, "trust_request_chat_template", False))
+    for handler in (embeddings, classify):  # their chat form renders as the chat endpoint does
+        handler.chat_template, handler.chat_template_content_format = chat_template, content_format
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:

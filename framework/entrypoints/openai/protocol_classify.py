@@ -17,18 +17,18 @@ from typing import Literal
 
 from pydantic import Field
 
-from sparrow.entrypoints.openai.protocol import INT32_MAX, INT64_MAX, OpenAIBaseModel, RequestModel, TokenId
-from sparrow.entrypoints.openai.protocol_embeddings import MAX_EMBEDDING_INPUTS
+from sparrow.entrypoints.openai.protocol import INT32_MAX, INT64_MAX, OpenAIBaseModel, TokenId
+from sparrow.entrypoints.openai.protocol_embeddings import MAX_EMBEDDING_INPUTS, ChatFormFields
 
 # At most this many inputs per request: each is one engine request, as on /v1/embeddings.
 MAX_CLASSIFY_INPUTS = MAX_EMBEDDING_INPUTS
 
 
-class ClassificationRequest(RequestModel):
+class ClassificationRequest(ChatFormFields):
     model: str | None = Field(None, description="Served model name; defaults to the first one served.")
-    input: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
-        ..., description=f"Text, several texts, token ids, or several lists of token ids (at most "
-        f"{MAX_CLASSIFY_INPUTS} inputs); one result per input, none of them empty.")
+    input: str | list[str] | list[TokenId] | list[list[TokenId]] | None = Field(
+        None, description=f"Text, several texts, token ids, or several lists of token ids (at most "
+        f"{MAX_CLASSIFY_INPUTS} inputs); one result per input, none of them empty. Either this or messages.")
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, le=INT32_MAX,
         description="Keep only each input's last k tokens (-1: the most the model takes, max_model_len - 1).")
@@ -36,8 +36,9 @@ class ClassificationRequest(RequestModel):
         None, description="Apply the classifier's activation (softmax; sigmoid for one label) to its logits "
         "(false: the raw logits; null: the model's pooler default).")
     user: str | None = Field(None, description="An end-user id; accepted, as the other endpoints accept it.")
-    add_special_tokens: bool = Field(
-        True, description="Let the tokenizer add its special tokens (BOS, EOS, ...) to text inputs.")
+    add_special_tokens: bool | None = Field(
+        None, description="Let the tokenizer add its special tokens (BOS, EOS, ...) to text inputs (default: true "
+        "for input, false for messages, whose template writes them).")
     priority: int = Field(0, ge=-INT64_MAX, le=INT64_MAX,
                           description="vLLM's: the scheduling priority (needs a priority scheduler).")
 

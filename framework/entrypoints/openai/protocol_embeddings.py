@@ -26,20 +26,26 @@ from sparrow.entrypoints.openai.protocol import (
 MAX_EMBEDDING_INPUTS = 2048
 
 
-class EmbeddingRequest(RequestModel):
-    model: str | None = Field(None, description="Served model name; defaults to the first one served.")
-    input: str | list[str] | list[TokenId] | list[list[TokenId]] | None = Field(
-        None, description=f"Text, several texts, token ids, or several lists of token ids (at most "
-        f"{MAX_EMBEDDING_INPUTS} inputs); one vector per input, none of them empty. Either this or messages.")
-    # vLLM's chat form: the messages rendered with the chat template are one input.
+class ChatFormFields(RequestModel):
+    """vLLM's chat form of a pooling request (/v1/embeddings, /classify): the messages rendered
+    with the chat template are one input."""
+
     messages: list[ChatMessage] | None = Field(
         None, min_length=1, description="vLLM's chat form: chat messages, rendered with the chat template into "
-        "one input (one vector). Either this or input.")
+        "one input (one result). Either this or input.")
     add_generation_prompt: bool = Field(False, description="With messages: open the assistant's turn after them.")
     continue_final_message: bool = Field(False, description="With messages: leave the last message open.")
     chat_template: str | None = Field(
         None, description="With messages: a Jinja chat template (needs --trust-request-chat-template).")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="With messages: extra template variables.")
+
+
+class EmbeddingRequest(ChatFormFields):
+    model: str | None = Field(None, description="Served model name; defaults to the first one served.")
+    input: str | list[str] | list[TokenId] | list[list[TokenId]] | None = Field(
+        None, description=f"Text, several texts, token ids, or several lists of token ids (at most "
+        f"{MAX_EMBEDDING_INPUTS} inputs); one vector per input, none of them empty. Either this or messages.")
+
     encoding_format: Literal["float", "base64"] = Field(
         "float", description="float: a list of numbers; base64: the vector's little-endian float32 bytes, "
         "base64-encoded (the openai client asks for this one and decodes it).")

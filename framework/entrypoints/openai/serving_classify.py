@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from sparrow.entrypoints.openai.protocol_classify import ClassificationRequest, ClassificationResponse
-from sparrow.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, in_field_words, tokenize_inputs
+from sparrow.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, in_field_words
 from sparrow.entrypoints.openai.serving_engine import APIError
 from sparrow.outputs import PoolingRequestOutput
 
@@ -56,9 +56,8 @@ class OpenAIServingClassify(OpenAIServingEmbedding):
         model = self.check_request(request, "/classify")
         request_id = self.new_request_id()
         params = self.pooling_params(request_id, task="classify", use_activation=request.use_activation)
-        prompts = await self.off_loop(tokenize_inputs, self.engine.input_processor, request, "classifies",
-                                      default_param="input")
-        finals = await self.embed(request_id, prompts, params, request, raw_request, in_field_words("input"),
+        prompts, field = await self.inputs(request, "classifies")
+        finals = await self.embed(request_id, prompts, params, request, raw_request, in_field_words(field),
                                   what="classification")
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this

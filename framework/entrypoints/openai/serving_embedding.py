@@ -71,8 +71,8 @@ def tokenize_inputs(input_processor: Any, request: EmbeddingRequest | Classifica
             for label, item in embedding_inputs(request)]
 
 
-def chat_inputs(input_processor: Any, request: EmbeddingRequest, chat_template: str | None,
-                content_format: str) -> list[dict[str, Any]]:
+def chat_inputs(input_processor: Any, request: EmbeddingRequest | ClassificationRequest, chat_template: str | None,
+                content_format: str, verb: str = "embeds") -> list[dict[str, Any]]:
     """vLLM's chat form: the messages rendered as /v1/chat/completions renders them (the
     request's template, else the server's --chat-template, else the tokenizer's), one input.
     Blocking: the endpoint runs it on the engine's input thread."""
@@ -83,7 +83,7 @@ def chat_inputs(input_processor: Any, request: EmbeddingRequest, chat_template: 
                                 "(skip_tokenizer_init); send token ids as input", "messages")
     token_ids = tokenize_chat(input_processor, request, chat_template, content_format)
     return [tokenize_one(input_processor, "messages", token_ids, field="messages", add_special_tokens=False,
-                         truncate_prompt_tokens=request.truncate_prompt_tokens)]
+                         truncate_prompt_tokens=request.truncate_prompt_tokens, verb=verb)]
 
 
 def tokenize_one(input_processor: Any, label: str, item: str | list[int], *, field: str, add_special_tokens: bool,
@@ -184,6 +184,20 @@ class OpenAIServingEmbedding(OpenAIServing):
 
     async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> Response:
         model = self.check_request(request)
+        request_id = self.new_request_id()
+        params = self.pooling_params(request_id, dimensions=request.dimensions, normalize=request.normalize)
+        prompts, field = await self.inputs(request, "embeds")
+        finals = await self.embed(request_id, prompts, params, request, raw_request,
+                                  _in_input_words if field == "input" else in_field_words(field))
+        if finals is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        return JSONResponse(self._response(request_id, model, finals, request.encoding_format))
+
+    async def inputs(self, request: EmbeddingRequest | ClassificationRequest, verb: str
+                     ) -> tuple[list[dict[str, Any]], str]:
+        """The request's engine prompts, from ``input`` or from vLLM's chat form (``messages``),
+        and the field that holds them; exactly one of the two, and the chat fields only with
+        ``messages`` (400s naming the field)."""
         chat = request.messages is not None
         if chat == (request.input is not None):
             field = "messages" if chat else "input"
@@ -194,19 +208,11 @@ class OpenAIServingEmbedding(OpenAIServing):
                 if getattr(request, name):
                     raise field_error(RequestFieldError(f"{name}: applies to the chat form (messages); this request "
                                                         "sends input", name))
+            return await self.off_loop(tokenize_inputs, self.engine.input_processor, request, verb,
+                                       default_param="input"), "input"
         self.check_chat_template(request)
-        request_id = self.new_request_id()
-        params = self.pooling_params(request_id, dimensions=request.dimensions, normalize=request.normalize)
-        if chat:
-            prompts = await self.off_loop(chat_inputs, self.engine.input_processor, request, self.chat_template,
-                                          self.chat_template_content_format, default_param="messages")
-        else:
-            prompts = await self.off_loop(tokenize_inputs, self.engine.input_processor, request, default_param="input")
-        finals = await self.embed(request_id, prompts, params, request, raw_request,
-                                  in_field_words("messages") if chat else _in_input_words)
-        if finals is None:
-            return Response(status_code=499)  # the client is gone; nobody reads this
-        return JSONResponse(self._response(request_id, model, finals, request.encoding_format))
+        return await self.off_loop(chat_inputs, self.engine.input_processor, request, self.chat_template,
+                                   self.chat_template_content_format, verb, default_param="messages"), "messages"
 
     async def embed(self, request_id: str, prompts: list[dict[str, Any]], params: PoolingParams, request: Any,
                     raw_request: Request, rejected: Callable[[ValueError], APIError],

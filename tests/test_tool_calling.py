@@ -29,6 +29,7 @@ from sparrow.hookspecs import hookimpl
 from sparrow.plugins import PluginError, get_registry, resolve_parser
 from tests.test_hooks import registered
 from tests.test_server import MODEL_NAME, serve_for_module
+from tests.tool_parser_streams import random_pieces, reassemble
 
 WEATHER = {"type": "object", "properties": {
     "city": {"enum": ["Paris", "Rome", "Oslo"]},
@@ -80,22 +81,8 @@ def whole(name: str, text: str):
 
 
 def streamed(name: str, text: str, rng: random.Random):
-    """Feed ``text`` in random pieces; reassemble the content and the calls as a client would,
-    checking the OpenAI delta shape: a call opens with its id and name, then sends arguments only."""
-    parser, content, calls = parser_for(name), "", {}
-    cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randrange(1, 12))))
-    pieces = [text[start:end] for start, end in zip([0, *cuts], [*cuts, len(text)])]
-    for delta in [parser.feed(piece) for piece in pieces] + [parser.finish()]:
-        content += delta.content
-        for call in delta.tool_calls:
-            if call.index not in calls:
-                assert call.id and call.id.startswith("chatcmpl-tool-") and call.name, call
-                assert call.index == len(calls)  # calls open in order
-                calls[call.index] = [call.name, ""]
-            else:
-                assert call.id is None and call.name is None, call
-            calls[call.index][1] += call.arguments
-    return content or None, [tuple(calls[index]) for index in sorted(calls)]
+    """Feed ``text`` in random pieces; reassemble it as a client would (tests/tool_parser_streams)."""
+    return reassemble(parser_for(name), random_pieces(text, rng))
 
 
 @pytest.mark.parametrize("name, text, content, calls", CASES)

@@ -12,6 +12,7 @@ import pytest
 
 from sparrow.entrypoints.openai.tool_parsers.json_scanner import ArgumentsScanner
 from sparrow.plugins import get_registry, resolve_parser
+from tests.tool_parser_streams import random_pieces, reassemble
 
 TRICKY = {"city": "Paris", "note": 'a "quoted" } brace {', "n": [1, {"x": [2, "]"]}], "path": "C:\\tmp"}
 TRICKY_JSON = json.dumps(TRICKY)
@@ -66,23 +67,9 @@ def whole(text: str):
 
 
 def streamed(text: str, rng: random.Random):
-    """Feed ``text`` in random pieces; reassemble the content and the calls as a client would,
-    checking the OpenAI delta shape: a call opens with its id and name, then sends arguments only.
-    (tests/test_tool_calling.py's helper, with Mistral's 9-character ids.)"""
-    parser, content, calls = parser_for(), "", {}
-    cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randrange(1, 16))))
-    pieces = [text[start:end] for start, end in zip([0, *cuts], [*cuts, len(text)])]
-    for delta in [parser.feed(piece) for piece in pieces] + [parser.finish()]:
-        content += delta.content
-        for call in delta.tool_calls:
-            if call.index not in calls:
-                assert is_mistral_id(call.id) and call.name, call
-                assert call.index == len(calls)  # calls open in order
-                calls[call.index] = [call.name, ""]
-            else:
-                assert call.id is None and call.name is None, call
-            calls[call.index][1] += call.arguments
-    return content or None, [tuple(calls[index]) for index in sorted(calls)]
+    """Feed ``text`` in random pieces; reassemble it as a client would (tests/tool_parser_streams),
+    with Mistral's 9-character ids."""
+    return reassemble(parser_for(), random_pieces(text, rng, most=16), id_ok=is_mistral_id)
 
 
 @pytest.mark.parametrize("text, content, calls", CASES)

@@ -10,6 +10,7 @@ import random
 import pytest
 
 from sparrow.plugins import get_registry, resolve_parser
+from tests.tool_parser_streams import random_pieces, reassemble
 
 NESTED = ('[plan(steps=[{"do": "fly", "to": ["Rome", "Oslo"]}, {"do": "rest", "hours": 8}], '
           'meta={"tags": ("a", "b"), "depth": {"x": {"y": []}}})]')
@@ -71,22 +72,8 @@ def whole(text: str):
 
 
 def streamed(text: str, rng: random.Random):
-    """Feed ``text`` in random pieces; reassemble the content and the calls as a client would,
-    checking the OpenAI delta shape: a call opens with its id and name, then sends arguments only."""
-    the_parser, content, calls = parser(), "", {}
-    cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randrange(1, 12))))
-    pieces = [text[start:end] for start, end in zip([0, *cuts], [*cuts, len(text)])]
-    for delta in [the_parser.feed(piece) for piece in pieces] + [the_parser.finish()]:
-        content += delta.content
-        for call in delta.tool_calls:
-            if call.index not in calls:
-                assert call.id and call.id.startswith("chatcmpl-tool-") and call.name, call
-                assert call.index == len(calls)  # calls open in order
-                calls[call.index] = [call.name, ""]
-            else:
-                assert call.id is None and call.name is None, call
-            calls[call.index][1] += call.arguments
-    return content or None, [tuple(calls[index]) for index in sorted(calls)]
+    """Feed ``text`` in random pieces; reassemble it as a client would (tests/tool_parser_streams)."""
+    return reassemble(parser(), random_pieces(text, rng))
 
 
 @pytest.mark.parametrize("text, content, calls", CASES)

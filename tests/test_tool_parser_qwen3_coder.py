@@ -13,6 +13,8 @@ import pytest
 from sparrow.entrypoints.openai.protocol import ChatCompletionRequest
 from sparrow.entrypoints.openai.tool_parsers.qwen3_coder import convert_value
 from sparrow.plugins import get_registry, resolve_parser
+from tests.tool_parser_streams import random_pieces as shared_random_pieces
+from tests.tool_parser_streams import reassemble
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
@@ -83,26 +85,14 @@ def whole(text: str, with_tools: bool):
 
 
 def streamed(text: str, with_tools: bool, pieces: list[str]):
-    """Feed ``pieces``; reassemble the content and the calls as a client would, checking the
-    OpenAI delta shape: a call opens with its id and name, then sends arguments only."""
+    """Feed ``pieces``; reassemble them as a client would (tests/tool_parser_streams)."""
     assert "".join(pieces) == text
-    stream, content, calls = parser(with_tools), "", {}
-    for delta in [stream.feed(piece) for piece in pieces] + [stream.finish()]:
-        content += delta.content
-        for tool_call in delta.tool_calls:
-            if tool_call.index not in calls:
-                assert tool_call.id and tool_call.id.startswith("chatcmpl-tool-") and tool_call.name, tool_call
-                assert tool_call.index == len(calls)  # calls open in order
-                calls[tool_call.index] = [tool_call.name, ""]
-            else:
-                assert tool_call.id is None and tool_call.name is None, tool_call
-            calls[tool_call.index][1] += tool_call.arguments
-    return content or None, tuple(tuple(calls[index]) for index in sorted(calls))
+    content, calls = reassemble(parser(with_tools), pieces)
+    return content, tuple(calls)
 
 
 def random_pieces(text: str, rng: random.Random) -> list[str]:
-    cuts = sorted(rng.sample(range(1, len(text)), k=rng.randrange(1, min(len(text), 40))))
-    return [text[start:end] for start, end in zip([0, *cuts], [*cuts, len(text)])]
+    return shared_random_pieces(text, rng, most=min(len(text), 40))
 
 
 IDS = [case[0] for case in CASES]

@@ -28,7 +28,6 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # Architecture names that are encoders without an LM head (vLLM's automatic conversion to embed).
 _ENCODER_SUFFIXES = ("EmbeddingModel", "ForTextEncoding", "Model")
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
-POOLING_HEADS = ("embed", "classify")
 # sentence-transformers' 1_Pooling/config.json flags -> our pooling type.
 _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
 PREFIX_CACHE_SAFE = ("LAST",)

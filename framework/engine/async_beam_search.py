@@ -30,6 +30,7 @@ from sparrow.beam_search import (
     step_sampling_params,
 )
 from sparrow.engine.async_inputs import check_request_fields
+from sparrow.engine.input_processor import prompt_cache_salt
 from sparrow.outputs import CompletionOutput, RequestOutput
 from sparrow.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -55,7 +56,8 @@ async def async_beam_search(engine: AsyncLLM, prompt: Any, request_id: str, para
                                                           priority)
     eos = frozenset(processor.eos_token_ids)
     # vLLM's cache_salt (checked with the prompt) keys every beam's request, as it keys the prompt's.
-    salt = {"cache_salt": prompt["cache_salt"]} if isinstance(prompt, Mapping) and prompt.get("cache_salt") else {}
+    cache_salt = prompt_cache_salt(request_id, prompt)
+    salt = {} if cache_salt is None else {"cache_salt": cache_salt}
     max_model_len = engine.model_config.max_model_len or 0
     state = BeamSearchState([BeamSearchSequence(tokens=prompt_ids, lora_request=lora_request)])
     for step in range(params.max_tokens):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from sparrow.errors import InvalidArgumentError
@@ -114,19 +115,19 @@ def pooled_output(request_id: str, vector: bytes | None, params: PoolingParams, 
         import torch
 
         values = np.frombuffer(vector, dtype="<f4")
-        if activation is not None:
-            logits = torch.from_numpy(values.copy())
-            data = {"softmax": lambda: torch.softmax(logits, dim=-1), "sigmoid": lambda: torch.sigmoid(logits),
-                    "identity": lambda: logits}[activation]()
-            return PoolingRequestOutput(request_id=request_id, outputs=PoolingOutput(data),
-                                        prompt_token_ids=prompt_token_ids, finished=True,
-                                        num_cached_tokens=num_cached_tokens, prompt=prompt)
-        if params.dimensions is not None:
-            values = values[: params.dimensions]
-        if params.normalize:
-            # As torch.nn.functional.normalize: x / max(||x||, eps).
-            values = values / max(float(np.linalg.norm(values.astype(np.float64))), 1e-12)
-        data = torch.from_numpy(np.array(values, dtype=np.float32))
+        if activation is not None:  # a classifier's logits
+            data = torch.from_numpy(values.copy())
+            if activation == "softmax":
+                data = torch.softmax(data, dim=-1)
+            elif activation == "sigmoid":
+                data = torch.sigmoid(data)
+        else:  # an embedding
+            if params.dimensions is not None:
+                values = values[: params.dimensions]
+            if params.normalize:
+                # As torch.nn.functional.normalize: x / max(||x||, eps).
+                values = values / max(float(np.linalg.norm(values.astype(np.float64))), 1e-12)
+            data = torch.from_numpy(np.array(values, dtype=np.float32))
     return PoolingRequestOutput(request_id=request_id, outputs=PoolingOutput(data), prompt_token_ids=prompt_token_ids,
                                 finished=True, num_cached_tokens=num_cached_tokens, prompt=prompt)
 
@@ -161,5 +162,4 @@ def with_truncation(request_id: str, params: Any, truncate_prompt_tokens: int | 
                                    f"{type(params).__name__}", field)
     if truncate_prompt_tokens is None:
         return params
-    return PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens, dimensions=params.dimensions,
-                         normalize=params.normalize, task=params.task, use_activation=params.use_activation)
+    return PoolingParams(**{**msgspec.structs.asdict(params), "truncate_prompt_tokens": truncate_prompt_tokens})

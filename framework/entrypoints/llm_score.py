@@ -28,23 +28,22 @@ def _as_list(data: Any, field: str) -> list[Any]:
                                field)
 
 
-def pair_up(data_1: Any, data_2: Any) -> list[tuple[int, int]]:
-    """(index in data_1, index in data_2) of every pair, in output order."""
+def pair_up(data_1: Any, data_2: Any) -> tuple[list[Any], list[Any], list[tuple[int, int]]]:
+    """Both sides as lists, and (index in data_1, index in data_2) of every pair, in output order."""
     first, second = _as_list(data_1, "data_1"), _as_list(data_2, "data_2")
     if len(first) == 1:
-        return [(0, index) for index in range(len(second))]
+        return first, second, [(0, index) for index in range(len(second))]
     if len(first) != len(second):
         raise InvalidArgumentError(f"data_1 has {len(first)} texts and data_2 {len(second)}: score pairs one text "
                                    "with many, or two lists of the same length", "data_1")
-    return [(index, index) for index in range(len(first))]
+    return first, second, [(index, index) for index in range(len(first))]
 
 
 def embedding_score(llm: Any, data_1: Any, data_2: Any, **encode_kwargs: Any) -> list[ScoringRequestOutput]:
     """The cosine similarity of each pair's embeddings (``encode_kwargs`` go to ``LLM.encode``)."""
     import torch
 
-    pairs = pair_up(data_1, data_2)
-    first, second = _as_list(data_1, "data_1"), _as_list(data_2, "data_2")
+    first, second, pairs = pair_up(data_1, data_2)
     outputs = llm.encode(first + second, pooling_task="embed", **encode_kwargs)
     vectors_1, vectors_2 = outputs[: len(first)], outputs[len(first):]
     results = []
@@ -70,8 +69,7 @@ def pair_token_ids(tokenizer: Any, text_1: Any, text_2: Any, index: int) -> list
 
 def cross_encoder_score(llm: Any, data_1: Any, data_2: Any, **encode_kwargs: Any) -> list[ScoringRequestOutput]:
     """A cross-encoder's score of each pair (``encode_kwargs`` go to ``LLM.encode``)."""
-    pairs = pair_up(data_1, data_2)
-    first, second = _as_list(data_1, "data_1"), _as_list(data_2, "data_2")
+    first, second, pairs = pair_up(data_1, data_2)
     tokenizer = llm.llm_engine.tokenizer
     prompts = [{"prompt_token_ids": pair_token_ids(tokenizer, first[i], second[j], index)}
                for index, (i, j) in enumerate(pairs)]

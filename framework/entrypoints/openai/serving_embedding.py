@@ -187,8 +187,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         request_id = self.new_request_id()
         params = self.pooling_params(request_id, dimensions=request.dimensions, normalize=request.normalize)
         prompts, field = await self.inputs(request, "embeds")
-        finals = await self.embed(request_id, prompts, params, request, raw_request,
-                                  _in_input_words if field == "input" else in_field_words(field))
+        finals = await self.embed(request_id, prompts, params, request, raw_request, in_field_words(field))
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         return JSONResponse(self._response(request_id, model, finals, request.encoding_format))
@@ -278,5 +277,3 @@ def in_field_words(field: str) -> Callable[[ValueError], APIError]:
 
     return rejected
 
-
-_in_input_words = in_field_words("input")

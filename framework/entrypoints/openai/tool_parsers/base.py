@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparrow.entrypoints.openai.markers import partial_marker_len
 from sparrow.entrypoints.openai.tool_parsers.json_scanner import CallObjectScanner
 
 
@@ -149,6 +150,32 @@ class StreamingToolParser(ToolParser):
         if end > self.content_end:
             self._out.content += self.text[self.content_end:end]
             self.content_end = end
+
+    def _answer_until(self, marker: str, final: bool) -> int:
+        """In the answer text: send it up to ``marker`` (its trailing whitespace dropped) and
+        return where the marker starts, or -1 while it has not come; then a partial marker at the
+        end and the whitespace before it are held back, unless the text is ``final``."""
+        text = self.text
+        found = text.find(marker, self.pos)
+        if found < 0:
+            if final:
+                self._send_content(len(text))
+                self.pos = len(text)
+                return -1
+            safe = len(text) - partial_marker_len(text[self.content_end:], marker)
+            self._send_content(self.content_end + len(text[self.content_end:safe].rstrip()))
+            self.pos = self.content_end
+            return -1
+        self._send_content(self.content_end + len(text[self.content_end:found].rstrip()))
+        return found
+
+    def _skip_until(self, marker: str) -> int:
+        """Between calls (text that is not part of the reply): where ``marker`` starts, or -1,
+        having skipped all but what may be the start of it."""
+        found = self.text.find(marker, self.pos)
+        if found < 0:
+            self.pos = max(self.pos, len(self.text) - partial_marker_len(self.text[self.pos:], marker))
+        return found
 
     def _start_scanning(self) -> None:
         self._scanner = CallObjectScanner(self.arg_keys)

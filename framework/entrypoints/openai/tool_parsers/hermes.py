@@ -9,7 +9,6 @@ precede one.
 
 from __future__ import annotations
 
-from sparrow.entrypoints.openai.markers import partial_marker_len
 from sparrow.entrypoints.openai.tool_parsers.base import StreamingToolParser
 
 
@@ -22,27 +21,16 @@ class HermesToolParser(StreamingToolParser):
         self._phase = "text"  # text -> call -> between -> call ...
 
     def _step(self, final: bool) -> bool:
-        text = self.text
         if self._phase == "call":
             outcome = self._scan_call(final)
             if outcome == "done":
                 self._phase = "between"
             return outcome != "wait"
-        found = text.find(self.call_start, self.pos)
         if self._phase == "text":
-            if found < 0:
-                if final:
-                    self._send_content(len(text))
-                    self.pos = len(text)
-                    return False
-                # Hold back a partial "<tool_call>" and the whitespace before it.
-                safe = len(text) - partial_marker_len(text[self.content_end:], self.call_start)
-                self._send_content(self.content_end + len(text[self.content_end:safe].rstrip()))
-                self.pos = self.content_end
-                return False
-            self._send_content(self.content_end + len(text[self.content_end:found].rstrip()))
-        elif found < 0:  # between calls: skip text, keeping what may start the next call
-            self.pos = max(self.pos, len(text) - partial_marker_len(text[self.pos:], self.call_start))
+            found = self._answer_until(self.call_start, final)
+        else:  # between calls: skip text, keeping what may start the next call
+            found = self._skip_until(self.call_start)
+        if found < 0:
             return False
         self.pos = found + len(self.call_start)
         self._phase = "call"

@@ -38,7 +38,6 @@ import re
 import secrets
 import string
 
-from sparrow.entrypoints.openai.markers import partial_marker_len
 from sparrow.entrypoints.openai.tool_parsers.base import StreamingToolParser
 from sparrow.entrypoints.openai.tool_parsers.json_scanner import ArgumentsScanner
 
@@ -88,9 +87,8 @@ class MistralToolParser(StreamingToolParser):
         if phase == "text":
             return self._text(final)
         if phase == "between":
-            found = self.text.find(self.call_start, self.pos)
-            if found < 0:  # skip it, keeping what may start a [TOOL_CALLS]
-                self.pos = max(self.pos, len(self.text) - partial_marker_len(self.text[self.pos:], self.call_start))
+            found = self._skip_until(self.call_start)  # keeping what may start a [TOOL_CALLS]
+            if found < 0:
                 return False
             self.pos = found + len(self.call_start)
             self._phase = "marker"
@@ -104,19 +102,9 @@ class MistralToolParser(StreamingToolParser):
         return self._in_list(final)
 
     def _text(self, final: bool) -> bool:
-        text = self.text
-        found = text.find(self.call_start, self.pos)
+        found = self._answer_until(self.call_start, final)
         if found < 0:
-            if final:
-                self._send_content(len(text))
-                self.pos = len(text)
-                return False
-            # Hold back a partial "[TOOL_CALLS]" and the whitespace before it.
-            safe = len(text) - partial_marker_len(text[self.content_end:], self.call_start)
-            self._send_content(self.content_end + len(text[self.content_end:safe].rstrip()))
-            self.pos = self.content_end
             return False
-        self._send_content(self.content_end + len(text[self.content_end:found].rstrip()))
         self.pos = found + len(self.call_start)
         self._phase = "marker"
         return True

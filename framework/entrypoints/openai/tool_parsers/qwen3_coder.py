@@ -42,7 +42,6 @@ import math
 import re
 from typing import Any
 
-from sparrow.entrypoints.openai.markers import partial_marker_len
 from sparrow.entrypoints.openai.tool_parsers.base import StreamingToolParser
 
 CALL_START = "<tool_call>"
@@ -225,22 +224,11 @@ class Qwen3CoderToolParser(StreamingToolParser):
 
     # -- the phases -------------------------------------------------------------------------------
     def _find_call(self, final: bool) -> bool:
-        text = self.text
-        found = text.find(CALL_START, self.pos)
         if self._phase == "text":
-            if found < 0:
-                if final:
-                    self._send_content(len(text))
-                    self.pos = len(text)
-                    return False
-                # Hold back a partial "<tool_call>" and the whitespace before it.
-                safe = len(text) - partial_marker_len(text[self.content_end:], CALL_START)
-                self._send_content(self.content_end + len(text[self.content_end:safe].rstrip()))
-                self.pos = self.content_end
-                return False
-            self._send_content(self.content_end + len(text[self.content_end:found].rstrip()))
-        elif found < 0:  # between calls: skip text, keeping what may start the next call
-            self.pos = max(self.pos, len(text) - partial_marker_len(text[self.pos:], CALL_START))
+            found = self._answer_until(CALL_START, final)
+        else:  # between calls: skip text, keeping what may start the next call
+            found = self._skip_until(CALL_START)
+        if found < 0:
             return False
         self.pos = found + len(CALL_START)
         self._phase = "open"

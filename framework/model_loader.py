@@ -161,15 +161,17 @@ def causal_lm_names(weights: Iterator[tuple[str, Any]], classify: bool = False) 
 
 
 def add_classifier_head(model: torch.nn.Module, hf_config: Any, dtype: torch.dtype, device: torch.device) -> None:
-    """Give ``model`` the ``score`` layer of a sequence classifier (``convert="classify"``), as
-    transformers builds it: ``Linear(hidden_size, num_labels, bias=False)``, replicated on every
-    tensor-parallel rank (the pooled hidden state is whole on each). A model class that brings
-    its own ``score`` module keeps it."""
-    from sparrow.pooling import num_labels
+    """Give ``model`` the ``score`` layer of a classifier (``convert="classify"``), as transformers
+    builds it: ``Linear(hidden_size, num_labels)``, without a bias for a sequence classifier and
+    with one (``token_classification_bias``, default true) for a token classifier; replicated on
+    every tensor-parallel rank (the pooled hidden state is whole on each). A model class that
+    brings its own ``score`` module keeps it."""
+    from sparrow.pooling import architecture_is_token_classifier, num_labels
 
     if isinstance(getattr(model, "score", None), torch.nn.Module):
         return
-    model.score = torch.nn.Linear(int(hf_config.hidden_size), num_labels(hf_config), bias=False, dtype=dtype,
+    bias = architecture_is_token_classifier(hf_config) and bool(getattr(hf_config, "token_classification_bias", True))
+    model.score = torch.nn.Linear(int(hf_config.hidden_size), num_labels(hf_config), bias=bias, dtype=dtype,
                                   device=device)
 
 

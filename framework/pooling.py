@@ -2,14 +2,17 @@
 
 An engine runs ``runner="generate"`` (text) or ``runner="pooling"`` (one vector per prompt).
 ``auto`` picks pooling for a checkpoint whose architecture is a bare encoder (``Qwen3Model``,
-``*EmbeddingModel``, ``*ForTextEncoding``, as ``AutoModel`` saves it) or a sequence classifier
-(``*ForSequenceClassification``), and generate for ``*ForCausalLM``; ``runner="pooling"`` (or
-vLLM's ``convert="embed"``, or the older ``task="embed"``) runs a ``*ForCausalLM`` checkpoint such
-as Qwen3-Embedding as an embedding model, its LM head unused.
+``*EmbeddingModel``, ``*ForTextEncoding``, as ``AutoModel`` saves it) or a classifier
+(``*ForSequenceClassification``, ``*ForTokenClassification``), and generate for
+``*ForCausalLM``; ``runner="pooling"`` (or vLLM's ``convert="embed"``, or the older
+``task="embed"``) runs a ``*ForCausalLM`` checkpoint such as Qwen3-Embedding as an embedding
+model, its LM head unused.
 
 A pooling engine's head (finalized as ``convert``): ``embed`` (the pooled hidden state is the
 vector) or ``classify`` (the checkpoint's ``score`` layer maps it to ``num_labels`` logits:
-``LLM.classify``, and cross-encoder ``LLM.score`` / rerank when ``num_labels`` is 1).
+``LLM.classify``, and cross-encoder ``LLM.score`` / rerank when ``num_labels`` is 1). A request
+may ask for every prompt token's vector instead (``token_embed``, ``token_classify``: vLLM's
+token-level tasks, a token classifier's only one; ``LLM.reward``).
 
 The pooler (``pooler_config``): ``pooling_type`` LAST (the last prompt token's final hidden
 state), MEAN (the mean over the prompt) or CLS (the first token's), and ``normalize`` (L2).
@@ -28,6 +31,8 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # Architecture names that are encoders without an LM head (vLLM's automatic conversion to embed).
 _ENCODER_SUFFIXES = ("EmbeddingModel", "ForTextEncoding", "Model")
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
+# A token classifier: the same score layer, read at every token (its only task is token_classify).
+TOKEN_CLASSIFIER_SUFFIX = "ForTokenClassification"
 # sentence-transformers' 1_Pooling/config.json flags -> our pooling type.
 _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
 PREFIX_CACHE_SAFE = ("LAST",)
@@ -49,8 +54,14 @@ def architecture_is_encoder(hf_config: Any) -> bool:
 
 
 def architecture_is_classifier(hf_config: Any) -> bool:
+    """A sequence or a token classifier: a checkpoint with a ``score`` layer."""
     architectures = list(getattr(hf_config, "architectures", None) or [])
-    return bool(architectures) and architectures[0].endswith(CLASSIFIER_SUFFIX)
+    return bool(architectures) and architectures[0].endswith((CLASSIFIER_SUFFIX, TOKEN_CLASSIFIER_SUFFIX))
+
+
+def architecture_is_token_classifier(hf_config: Any) -> bool:
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    return bool(architectures) and architectures[0].endswith(TOKEN_CLASSIFIER_SUFFIX)
 
 
 # What each of vLLM's three spellings asks for: (runner, head), None where it says nothing.
@@ -80,7 +91,7 @@ def resolve_runner(runner: str, task: str, convert: str, hf_config: Any) -> tupl
     encoder = classifier or architecture_is_encoder(hf_config)
     if "generate" in runners.values() and encoder:
         field = next(iter(runners))
-        kind = "a sequence classifier" if classifier else "an encoder saved without its LM head"
+        kind = "a classifier" if classifier else "an encoder saved without its LM head"
         raise PoolingConfigError(field, f"{field}={given[field]!r}: architecture {hf_config.architectures[0]} is "
                                  f"{kind}, so it cannot generate text; it runs as runner='pooling'")
     resolved_runner = next(iter(runners.values())) if runners else ("pooling" if encoder else "generate")
@@ -91,7 +102,8 @@ def resolve_runner(runner: str, task: str, convert: str, hf_config: Any) -> tupl
         field = next(iter(heads))
         architecture = (list(getattr(hf_config, "architectures", None) or []) or ["(none)"])[0]
         raise PoolingConfigError(field, f"{field}={given[field]!r} needs a sequence-classification checkpoint "
-                                 f"(architecture *{CLASSIFIER_SUFFIX}, with a score layer); {architecture} has none "
+                                 f"(architecture *{CLASSIFIER_SUFFIX} or *{TOKEN_CLASSIFIER_SUFFIX}, with a score "
+                                 f"layer); {architecture} has none "
                                  "(vLLM's conversion of a causal LM through classifier_from_token is not supported)")
     return "pooling", head
 

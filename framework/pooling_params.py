@@ -18,10 +18,12 @@ import msgspec
 
 from sparrow.errors import InvalidArgumentError
 
-# The pooling tasks a request may name: an embedding model's ("embed", and "encode", the same
-# vector here) and a classifier's ("classify"; "score" for a cross-encoder's pair of texts).
-POOLING_TASKS = ("embed", "encode", "classify", "score")
-EMBED_TASKS = ("embed", "encode")
+# The pooling tasks a request may name, vLLM's: an embedding model's ("embed": one vector per
+# prompt; "token_embed": one per prompt token), a classifier's ("classify": one output per label;
+# "score": a cross-encoder's pair of texts; "token_classify": the labels' outputs at every prompt
+# token), and vLLM's older "encode", which names the model's token-level task.
+TOKEN_TASKS = ("token_embed", "token_classify")
+POOLING_TASKS = ("embed", "classify", "score", *TOKEN_TASKS, "encode")
 
 
 def _fail(field: str, requirement: str, value: Any) -> None:
@@ -41,9 +43,11 @@ class PoolingParams(
     otherwise. ``normalize``: L2-normalize the vector (None: the pooler's default, which is the
     model's sentence-transformers ``Normalize`` module or ``pooler_config.normalize``).
     ``use_activation``: a classifier's softmax / sigmoid over its logits (None: the pooler's
-    default, on); False returns the raw logits. ``task``: "embed" or "encode" (the same here:
-    one vector per prompt) for an embedding model, "classify" or "score" for a classifier (None:
-    the engine's kind). Embedding fields on a classification task, and ``use_activation`` on an
+    default, on); False returns the raw logits. ``task``: "embed" or "token_embed" (one vector
+    per prompt token, each cut and normalized as a prompt's vector is) for an embedding model;
+    "classify", "score" (a cross-encoder's) or "token_classify" (the labels' outputs at every
+    prompt token) for a classifier; "encode" is the model's token-level task (None: the engine's
+    first task). Embedding fields on a classification task, and ``use_activation`` on an
     embedding one, are refused when the request is submitted.
     """
 
@@ -68,8 +72,7 @@ class PoolingParams(
             if getattr(self, field) is not None and not isinstance(getattr(self, field), bool):
                 _fail(field, "must be True, False or None", getattr(self, field))
         if self.task is not None and self.task not in POOLING_TASKS:
-            _fail("task", f"must be one of {', '.join(POOLING_TASKS)} (reward and token-level pooling are not "
-                  "supported)", self.task)
+            _fail("task", f"must be one of {', '.join(POOLING_TASKS)}", self.task)
 
     def clone(self, **changes: Any) -> PoolingParams:
         return msgspec.structs.replace(self, **changes)

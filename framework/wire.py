@@ -54,6 +54,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     lora_request: LoRARequest | None = None
     # vLLM's cache_salt, for the caches a worker keeps of its own (a draft model's prefix cache).
     cache_salt: str | None = None
+    # A pooling model's request: its task ("token_embed" / "token_classify": pool every token).
+    pooling_task: str | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -22,13 +22,17 @@ PROMPTS = ["Hello, my name is", "The capital of France is " * 9, "a", "Once upon
 QUERY, DOCUMENTS = "what is the capital of France", ["Paris is the capital of France", "a cat", "Once upon a time"]
 
 
-def save_classifier(causal, out_dir, num_labels, seed):
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+def save_classifier(causal, out_dir, num_labels, seed, tokens=False):
+    """A sequence classifier (``tokens``: a token classifier, whose score layer has a bias) saved by
+    transformers from ``causal``, its score layer drawn with ``seed``."""
+    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoTokenizer
 
     torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_pretrained(causal, num_labels=num_labels, dtype=torch.float32)
+    auto = AutoModelForTokenClassification if tokens else AutoModelForSequenceClassification
+    model = auto.from_pretrained(causal, num_labels=num_labels, dtype=torch.float32)
     with torch.no_grad():
-        model.score.weight.normal_(0.0, 0.5)
+        for parameter in model.score.parameters():
+            parameter.normal_(0.0, 0.5)
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(causal).save_pretrained(out_dir)
     return str(out_dir)
@@ -55,6 +59,19 @@ def hf_logits(model_dir):
             return model(torch.tensor([ids])).logits[0]
 
     return logits, tokenizer
+
+
+def hf_token_logits(model_dir):
+    """token ids -> HF's score layer over every final hidden state [tokens, num_labels]."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def logits(ids):
+        with torch.no_grad():
+            return model.score(model.model(torch.tensor([ids])).last_hidden_state)[0]
+
+    return logits
 
 
 def assert_close(got, expected, atol=1e-4):
@@ -85,6 +102,17 @@ def test_classify_equals_hf_in_chunks_from_the_prefix_cache_and_without_activati
         assert encoded.prompt_token_ids == list(range(32, 40))
         assert_close(encoded.outputs.data, torch.softmax(logits(list(range(32, 40))), dim=-1))
 
+        # vLLM's token_classify (LLM.reward): the score layer at every token, beside a classify request
+        # of the same prompt in the same steps; it reads nothing from the prefix cache.
+        token_logits = hf_token_logits(dirs["classifier"])
+        rewarded, classified = llm.encode(PROMPTS[1:2] * 2, [PoolingParams(task="token_classify"), None],
+                                          use_tqdm=False)
+        assert_close(rewarded.outputs.data, torch.softmax(token_logits(rewarded.prompt_token_ids), dim=-1))
+        assert rewarded.num_cached_tokens == 0 and classified.num_cached_tokens >= 32
+        assert_close(classified.outputs.data, torch.softmax(logits(PROMPTS[1]), dim=-1))
+        [reward] = llm.reward(PROMPTS[:1], use_tqdm=False)
+        assert_close(reward.outputs.data, torch.softmax(token_logits(reward.prompt_token_ids), dim=-1))
+
         # Embedding requests and fields, and a score, which needs one label, are refused naming the field.
         for call, field in ((lambda: llm.embed(PROMPTS[:1]), "task"),
                             (lambda: llm.classify(PROMPTS[:1], pooling_params=PoolingParams(normalize=True)),
@@ -92,8 +120,8 @@ def test_classify_equals_hf_in_chunks_from_the_prefix_cache_and_without_activati
                             (lambda: llm.classify(PROMPTS[:1], pooling_params=PoolingParams(dimensions=2)),
                              "dimensions"),
                             (lambda: llm.score(QUERY, DOCUMENTS), "task"),
-                            (lambda: llm.generate(PROMPTS[:1]), "sampling_params"),
-                            (lambda: llm.reward(PROMPTS[:1]), "reward")):
+                            (lambda: llm.encode(PROMPTS[:1], pooling_task="token_embed"), "task"),
+                            (lambda: llm.generate(PROMPTS[:1]), "sampling_params")):
             with pytest.raises(ValueError) as excinfo:
                 call()
             assert excinfo.value.field == field, excinfo.value
@@ -194,7 +222,7 @@ def test_a_classifier_embeds_when_asked_and_async_classifies_concurrently(dirs):
     async def run():
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=dirs["classifier"], max_model_len=128))
         try:
-            assert await engine.get_supported_tasks() == ("classify",)
+            assert await engine.get_supported_tasks() == ("classify", "token_classify")
 
             async def one(index):
                 params = PoolingParams(task="classify")

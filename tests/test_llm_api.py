@@ -239,16 +239,14 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(qwen3_dir, llm):
 
 
 def test_pooling_entry_points_are_refused_by_name(llm):
-    # A generative engine has no pooler; reward heads are not built.
+    # A generative engine has no pooler.
     for method, call in (("encode", lambda: llm.encode(["hello"])), ("embed", lambda: llm.embed(["hello"])),
-                         ("classify", lambda: llm.classify(["hello"])), ("score", lambda: llm.score("hello", ["hi"]))):
+                         ("classify", lambda: llm.classify(["hello"])), ("score", lambda: llm.score("hello", ["hi"])),
+                         ("reward", lambda: llm.reward(["hello"]))):
         with pytest.raises(ValueError, match=rf"LLM.{method}\(\) needs a pooling model: start the LLM with "
                                              "runner='pooling'") as info:
             call()
         assert info.value.field == "runner"
-    with pytest.raises(ValueError, match=r"LLM.reward\(\) needs a reward model") as info:
-        llm.reward(["hello"])
-    assert info.value.field == "reward"
     assert llm.generate("hello", SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids
 
 

@@ -131,7 +131,7 @@ def test_embed_equals_hf_last_token_in_chunks_and_from_the_prefix_cache(dirs, hf
 
 
 def test_sentence_transformers_mean_pooling_in_chunks_and_through_preemption(dirs, hf_reference):
-    from sparrow import LLM
+    from sparrow import LLM, PoolingParams
 
     rng = random.Random(5)
     prompts = [[rng.randrange(4000) for _ in range(length)] for length in (90, 75, 60, 41, 3)]
@@ -147,7 +147,17 @@ def test_sentence_transformers_mean_pooling_in_chunks_and_through_preemption(dir
         outputs = llm.encode([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
         for prompt, output in zip(prompts, outputs):
             assert_close(output.outputs.data, pooled(hf_reference(prompt), "MEAN", True))
-        assert llm.llm_engine.engine_core.engine_core.scheduler.num_preemptions > 0
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        assert scheduler.num_preemptions > 0
+        # Token-level requests among them (vLLM's token_embed): their kept rows start over too.
+        before = scheduler.num_preemptions
+        params = [PoolingParams(task="token_embed") if index % 2 == 0 else None for index in range(len(prompts))]
+        outputs = llm.encode([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for index, (prompt, output) in enumerate(zip(prompts, outputs)):
+            expected = torch.nn.functional.normalize(hf_reference(prompt), dim=-1) if index % 2 == 0 else \
+                pooled(hf_reference(prompt), "MEAN", True)
+            assert_close(output.outputs.data, expected)
+        assert scheduler.num_preemptions > before
     finally:
         llm.shutdown()
 
@@ -219,7 +229,7 @@ def test_matryoshka_dimensions_and_the_engine_and_async_interfaces(dirs, hf_refe
     async def run():
         llm = AsyncLLM.from_engine_args(model=dirs["encoder"], max_model_len=128)
         try:
-            assert await llm.get_supported_tasks() == ("embed", "encode")
+            assert await llm.get_supported_tasks() == ("embed", "token_embed")
             async def one(index, prompt):
                 return [o async for o in llm.encode(prompt, PoolingParams(), f"r{index}")]
 

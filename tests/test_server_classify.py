@@ -147,6 +147,39 @@ def test_the_chat_form_classifies_the_rendered_messages(classifier, dirs):
     assert body["usage"]["prompt_tokens"] == len(ids)
 
 
+def test_pooling_gives_any_task_of_the_classifier_as_numbers_or_base64(classifier, dirs):
+    from tests.test_classify import hf_token_logits
+
+    tokenizer, logits = hf_reference(dirs["classifier"])
+    token_logits = hf_token_logits(dirs["classifier"])
+    # The default task is the model's first (classify): LLM.encode over HTTP.
+    body = post(classifier, "/pooling", {"model": MODEL_NAME, "input": TEXTS[:2]}).json()
+    assert set(body) == {"id", "object", "created", "model", "data", "usage"} and body["id"].startswith("pool-")
+    for index, (item, text) in enumerate(zip(body["data"], TEXTS)):
+        assert item["index"] == index and item["object"] == "pooling", item
+        assert_close(item["data"], torch.softmax(logits(text), dim=-1))
+    tokens = sum(len(tokenizer(text).input_ids) for text in TEXTS[:2])
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                             "prompt_tokens_details": None}
+    # token_classify (vLLM's reward output): a row per prompt token; the raw logits; base64 float32 rows.
+    ids = tokenizer(TEXTS[1]).input_ids
+    [item] = post(classifier, "/pooling", {"input": TEXTS[1], "task": "token_classify"}).json()["data"]
+    assert_close(item["data"], torch.softmax(token_logits(ids), dim=-1))
+    [raw] = post(classifier, "/pooling", {"input": ids, "task": "encode", "use_activation": False,
+                                          "encoding_format": "base64"}).json()["data"]
+    import base64
+
+    import numpy as np
+    decoded = np.frombuffer(base64.b64decode(raw["data"]), dtype="<f4").reshape(len(ids), 3)
+    assert_close(decoded.tolist(), token_logits(ids))
+    # Fields for another task, and tasks the model does not have, are 400s naming the field.
+    for fields, param in (({"task": "token_embed"}, "task"), ({"task": "score"}, "task"), ({"task": "x"}, "task"),
+                          ({"normalize": True}, "normalize"), ({"dimensions": 2}, "dimensions")):
+        response = post(classifier, "/pooling", {"input": "hi", **fields})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert post(classifier, "/pooling", {"input": "hi"}, headers=None).status_code == 401
+
+
 def test_endpoints_that_need_another_model_name_it_and_the_classifier_goes_on(classifier):
     assert_refused(post(classifier, "/v1/embeddings", {"input": "hi"}), "model", "is a classifier (3 labels)")
     for path, body in (("/score", {"text_1": "a", "text_2": "b"}), ("/v1/rerank", {"query": "a", "documents": ["b"]})):
@@ -240,6 +273,9 @@ def test_classify_on_an_embedding_or_a_generative_model_is_a_400_naming_model():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
             return await http.post("/classify", json={"input": "hi"})
 
-    embedding = types.SimpleNamespace(head="embed", num_labels=None)
+    embedding = types.SimpleNamespace(head="embed", num_labels=None, supported_tasks=("embed", "token_embed"))
     assert_refused(asyncio.run(classify(embedding)), "model", "is an embedding model")
+    token_classifier = types.SimpleNamespace(head="classify", num_labels=4, supported_tasks=("token_classify",))
+    assert_refused(asyncio.run(classify(token_classifier)), "model", "is a token classifier (4 labels): it answers "
+                   "/pooling (task token_classify)")
     assert_refused(asyncio.run(classify(None)), "model", "is not a classifier")

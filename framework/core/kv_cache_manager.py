@@ -104,8 +104,9 @@ class KVCacheManager:
         A sliding-window group's hit needs only the window before the hit point; with several
         groups, the hit is the longest length that is a hit in every group.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            # Prompt logprobs need the logits at every prompt position: nothing may be skipped.
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            # Prompt logprobs and token-level pooling need the model's output at every prompt
+            # position: nothing may be skipped.
             return self._no_blocks(), 0
         block_hashes = update_request_block_hashes(request, self.block_size)
         max_num_hit_blocks = (request.num_tokens - 1) // self.block_size

@@ -47,7 +47,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
         "priority", "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
         "max_tokens", "stop_reason", "block_hashes", "_output_token_ids", "_all_token_ids",
-        "structured_output", "lora_request", "num_output_placeholders", "cache_salt",
+        "structured_output", "lora_request", "num_output_placeholders", "cache_salt", "pooling_task",
     )
 
     def __init__(
@@ -61,6 +61,7 @@ class Request:
         max_tokens: int | None = None,
         lora_request: Any = None,
         cache_salt: str | None = None,
+        pooling_task: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -89,9 +90,19 @@ class Request:
         # vLLM's cache_salt (None: none): it keys the prefix cache too, so that only requests with
         # the same salt share blocks (tenants isolated from each other's cache hits).
         self.cache_salt = cache_salt
+        # A pooling model's request: its resolved task (None: a generation request). A token-level
+        # task ("token_embed", "token_classify") reads every prompt position's hidden state.
+        self.pooling_task = pooling_task
         # Overlapped (async) scheduling: tokens scheduled to be sampled by steps still running,
         # whose ids the scheduler has not seen yet (the worker feeds them to the next step itself).
         self.num_output_placeholders = 0
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """vLLM's: the request needs the model's output at every prompt position (prompt logprobs,
+        token-level pooling), so no prompt token may come from the prefix cache."""
+        return self.sampling_params.prompt_logprobs is not None or \
+            self.pooling_task in ("token_embed", "token_classify")
 
     # -- progress ---------------------------------------------------------------------------
     @property

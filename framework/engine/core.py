@@ -96,6 +96,7 @@ class EngineCore:
             max_tokens=request.max_tokens,
             lora_request=request.lora_request,
             cache_salt=request.cache_salt,
+            pooling_task=request.pooling_params.task if request.pooling_params is not None else None,
         )
         if request.lora_request is not None:
             from sparrow.lora.engine import check_lora_request

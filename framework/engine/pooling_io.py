@@ -17,8 +17,8 @@ import numpy as np
 
 from sparrow.errors import InvalidArgumentError
 from sparrow.outputs import PoolingOutput, PoolingRequestOutput
-from sparrow.pooling import classifier_activation, matryoshka_dimensions, num_labels
-from sparrow.pooling_params import EMBED_TASKS, PoolingParams
+from sparrow.pooling import architecture_is_token_classifier, classifier_activation, matryoshka_dimensions, num_labels
+from sparrow.pooling_params import TOKEN_TASKS, PoolingParams
 from sparrow.sampling_params import RequestOutputKind, SamplingParams
 
 # What a pooling request's EngineCoreRequest carries as sampling parameters: nothing is sampled
@@ -34,9 +34,15 @@ class PoolingIO:
         self.hidden_size = int(hf_config.hidden_size)
         self.matryoshka = matryoshka_dimensions(hf_config)
         self.num_labels = num_labels(hf_config) if head == "classify" else None
-        # vLLM's tasks: a cross-encoder scores (a pair's one logit) when it has a single label.
-        self.supported_tasks: tuple[str, ...] = EMBED_TASKS if head == "embed" else \
-            ("classify", "score") if self.num_labels == 1 else ("classify",)
+        # vLLM's tasks, the default first: a cross-encoder scores (a pair's one logit) when it has
+        # a single label; a token classifier's score layer is only read at every token.
+        if head == "embed":
+            self.supported_tasks: tuple[str, ...] = ("embed", "token_embed")
+        elif architecture_is_token_classifier(hf_config):
+            self.supported_tasks = ("token_classify",)
+        else:
+            self.supported_tasks = ("classify", "score", "token_classify") if self.num_labels == 1 else \
+                ("classify", "token_classify")
         # task -> the activation over a classifier's logits, or why it cannot be applied
         self._activations: dict[str, str] = {}
         self._unusable: dict[str, str] = {}
@@ -61,8 +67,12 @@ class PoolingIO:
             raise InvalidArgumentError(f"{field} of request {request_id!r} must be PoolingParams, got "
                                        f"{type(params).__name__}", field)
         task = params.task or self.supported_tasks[0]
+        if task == "encode":  # vLLM's older name for the model's token-level task
+            task = "token_embed" if self.head == "embed" else "token_classify"
         if task not in self.supported_tasks:
-            kind = "an embedding model" if self.head == "embed" else f"a classifier with {self.num_labels} labels"
+            kind = "an embedding model" if self.head == "embed" else \
+                f"a {'token ' if self.supported_tasks == ('token_classify',) else ''}classifier with " \
+                f"{self.num_labels} labels"
             extra = " (score needs a cross-encoder: a classifier with one label)" if task == "score" else ""
             raise InvalidArgumentError(f"task={task!r}: this engine runs {kind}, whose tasks are "
                                        f"{', '.join(self.supported_tasks)}{extra}", "task")
@@ -109,24 +119,28 @@ def pooled_output(request_id: str, vector: bytes | None, params: PoolingParams, 
                   activation: str | None = None) -> PoolingRequestOutput:
     """The caller's output for the engine core's vector (None: the request was aborted, and
     ``outputs.data`` is None). ``activation`` ("softmax", "sigmoid", "identity" or None) is
-    applied to a classifier's logits (PoolingIO.activation)."""
+    applied to a classifier's logits (PoolingIO.activation). A token-level task's data has one
+    row per prompt token."""
     data = None
     if vector is not None:
         import torch
 
         values = np.frombuffer(vector, dtype="<f4")
+        if params.task in TOKEN_TASKS:  # one row per prompt token
+            values = values.reshape(len(prompt_token_ids), -1)
         if activation is not None:  # a classifier's logits
             data = torch.from_numpy(values.copy())
             if activation == "softmax":
                 data = torch.softmax(data, dim=-1)
             elif activation == "sigmoid":
                 data = torch.sigmoid(data)
-        else:  # an embedding
+        else:  # an embedding (each row's, for token_embed)
             if params.dimensions is not None:
-                values = values[: params.dimensions]
+                values = values[..., : params.dimensions]
             if params.normalize:
                 # As torch.nn.functional.normalize: x / max(||x||, eps).
-                values = values / max(float(np.linalg.norm(values.astype(np.float64))), 1e-12)
+                norms = np.linalg.norm(values.astype(np.float64), axis=-1, keepdims=True)
+                values = values / np.maximum(norms, 1e-12)
             data = torch.from_numpy(np.array(values, dtype=np.float32))
     return PoolingRequestOutput(request_id=request_id, outputs=PoolingOutput(data), prompt_token_ids=prompt_token_ids,
                                 finished=True, num_cached_tokens=num_cached_tokens, prompt=prompt)

@@ -28,12 +28,9 @@ def prompt_list(prompts: Any) -> list[Any]:
 
 
 def _pooling_refused(method: str) -> InvalidArgumentError:
-    if method == "reward":
-        return InvalidArgumentError("LLM.reward() needs a reward model, which Sparrow does not support (it runs "
-                                    "generative, embedding and classification models)", method)
     return InvalidArgumentError(f"LLM.{method}() needs a pooling model: start the LLM with runner='pooling' (an "
-                                "embedding model such as Qwen3-Embedding, or a *ForSequenceClassification "
-                                "checkpoint)", "runner")
+                                "embedding model such as Qwen3-Embedding, or a *ForSequenceClassification or "
+                                "*ForTokenClassification checkpoint)", "runner")
 
 
 class PoolingMethods:
@@ -54,13 +51,15 @@ class PoolingMethods:
                truncate_prompt_tokens: int | None = None, use_tqdm: bool | Callable[..., Any] = True,
                lora_request: Any = None, pooling_task: str | None = None,
                tokenization_kwargs: dict[str, Any] | None = None) -> list[PoolingRequestOutput]:
-        """One vector per prompt from a pooling model (``runner="pooling"``), in input order:
-        ``outputs.data`` is a float32 tensor. ``pooling_params`` is one for all or one per prompt
-        (None: the defaults); ``pooling_task`` one of the engine's tasks (None: its first, "embed"
-        for an embedding model, "classify" for a classifier)."""
+        """One output per prompt from a pooling model (``runner="pooling"``), in input order:
+        ``outputs.data`` is a float32 tensor, [width] for a prompt's vector, [prompt tokens, width]
+        for a token-level task. ``pooling_params`` is one for all or one per prompt (None: the
+        defaults); ``pooling_task`` one of the engine's tasks (None: its first, "embed" for an
+        embedding model, "classify" for a sequence classifier, "token_classify" for a token
+        classifier; "encode": the model's token-level task)."""
         if pooling_task is not None and pooling_task not in POOLING_TASKS:
-            raise InvalidArgumentError(f"pooling_task must be one of {', '.join(POOLING_TASKS)}, got {pooling_task!r} "
-                                       "(reward and token-level pooling are not supported)", "pooling_task")
+            raise InvalidArgumentError(f"pooling_task must be one of {', '.join(POOLING_TASKS)}, got {pooling_task!r}",
+                                       "pooling_task")
         if tokenization_kwargs:
             raise InvalidArgumentError("tokenization_kwargs are not supported: tokenize yourself and pass "
                                        "{'prompt_token_ids': [...]}, or use truncate_prompt_tokens",
@@ -132,5 +131,13 @@ class PoolingMethods:
                       pooling_params=pooling_params, lora_request=lora_request,
                       tokenization_kwargs=tokenization_kwargs)
 
-    def reward(self, *args: Any, **kwargs: Any) -> list[Any]:
-        raise _pooling_refused("reward")
+    def reward(self, prompts: Any, /, *, truncate_prompt_tokens: int | None = None,
+               use_tqdm: bool | Callable[..., Any] = True,
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, lora_request: Any = None,
+               tokenization_kwargs: dict[str, Any] | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's ``LLM.reward``: a classifier's outputs at every prompt token (``token_classify``;
+        ``outputs.data`` [prompt tokens, labels]), as a token classifier or a reward model gives them."""
+        self._pooling_io("reward")
+        return self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                           use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="token_classify",
+                           tokenization_kwargs=tokenization_kwargs)

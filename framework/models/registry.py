@@ -38,14 +38,14 @@ def sparrow_register_model_architectures(register: Callable[..., None]) -> None:
 def resolve_model_class(hf_config: Any, registry_architectures: dict[str, str]) -> type:
     """The model class of the first of ``hf_config.architectures`` that is registered. An encoder
     saved without its LM head (``Qwen3Model``, what ``AutoModel`` saves; an embedding model) and
-    a sequence classifier (``Qwen3ForSequenceClassification``) run on their ``*ForCausalLM``
+    a sequence or token classifier (``Qwen3ForSequenceClassification``) run on their ``*ForCausalLM``
     class, whose LM head a pooling model leaves unused (the model loader adds a classifier's
     ``score`` layer)."""
     architectures = list(getattr(hf_config, "architectures", None) or [])
     for architecture in architectures:
         if architecture in registry_architectures:
             return import_object(registry_architectures[architecture])
-        for suffix in ("ForSequenceClassification", "Model"):
+        for suffix in ("ForSequenceClassification", "ForTokenClassification", "Model"):
             if not architecture.endswith(suffix):
                 continue
             base = architecture.removesuffix(suffix)

@@ -215,6 +215,8 @@ class ModelRunner(SamplingStep):
         batch = self.batch
         if self.pooler is not None:  # finished, preempted or (re)started: nothing carried over
             self.pooler.forget([*so.finished_req_ids, *(new.req_id for new in so.scheduled_new_reqs)])
+            for new in so.scheduled_new_reqs:
+                self.pooler.begin(new.req_id, new.pooling_task)
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             batch.remove(req_id)

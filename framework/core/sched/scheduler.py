@@ -329,4 +329,5 @@ class Scheduler(StepOutputs, SchedulerInterface):
             extra_group_block_ids=self.kv_cache_manager.get_extra_group_block_ids(request.request_id),
             lora_request=request.lora_request,
             cache_salt=request.cache_salt,
+            pooling_task=request.pooling_task,
         )

@@ -17,6 +17,7 @@
     POST /v1/embeddings        one vector per input, from a pooling model (--runner pooling); the
                                generation endpoints are 400s on such a model, this one on the others
     POST /classify             vLLM's: class probabilities per input, from a sequence classifier
+    POST /pooling              vLLM's: any pooling task's raw output (per token for token_embed/_classify)
     POST /score, /v1/score     vLLM's: text pairs' scores: their vectors' cosine similarity, or a cross-encoder's
     POST /rerank, /v1/rerank, /v2/rerank  vLLM's (Jina's and Cohere's shape): documents ranked by
                                that score against a query
@@ -93,6 +94,7 @@ from sparrow.entrypoints.openai.serving_models import (
     lora_modules_from_args,
     runtime_lora_updating,
 )
+from sparrow.entrypoints.openai.serving_pooling import OpenAIServingPooling, add_pooling_routes
 from sparrow.entrypoints.openai.serving_responses import OpenAIServingResponses
 from sparrow.entrypoints.openai.serving_score import OpenAIServingScore, add_score_routes
 from sparrow.entrypoints.openai.serving_tokenization import (
@@ -184,17 +186,17 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
                                        tool_parser_cls=chat.tool_parser_cls, enable_auto_tools=chat.enable_auto_tools)
     embeddings = OpenAIServingEmbedding(engine, model_names)
     scores = OpenAIServingScore(engine, model_names)
-    classify = OpenAIServingClassify(engine, model_names)
+    classify, pooling = OpenAIServingClassify(engine, model_names), OpenAIServingPooling(engine, model_names)
     lora_modules = lora_modules_from_args(engine, args)
     request_logger = request_logger_from_args(args)
-    for handler in (completions, chat, tokenization, responses, embeddings, scores, classify):
+    for handler in (completions, chat, tokenization, responses, embeddings, scores, classify, pooling):
         handler.lora_modules = lora_modules
         handler.request_logger = request_logger
         handler.return_tokens_as_token_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
         handler.enable_prompt_tokens_details = bool(getattr(args, "enable_prompt_tokens_details", False))
         handler.enable_force_include_usage = bool(getattr(args, "enable_force_include_usage", False))
         handler.trust_request_chat_template = bool(getattr(args, "trust_request_chat_template", False))
-    for handler in (embeddings, classify):  # their chat form renders as the chat endpoint does
+    for handler in (embeddings, classify, pooling):  # their chat form renders as the chat endpoint does
         handler.chat_template, handler.chat_template_content_format = chat_template, content_format
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
@@ -236,6 +238,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
 
     add_score_routes(app, scores, _ERROR_RESPONSES)
     add_classify_routes(app, classify, _ERROR_RESPONSES)
+    add_pooling_routes(app, pooling, _ERROR_RESPONSES)
 
     # Query values are taken as text and checked by the handler, so that a bad one is a 400 naming
     # it; include also as the openai client sends a list (include[]=...).

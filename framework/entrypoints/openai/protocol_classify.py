@@ -31,7 +31,7 @@ class ClassificationRequest(ChatFormFields):
         f"{MAX_CLASSIFY_INPUTS} inputs); one result per input, none of them empty. Either this or messages.")
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, le=INT32_MAX,
-        description="Keep only each input's last k tokens (-1: the most the model takes, max_model_len - 1).")
+        description="Keep only each input's last k tokens (-1: the most the model takes, max_model_len).")
     use_activation: bool | None = Field(
         None, description="Apply the classifier's activation (softmax; sigmoid for one label) to its logits "
         "(false: the raw logits; null: the model's pooler default).")

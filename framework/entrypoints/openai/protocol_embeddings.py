@@ -56,7 +56,7 @@ class EmbeddingRequest(ChatFormFields):
     # vLLM's extras
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, le=INT32_MAX,
-        description="Keep only each input's last k tokens (-1: the most the model takes, max_model_len - 1).")
+        description="Keep only each input's last k tokens (-1: the most the model takes, max_model_len).")
     add_special_tokens: bool | None = Field(
         None, description="Let the tokenizer add its special tokens (BOS, EOS, ...) to text inputs (default: true "
         "for input, false for messages, whose template writes them).")

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from sparrow.entrypoints.openai.protocol_classify import ClassificationRequest, ClassificationResponse
 from sparrow.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, in_field_words
-from sparrow.entrypoints.openai.serving_engine import APIError
+from sparrow.entrypoints.openai.serving_engine import APIError, pooling_model_kind
 from sparrow.outputs import PoolingRequestOutput
 
 
@@ -40,13 +40,13 @@ class OpenAIServingClassify(OpenAIServingEmbedding):
     def check_pooling(self, model: str, endpoint: str = "/classify") -> None:
         """Only a classifier has classes: a 400 naming ``model`` on an embedding or a generative model."""
         pooling = self.engine.input_processor.pooling
-        if pooling is not None and pooling.head == "classify":
+        if pooling is not None and "classify" in pooling.supported_tasks:
             return
         if pooling is not None:
-            raise APIError(400, f"the model {model!r} is an embedding model (this server runs it as a pooling model "
-                           f"without a classification head): it answers /v1/embeddings, /v1/score and /v1/rerank, "
-                           f"not {endpoint}; serve a sequence classifier (a *ForSequenceClassification checkpoint) "
-                           "to classify", "BadRequestError", param="model", code="unsupported")
+            kind, answers = pooling_model_kind(pooling)
+            raise APIError(400, f"the model {model!r} is {kind}: it answers {answers}, not {endpoint}; serve a "
+                           "sequence classifier (a *ForSequenceClassification checkpoint) to classify",
+                           "BadRequestError", param="model", code="unsupported")
         raise APIError(400, f"the model {model!r} is not a classifier: this server runs it for text generation, and "
                        f"{endpoint} needs a sequence classifier; start one with `sparrow serve MODEL` on a "
                        "*ForSequenceClassification checkpoint (served with --runner pooling by default)",

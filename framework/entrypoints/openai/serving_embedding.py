@@ -31,6 +31,7 @@ from sparrow.entrypoints.openai.serving_engine import (
     collect_finals,
     engine_dead,
     field_error,
+    pooling_model_kind,
 )
 from sparrow.entrypoints.openai.streams import cancel_on_disconnect
 from sparrow.errors import InvalidArgumentError
@@ -130,9 +131,9 @@ def check_vocabulary(label: str, token_ids: list[int], vocab_size: int, field: s
                             f"[0, {vocab_size})", field)
 
 
-def encode_vector(vector: Any, encoding_format: str) -> list[float] | str:
-    """A float32 vector as the response carries it: numbers, or OpenAI's base64 of its
-    little-endian float32 bytes."""
+def encode_vector(vector: Any, encoding_format: str) -> list[Any] | str:
+    """A float32 vector (or /pooling's rows of them) as the response carries it: numbers, or
+    OpenAI's base64 of its little-endian float32 bytes (row after row)."""
     values = np.asarray(vector.numpy() if hasattr(vector, "numpy") else vector, dtype="<f4")
     if encoding_format == "base64":
         return base64.b64encode(values.tobytes()).decode("ascii")
@@ -151,10 +152,9 @@ class OpenAIServingEmbedding(OpenAIServing):
         an embedding model."""
         pooling = self.engine.input_processor.pooling
         if pooling is not None and pooling.head == "classify":
-            also = ", /v1/score and /v1/rerank (a cross-encoder)" if pooling.num_labels == 1 else ""
-            raise APIError(400, f"the model {model!r} is a classifier ({pooling.num_labels} label"
-                           f"{'' if pooling.num_labels == 1 else 's'}), not an embedding model: it answers /classify"
-                           f"{also}, not {endpoint}; serve an embedding model for vectors", "BadRequestError",
+            kind, answers = pooling_model_kind(pooling)
+            raise APIError(400, f"the model {model!r} is {kind}, not an embedding model: it answers {answers}, not "
+                           f"{endpoint}; serve an embedding model for vectors", "BadRequestError",
                            param="model", code="unsupported")
         if pooling is None:
             raise APIError(400, f"the model {model!r} is not an embedding model: this server runs it for text "

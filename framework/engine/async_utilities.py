@@ -52,8 +52,8 @@ class AsyncEngineUtilities:
         return self.config
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
-        # vLLM's task names: an embedding model's ("embed", "encode": the same vector here) or a
-        # classifier's ("classify", and "score" for a cross-encoder).
+        # vLLM's task names, the default first: an embedding model's ("embed", "token_embed") or a
+        # classifier's ("classify", "score" for a cross-encoder, "token_classify").
         pooling = self.input_processor.pooling
         return ("generate",) if pooling is None else pooling.supported_tasks
 

@@ -2,9 +2,9 @@
 checked against the model, its engine-core request, and the vector that comes back turned into
 a ``PoolingRequestOutput`` (an embedding cut to ``dimensions``, then L2-normalized when asked;
 a classifier's logits through its activation, softmax or sigmoid, unless ``use_activation`` is
-False).
+False; a token-level task's rows, one per prompt token, each treated so).
 
-The engine core returns the worker's pooled vector as it is (sparrow.worker.pooler); applying
+The engine core returns the worker's pooled output as it is (sparrow.worker.pooler); applying
 the per-request choices here keeps the step loop free of them, and costs one vector per prompt.
 """
 

@@ -39,9 +39,12 @@ def get_hf_config(model_dir: str | Path, trust_remote_code: bool = False, overri
     directory ships (``auto_map`` in config.json); without it such a directory raises a
     :class:`~sparrow.config.ConfigError` naming the argument. ``overrides`` (the engine argument
     ``hf_overrides``) replace fields after loading (see :func:`apply_hf_overrides`)."""
+    from sparrow.pooling_convert import apply_conversion_config
+
     config = _load_hf_config(Path(model_dir), trust_remote_code)
     if overrides:
         apply_hf_overrides(config, overrides)
+    apply_conversion_config(config)  # a causal LM run as a classifier (classifier_from_token)
     return config
 
 
@@ -138,19 +141,32 @@ class SafetensorsLoader(ModelLoader):
         weights = iter_safetensors(model_dir, tp)
         pooling = self.config is not None and self.config.model.runner == "pooling"
         if pooling:
-            weights = causal_lm_names(weights, classify=self.config.model.convert == "classify")
+            classify = self.config.model.convert == "classify"
+            weights = causal_lm_names(weights, classify=classify,
+                                      score_from_tokens=score_from_tokens(self.config) if classify else None)
         loaded = model.load_weights(weights)  # type: ignore[operator]
         check_loaded = getattr(model, "check_loaded", None)  # a plugin's model may check for itself
         if callable(check_loaded) and isinstance(loaded, set):
             check_loaded(loaded)
 
 
-def causal_lm_names(weights: Iterator[tuple[str, Any]], classify: bool = False) -> Iterator[tuple[str, Any]]:
+def causal_lm_names(weights: Iterator[tuple[str, Any]], classify: bool = False,
+                    score_from_tokens: tuple[str, list[int], bool] | None = None) -> Iterator[tuple[str, Any]]:
     """A pooling checkpoint's tensors under their ``*ForCausalLM`` names: an encoder saved by
     ``AutoModel`` (or Qwen3-Embedding) names them without the ``model.`` prefix, and its LM head,
     if any, is never read by a pooling model. A classifier's ``score`` layer is kept when the
-    model classifies (``classify``), and dropped when it embeds."""
+    model classifies (``classify``), and dropped when it embeds. ``score_from_tokens`` (method,
+    token ids, tied embeddings): vLLM's conversion of a causal LM, whose ``score.weight`` is built
+    from rows of its LM head, or of the embedding table it is tied to (sparrow.pooling_convert)."""
+    from sparrow.pooling_convert import score_rows
+
+    head_name = None
+    if score_from_tokens is not None:
+        head_name = ("model.embed_tokens.weight", "embed_tokens.weight") if score_from_tokens[2] else \
+            ("lm_head.weight",)
     for name, tensor in weights:
+        if head_name is not None and name in head_name:
+            yield "score.weight", score_rows(tensor, score_from_tokens[0], score_from_tokens[1])  # type: ignore[index]
         if name.startswith("lm_head."):
             continue
         if name.startswith("score."):
@@ -158,6 +174,18 @@ def causal_lm_names(weights: Iterator[tuple[str, Any]], classify: bool = False) 
                 yield name, tensor
             continue
         yield (name if name.startswith("model.") else f"model.{name}"), tensor
+
+
+def score_from_tokens(config: EngineConfig) -> tuple[str, list[int], bool] | None:
+    """(method, token ids, tied embeddings) of a causal LM converted into a classifier, or None."""
+    from sparrow.pooling_convert import classifier_token_ids, conversion_method, tokenizer_for
+
+    hf_config = model_hf_config(config.model)
+    method = conversion_method(hf_config)
+    if method is None:
+        return None
+    token_ids = classifier_token_ids(tokenizer_for(config.model), list(hf_config.classifier_from_token))
+    return method, token_ids, bool(getattr(hf_config, "tie_word_embeddings", False))
 
 
 def add_classifier_head(model: torch.nn.Module, hf_config: Any, dtype: torch.dtype, device: torch.device) -> None:

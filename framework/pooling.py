@@ -103,8 +103,10 @@ def resolve_runner(runner: str, task: str, convert: str, hf_config: Any) -> tupl
         architecture = (list(getattr(hf_config, "architectures", None) or []) or ["(none)"])[0]
         raise PoolingConfigError(field, f"{field}={given[field]!r} needs a sequence-classification checkpoint "
                                  f"(architecture *{CLASSIFIER_SUFFIX} or *{TOKEN_CLASSIFIER_SUFFIX}, with a score "
-                                 f"layer); {architecture} has none "
-                                 "(vLLM's conversion of a causal LM through classifier_from_token is not supported)")
+                                 f"layer); {architecture} has none: to run a causal LM as a classifier from "
+                                 "its LM head's rows (LLM rerankers such as Qwen3-Reranker), set hf_overrides "
+                                 "architectures to its *ForSequenceClassification name with classifier_from_token "
+                                 "and method (docs/user-guide.md)")
     return "pooling", head
 
 

@@ -341,6 +341,7 @@ def check_engine_config(config: EngineConfig, hf_config: Any = None, platform: A
         from sparrow.model_loader import model_hf_config
 
         hf_config = model_hf_config(config.model)
+    check_classifier_tokens(config, hf_config)
     if platform is None:
         platform = resolve_configured_platform(config.device.device, registry)
     check_platform_settings(config, platform, hf_config)
@@ -365,6 +366,19 @@ def check_engine_config(config: EngineConfig, hf_config: Any = None, platform: A
                          "not run pooling models)")
         for field, message in pooling_problems(config):
             raise _error(field, message)
+
+
+def check_classifier_tokens(config: EngineConfig, hf_config: Any) -> None:
+    """A causal LM converted into a classifier (classifier_from_token): its tokens are in the
+    vocabulary, which the workers read to build the score layer (sparrow.pooling_convert)."""
+    from sparrow.pooling_convert import classifier_token_ids, conversion_method, tokenizer_for
+
+    if conversion_method(hf_config) is None:
+        return
+    if config.model.skip_tokenizer_init:
+        raise _error("skip_tokenizer_init", "cannot be True with hf_overrides classifier_from_token: the score layer "
+                     "is built from the rows of those tokens, which the tokenizer names")
+    classifier_token_ids(tokenizer_for(config.model), list(hf_config.classifier_from_token))
 
 
 def async_scheduling_problem(config: EngineConfig) -> str | None:

@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field
 from sparrow import LLM
 from sparrow.hookspecs import hookimpl
 from sparrow.plugins import get_registry
-from sparrow.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+from sparrow.reasoning import DeepSeekR1ReasoningParser, Glm45ReasoningParser, Qwen3ReasoningParser
 from sparrow.sampling_params import SamplingParams, StructuredOutputsParams
 from sparrow.tiny.tokenizer import CHAT_TEMPLATE
 from tests.test_hooks import registered
@@ -48,14 +48,14 @@ THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
 assert THINKING_TEMPLATE != CHAT_TEMPLATE
 
 
-def add_think_tokens(model_dir: str, out: Path) -> str:
+def add_think_tokens(model_dir: str, out: Path, tags: tuple[str, ...] = ("<think>", "</think>")) -> str:
     """A copy of ``model_dir`` whose tokenizer has <think> and </think> (not special: they decode
-    as text, as in Qwen3's) and the thinking template."""
+    as text, as in Qwen3's), or ``tags``, and the thinking template."""
     shutil.copytree(model_dir, out)
     tokenizer = json.loads((out / "tokenizer.json").read_text())
     bpe = tokenizer["model"]
     by_id = {token_id: token for token, token_id in bpe["vocab"].items()}
-    for token_id, tag in zip(sorted(by_id)[-2:], ("<think>", "</think>")):
+    for token_id, tag in zip(sorted(by_id)[-len(tags):], tags):
         merged = by_id[token_id]  # the last merges: rare words, nothing the tests need
         del bpe["vocab"][merged]
         bpe["merges"] = [merge for merge in bpe["merges"]
@@ -81,10 +81,25 @@ def tokenizer(think_dir):
     return AutoTokenizer.from_pretrained(think_dir)
 
 
+# A tool-calling loop's prompt (Qwen3's template): the previous assistant turn's reasoning is
+# repeated, closed, before the tool's answer and the new turn, which reasons again.
+TOOL_LOOP = ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\nplan\n</think>\n\n<tool_call>\n{}"
+             "\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nok\n</tool_response><|im_end|>\n"
+             "<|im_start|>assistant\n")
+# GLM-4.5's: every earlier assistant turn carries <think></think>; the new turn opens with <|assistant|>.
+GLM_TURNS = {"glm_open": "<|user|>\nHi<|assistant|>\n<think></think>\nHello<|user|>\nAgain<|assistant|>",
+             "glm_off": "<|user|>\nHi<|assistant|>\n<think></think>"}
+
+
 def prompt_ids(tokenizer, kind: str) -> list[int]:
-    """open: no tag in the prompt; thinking: it ends with <think>; answering: it closed the reasoning."""
+    """open: no tag in the prompt; thinking: it ends with <think>; answering: it closed the
+    reasoning; tool_loop: an earlier turn closed it; glm_*: GLM-4.5's turns."""
     if kind == "open":
         text = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    elif kind == "tool_loop":
+        text = TOOL_LOOP
+    elif kind in GLM_TURNS:
+        text = GLM_TURNS[kind]
     else:
         text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True,
                                              enable_thinking=kind == "thinking")
@@ -92,8 +107,13 @@ def prompt_ids(tokenizer, kind: str) -> list[int]:
 
 
 # -- the parsers on hand-written text -----------------------------------------------------------
-PARSERS = {"qwen3": Qwen3ReasoningParser, "deepseek_r1": DeepSeekR1ReasoningParser}
+PARSERS = {"qwen3": Qwen3ReasoningParser, "deepseek_r1": DeepSeekR1ReasoningParser, "glm45": Glm45ReasoningParser}
 CASES = [
+    ("qwen3", "tool_loop", "<think>\nagain</think>\n\ncall", ("\nagain", "\n\ncall")),
+    ("qwen3", "tool_loop", "no tags", (None, "no tags")),
+    ("glm45", "glm_open", "<think>plan</think>answer", ("plan", "answer")),
+    ("glm45", "glm_open", "an answer", (None, "an answer")),
+    ("glm45", "glm_off", "<think>x</think>y", (None, "<think>x</think>y")),
     # (parser, prompt, model text, (reasoning_content, content))
     ("qwen3", "open", "<think>\nplan a</think>\n\nanswer", ("\nplan a", "\n\nanswer")),
     ("qwen3", "open", "  <think>cut short", ("cut short", None)),
@@ -109,14 +129,30 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def glm_tokenizer(qwen3_dir, tmp_path_factory):
+    """The tokenizer with GLM-4.5's turn token too."""
+    from transformers import AutoTokenizer
+
+    model = add_think_tokens(qwen3_dir, tmp_path_factory.mktemp("glm") / "model",
+                             ("<think>", "</think>", "<|assistant|>", "<|user|>"))
+    return AutoTokenizer.from_pretrained(model)
+
+
+def case_tokenizer(request, name):
+    return request.getfixturevalue("glm_tokenizer" if name == "glm45" else "tokenizer")
+
+
 @pytest.mark.parametrize("name, prompt, text, expected", CASES)
-def test_think_parsers_split_hand_written_text(tokenizer, name, prompt, text, expected):
+def test_think_parsers_split_hand_written_text(request, name, prompt, text, expected):
+    tokenizer = case_tokenizer(request, name)
     parser = PARSERS[name](tokenizer)
     assert parser.extract_reasoning(text, prompt_ids(tokenizer, prompt)) == expected
 
 
 @pytest.mark.parametrize("name, prompt, text, expected", CASES)
-def test_streaming_in_random_chunkings_equals_the_whole(tokenizer, name, prompt, text, expected):
+def test_streaming_in_random_chunkings_equals_the_whole(request, name, prompt, text, expected):
+    tokenizer = case_tokenizer(request, name)
     parser, ids = PARSERS[name](tokenizer), prompt_ids(tokenizer, prompt)
     rng = random.Random(text)
     for _ in range(40):
@@ -133,8 +169,8 @@ def test_the_engine_side_reads_token_ids(tokenizer, qwen3_dir):
     from transformers import AutoTokenizer
 
     parser = Qwen3ReasoningParser(tokenizer)
-    assert [parser.reasoning_ended(prompt_ids(tokenizer, kind)) for kind in ("open", "thinking", "answering")] == [
-        False, False, True]
+    kinds = ("open", "thinking", "answering", "tool_loop")
+    assert [parser.reasoning_ended(prompt_ids(tokenizer, kind)) for kind in kinds] == [False, False, True, False]
     end_id = tokenizer.convert_tokens_to_ids("</think>")
     assert parser.ends_reasoning(end_id) and not parser.ends_reasoning(end_id - 2)
     with pytest.raises(ValueError, match="reasoning_parser: .*'</think>' as one token"):
@@ -206,7 +242,8 @@ def test_sparrow_register_reasoning_parsers(think_dir, tokenizer):
     # The engine core asked the plugin: the grammar applied from the first token.
     assert completion.finish_reason == "stop" and "</think>" not in completion.text
     jsonschema.validate(json.loads(completion.text), SCHEMA)
-    with pytest.raises(ValueError, match="unknown reasoning parser 'always_answering'; registered: deepseek_r1, qwen3"):
+    with pytest.raises(ValueError,
+                       match="unknown reasoning parser 'always_answering'; registered: deepseek_r1, glm45, qwen3"):
         LLM(think_dir, multiprocess=False, reasoning_parser="always_answering")
 
 

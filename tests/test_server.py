@@ -187,6 +187,29 @@ def test_health_models_and_version(server):
     assert httpx.get(server.url + "/version").json()["version"]
 
 
+def test_sagemaker_ping_and_invocations_route_a_body_by_its_fields(server):
+    """vLLM's SageMaker routes: /ping is /health; /invocations answers a chat or a completion
+    body as its endpoint does (the same greedy text), with that endpoint's errors."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(server.url + "/ping").status_code == 200 and httpx.post(server.url + "/ping").status_code == 200
+    client = server.client()
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0)
+    routed = httpx.post(server.url + "/invocations", headers=headers, timeout=60,
+                        json={"messages": messages, "max_tokens": 8, "temperature": 0}).json()
+    assert routed["object"] == "chat.completion", routed
+    assert routed["choices"][0]["message"]["content"] == chat.choices[0].message.content
+    completion = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0)
+    routed = httpx.post(server.url + "/invocations", headers=headers, timeout=60,
+                        json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0}).json()
+    assert routed["object"] == "text_completion" and routed["choices"][0]["text"] == completion.choices[0].text
+    for body, param in (({"prompt": PROMPT, "temperature": "hot"}, "temperature"), ({"input": "hi"}, None),
+                        ({"messages": messages, "max_tokens": 8, "bogus": 1}, "bogus")):
+        refused = httpx.post(server.url + "/invocations", headers=headers, json=body, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+    assert httpx.post(server.url + "/invocations", json={"prompt": PROMPT}, timeout=60).status_code == 401
+
+
 def test_completion_streamed_text_equals_whole_text_under_greedy(server):
     client = server.client()
     whole = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0,
@@ -324,9 +347,25 @@ def test_bench_serve_reports_vllm_metrics(server, tmp_path):
     assert args.func(args) == 0
     result = json.loads(result_file.read_text())
     assert result["completed"] == 6 and result["failed"] == 0
-    for key in ("request_throughput", "output_throughput", "mean_ttft_ms", "median_tpot_ms", "p99_itl_ms",
-                "mean_e2el_ms"):
+    for key in ("request_throughput", "output_throughput", "mean_ttft_ms", "median_tpot_ms", "mean_e2el_ms"):
         assert result[key] > 0, key
+    # A gap needs a second text chunk: when the client lags, the server sends a request's tokens
+    # as one delta (a loaded CI machine once streamed every output of this run in one chunk).
+    assert result["p99_itl_ms"] >= 0 and result["p99_itl_ms"] >= result["median_itl_ms"]
+
+
+def test_bench_serve_summary_gaps_tpot_and_failures():
+    from sparrow.bench.serve import RequestResult, summarize
+
+    results = [RequestResult(success=True, prompt_len=4, output_tokens=3, ttft=0.1, latency=0.3, itl=[0.05, 0.15]),
+               RequestResult(success=True, prompt_len=6, output_tokens=1, ttft=0.2, latency=0.2),  # one chunk
+               RequestResult(error="boom")]
+    summary = summarize(results, duration=2.0)
+    assert (summary["completed"], summary["failed"], summary["total_output_tokens"]) == (2, 1, 4)
+    assert summary["mean_itl_ms"] == pytest.approx(100.0) and summary["p99_itl_ms"] == pytest.approx(150.0)
+    assert summary["mean_tpot_ms"] == pytest.approx(100.0)  # (0.3 - 0.1) / 2; a one-token output has none
+    assert summary["mean_ttft_ms"] == pytest.approx(150.0) and summary["errors"] == ["boom"]
+    assert summary["request_throughput"] == pytest.approx(1.0)
 
 
 def test_prompt_tokens_details_are_off_by_default(server):

@@ -180,6 +180,29 @@ def test_pooling_gives_any_task_of_the_classifier_as_numbers_or_base64(classifie
     assert post(classifier, "/pooling", {"input": "hi"}, headers=None).status_code == 401
 
 
+def rounded(value):
+    """``value`` with every float rounded to 5 decimals (JSON: dicts, lists, numbers, strings)."""
+    if isinstance(value, float):
+        return round(value, 5)
+    if isinstance(value, dict):
+        return {key: rounded(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [rounded(item) for item in value]
+    return value
+
+
+def test_invocations_routes_pooling_bodies_to_their_endpoints(classifier, cross):
+    for server, body, path in ((classifier, {"input": TEXTS[:2]}, "/classify"),
+                               (classifier, {"input": TEXTS[0], "task": "token_classify"}, "/pooling"),
+                               (cross, {"text_1": QUERY, "text_2": DOCUMENTS}, "/score"),
+                               (cross, {"query": QUERY, "documents": DOCUMENTS}, "/rerank")):
+        routed, direct = post(server, "/invocations", body).json(), post(server, path, body).json()
+        for reply in (routed, direct):
+            reply.pop("id"), reply.pop("created", None)
+        assert rounded(routed) == rounded(direct), path  # batched differently: float32 rounding apart
+    assert post(classifier, "/invocations", {"prompt": "hi"}).status_code == 400
+
+
 def test_endpoints_that_need_another_model_name_it_and_the_classifier_goes_on(classifier):
     assert_refused(post(classifier, "/v1/embeddings", {"input": "hi"}), "model", "is a classifier (3 labels)")
     for path, body in (("/score", {"text_1": "a", "text_2": "b"}), ("/v1/rerank", {"query": "a", "documents": ["b"]})):
@@ -229,6 +252,12 @@ def test_cross_encoder_scores_are_hf_sigmoid_of_each_pair_read_together(cross, d
     for path in ("/v1/rerank", "/v2/rerank"):
         top = post(cross, path, {"query": QUERY, "documents": DOCUMENTS, "top_n": 2, "return_documents": False})
         assert [result["index"] for result in top.json()["results"]] == order[:2], top.text
+    # use_activation false: the raw logit, on both endpoints.
+    raw = post(cross, "/score", {"text_1": QUERY, "text_2": DOCUMENTS[:1], "use_activation": False}).json()
+    assert abs(raw["data"][0]["score"] - float(logits(pair_ids(QUERY, DOCUMENTS[0]))[0])) < ATOL, raw
+    [top] = post(cross, "/rerank", {"query": QUERY, "documents": DOCUMENTS[:1], "use_activation": False}
+                 ).json()["results"]
+    assert abs(top["relevance_score"] - float(logits(pair_ids(QUERY, DOCUMENTS[0]))[0])) < ATOL, top
 
     # /classify on a cross-encoder: the sigmoid of its one logit.
     [item] = post(cross, "/classify", {"input": TEXTS[0]}).json()["data"]
@@ -241,7 +270,8 @@ def test_cross_encoder_scores_are_hf_sigmoid_of_each_pair_read_together(cross, d
     ("/score", {"text_1": ""}, "text_1", "text_1 is an empty string"),
     ("/score", {"text_2": ["b", "word " * 600]}, "text_2", "pair 1 (text_1 with text_2[1]) is"),
     ("/score", {"text_2": ["a", "b", "c"], "text_1": ["a", "b"]}, "text_2", "text_2 has 3 texts and text_1 2"),
-    ("/score", {"use_activation": False}, "use_activation", "unknown field"),
+    ("/score", {"use_activation": "no"}, "use_activation", "valid boolean"),
+    ("/score", {"softmax": False}, "softmax", "unknown field"),
     ("/rerank", {"documents": []}, "documents", "documents is empty"),
     ("/v1/rerank", {"query": "word " * 600}, "query", "this model reads a pair as one input of at most 512"),
 ])

@@ -362,7 +362,7 @@ def test_rerank_orders_documents_by_hf_cosine_similarity(server, hf):
     ("/score", {"text_2": ["b", ""]}, "text_2", "text_2[1] is an empty string"),
     ("/score", {"text_2": [1]}, "text_2", "valid string"),
     ("/score", {"text_2": ["c", "word " * 600]}, "text_2", "this model embeds at most 512"),
-    ("/score", {"use_activation": True}, "use_activation", "unknown field"),
+    ("/score", {"use_activation": True}, "use_activation", "applies to a cross-encoder's outputs"),
     ("/score", {"mm_processor_kwargs": {}}, "mm_processor_kwargs", "not supported yet"),
     ("/v1/score", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "truncate_prompt_tokens"),
     ("/rerank", {"documents": []}, "documents", "documents is empty"),

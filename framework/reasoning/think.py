@@ -1,13 +1,18 @@
-"""``<think>...</think>`` reasoning, as Qwen3 and DeepSeek-R1 write it (vLLM's ``qwen3`` and
-``deepseek_r1`` parsers).
+"""``<think>...</think>`` reasoning, as Qwen3, DeepSeek-R1 and GLM-4.5 write it (vLLM's ``qwen3``,
+``deepseek_r1`` and ``glm45`` parsers).
 
-Where the reasoning starts depends on the chat template, so each request looks at its prompt:
+Where the reasoning starts depends on the chat template, so each request looks at its prompt's
+current turn (after the last turn-start token: Qwen3's ``<|im_start|>``, R1's ``<｜Assistant｜>``,
+GLM's ``<|assistant|>``), where the template may have opened or closed the reasoning:
 
-    prompt's last think tag   the output starts
+    current turn's last tag   the output starts
     ``<think>``               inside the reasoning (DeepSeek-R1's template, Qwen3 thinking models)
     ``</think>``              after it (Qwen3 with enable_thinking=False): all content
-    none                      with an optional ``<think>``; without one, Qwen3's output is content
-                              and DeepSeek-R1's is reasoning (R1 always reasons first)
+    none                      with an optional ``<think>``; without one, Qwen3's and GLM's output is
+                              content and DeepSeek-R1's is reasoning (R1 always reasons first)
+
+Earlier turns do not count: in a tool-calling loop the template repeats the previous assistant
+turn's ``<think>...</think>``, and the new turn reasons again.
 
 The end tag must be one token of the vocabulary (the engine core watches for its id); both tags
 must decode as text (not be skipped as special tokens), as they are in Qwen3's and R1's tokenizers.
@@ -83,6 +88,7 @@ class ThinkReasoningParser(ReasoningParser):
     start_tag = "<think>"
     end_tag = "</think>"
     reasoning_first = False  # an output without tags is content (Qwen3) or reasoning (DeepSeek-R1)
+    turn_start_tags: tuple[str, ...] = ()  # tokens that open a turn of the chat template
 
     def __init__(self, tokenizer: Any) -> None:
         super().__init__(tokenizer)
@@ -92,14 +98,18 @@ class ThinkReasoningParser(ReasoningParser):
                              "tokenizer's vocabulary, and the tokenizer has no such token")
         self.end_token_id: int = vocab[self.end_tag]
         self.start_token_id: int | None = vocab.get(self.start_tag)
+        self.turn_start_ids = frozenset(vocab[tag] for tag in self.turn_start_tags if tag in vocab)
 
     def _last_tag(self, token_ids: Sequence[int]) -> str | None:
-        """"start" or "end", whichever tag comes last in ``token_ids``; None when neither does."""
+        """"start" or "end", whichever tag comes last in the prompt's current turn; None when
+        neither does."""
         for token_id in reversed(token_ids):
             if token_id == self.end_token_id:
                 return "end"
             if token_id == self.start_token_id:
                 return "start"
+            if token_id in self.turn_start_ids:
+                return None
         return None
 
     def reasoning_ended(self, prompt_token_ids: Sequence[int]) -> bool:
@@ -117,9 +127,19 @@ class Qwen3ReasoningParser(ThinkReasoningParser):
     """Qwen3: reasons in ``<think>`` tags when thinking is on; an untagged output is the answer."""
 
     reasoning_first = False
+    turn_start_tags = ("<|im_start|>",)
 
 
 class DeepSeekR1ReasoningParser(ThinkReasoningParser):
     """DeepSeek-R1: always reasons first; its template may already have opened ``<think>``."""
 
     reasoning_first = True
+    turn_start_tags = ("<｜Assistant｜>",)
+
+
+class Glm45ReasoningParser(ThinkReasoningParser):
+    """GLM-4.5 (vLLM's ``glm45``): as Qwen3, its turns opened by ``<|assistant|>``, after each of
+    which its template writes ``<think></think>`` when thinking is off."""
+
+    reasoning_first = False
+    turn_start_tags = ("<|assistant|>",)

@@ -18,6 +18,7 @@
                                generation endpoints are 400s on such a model, this one on the others
     POST /classify             vLLM's: class probabilities per input, from a sequence classifier
     POST /pooling              vLLM's: any pooling task's raw output (per token for token_embed/_classify)
+    POST /invocations, /ping   vLLM's SageMaker routes: a body routed by its fields; the health check
     POST /score, /v1/score     vLLM's: text pairs' scores: their vectors' cosine similarity, or a cross-encoder's
     POST /rerank, /v1/rerank, /v2/rerank  vLLM's (Jina's and Cohere's shape): documents ranked by
                                that score against a query
@@ -88,6 +89,7 @@ from sparrow.entrypoints.openai.serving_classify import OpenAIServingClassify, a
 from sparrow.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from sparrow.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from sparrow.entrypoints.openai.serving_engine import APIError, engine_dead
+from sparrow.entrypoints.openai.serving_invocations import add_health_and_sagemaker_routes
 from sparrow.entrypoints.openai.serving_models import (
     add_lora_routes,
     add_model_routes,
@@ -199,12 +201,6 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     for handler in (embeddings, classify, pooling):  # their chat form renders as the chat endpoint does
         handler.chat_template, handler.chat_template_content_format = chat_template, content_format
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
-    async def health() -> Response:
-        if engine.errored:
-            return JSONResponse(engine_dead(engine.dead_error or EngineDeadError()).body(), status_code=503)
-        return Response(status_code=200)
-
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(render(engine.metrics), media_type=PROMETHEUS_CONTENT_TYPE)
@@ -239,6 +235,9 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     add_score_routes(app, scores, _ERROR_RESPONSES)
     add_classify_routes(app, classify, _ERROR_RESPONSES)
     add_pooling_routes(app, pooling, _ERROR_RESPONSES)
+    add_health_and_sagemaker_routes(app, engine, dict(chat=chat, completions=completions, embeddings=embeddings,
+                                                      classify=classify, scores=scores, pooling=pooling),
+                                    _ERROR_RESPONSES)
 
     # Query values are taken as text and checked by the handler, so that a bad one is a 400 naming
     # it; include also as the openai client sends a list (include[]=...).

@@ -23,9 +23,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from sparrow.entrypoints.openai.serving_engine import APIError
 
 # Paths the API key guards besides /v1/*: the tokenizer endpoints cost input-thread time and show
-# the chat template; vLLM's classify, pooling, score and rerank paths outside /v1 run the model.
+# the chat template; vLLM's classify, pooling, score, rerank and invocations paths outside /v1 run
+# the model.
 _GUARDED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info", "/classify", "/pooling", "/score",
-                            "/rerank", "/v2/rerank"})
+                            "/rerank", "/v2/rerank", "/invocations"})
 
 
 def route_path(scope: Scope) -> str:

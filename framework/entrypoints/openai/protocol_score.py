@@ -4,9 +4,10 @@ cosine similarity of its two texts' vectors (bi-encoder scoring), from a cross-e
 classifier with one label) the classifier's output on both texts read together.
 
 As the other request models (``protocol``): strict JSON types, and unknown fields kept only so
-that ``request_checks`` can refuse each one with a 400 naming it. vLLM's classification options
-(``use_activation``, ``softmax``, ``activation``: a cross-encoder's; here it always applies the
-model's activation) and its multimodal inputs are among those refused.
+that ``request_checks`` can refuse each one with a 400 naming it. A cross-encoder's
+``use_activation`` is taken (false: the raw logit), and refused on an embedding model's cosine
+scores; vLLM's deprecated spellings of it (``softmax``, ``activation``) and its multimodal inputs
+are among the fields refused.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class _ScoringFields(RequestModel):
     priority: int = Field(0, ge=-INT64_MAX, le=INT64_MAX,
                           description="vLLM's: the scheduling priority (needs a priority scheduler).")
     user: str | None = Field(None, description="An end-user id; accepted, as the other endpoints accept it.")
+    use_activation: bool | None = Field(
+        None, description="A cross-encoder's activation (sigmoid) over its logit (false: the raw logit; null: the "
+        "model's pooler default); not for an embedding model's cosine scores.")
 
 
 class ScoreRequest(_ScoringFields):

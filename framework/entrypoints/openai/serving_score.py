@@ -184,6 +184,10 @@ class OpenAIServingScore(OpenAIServingEmbedding):
             raise field_error(exc) from None
         if self.engine.input_processor.pooling.head == "classify":
             return await self._cross_scores(request_id, request, raw_request, first[0], side_pairs(first, second))
+        if request.use_activation is not None:
+            raise field_error(RequestFieldError("use_activation: applies to a cross-encoder's outputs; this model is "
+                                                "an embedding model, whose scores are cosine similarities",
+                                                "use_activation"))
         params = self.pooling_params(request_id)
         prompts = await self.off_loop(tokenize_texts, self.engine.input_processor, request, texts,
                                       default_param=first[0])
@@ -201,7 +205,7 @@ class OpenAIServingScore(OpenAIServingEmbedding):
     async def _cross_scores(self, request_id: str, request: ScoreRequest | RerankRequest, raw_request: Request,
                             first_field: str, pairs: list[tuple[Text, Text]]) -> tuple[list[float], int] | None:
         """A cross-encoder's score of every pair (one engine request each), and their tokens."""
-        params = self.pooling_params(request_id, task="score")
+        params = self.pooling_params(request_id, task="score", use_activation=request.use_activation)
         prompts = await self.off_loop(tokenize_pairs, self.engine.input_processor, request, pairs,
                                       default_param=first_field)
         labels = [f"pair {index} ({text_1[0]} with {text_2[0]})" for index, (text_1, text_2) in enumerate(pairs)]

@@ -44,6 +44,13 @@ class StructuredOutputsParams(
     frontend compiles the grammar before the request reaches the engine core (see
     ``sparrow.structured_output.check``), so a bad schema, regex or grammar is a ValueError
     naming the field there.
+
+    vLLM's options: ``disable_any_whitespace`` (JSON without free whitespace for this request,
+    whatever the engine's ``structured_outputs_any_whitespace``; compact is the engine default),
+    ``disable_additional_properties`` (json only: every ``"type": "object"`` schema without
+    ``additionalProperties`` takes ``false``), ``disable_fallback`` (no other backend is ever
+    tried: xgrammar is the only one, so it holds either way). ``whitespace_pattern`` (outlines')
+    is refused: xgrammar takes none.
     """
 
     json: dict[str, Any] | str | None = None
@@ -52,6 +59,10 @@ class StructuredOutputsParams(
     choice: list[str] | None = None
     grammar: str | None = None
     structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         import json as json_module
@@ -63,6 +74,18 @@ class StructuredOutputsParams(
             raise InvalidArgumentError(f"StructuredOutputsParams: exactly one of "
                                        f"{', '.join(STRUCTURED_OUTPUT_KINDS)} must be set, got {got}",
                                        "structured_outputs")
+        for name in STRUCTURED_OUTPUT_OPTIONS:
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(f"structured_outputs.{name} must be true or false, got "
+                                           f"{getattr(self, name)!r}", f"structured_outputs.{name}")
+        if self.whitespace_pattern is not None:
+            raise InvalidArgumentError("structured_outputs.whitespace_pattern is not supported: the xgrammar backend "
+                                       "takes no whitespace pattern (JSON is compact, or any whitespace with the "
+                                       "engine's structured_outputs_any_whitespace; disable_any_whitespace forces "
+                                       "compact)", "structured_outputs.whitespace_pattern")
+        if self.disable_additional_properties and chosen[0] != "json":
+            raise InvalidArgumentError(f"structured_outputs.disable_additional_properties applies to a json schema, "
+                                       f"not {chosen[0]}", "structured_outputs.disable_additional_properties")
         if isinstance(self.json, str):
             try:
                 schema = json_module.loads(self.json)
@@ -110,6 +133,8 @@ class StructuredOutputsParams(
 
 
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+# vLLM's boolean options beside the kind (whitespace_pattern, its other one, is refused).
+STRUCTURED_OUTPUT_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback")
 # SamplingParams fields that are read once and are always None afterwards (not shown in its repr).
 _OLDER_NAMES = ("guided_decoding", "logits_processors")
 # vLLM's name for StructuredOutputsParams before 0.11 (``SamplingParams(guided_decoding=...)``).

@@ -128,6 +128,37 @@ def test_json_grammars_allow_no_free_whitespace_unless_asked():
     assert not accepts(bounded, '{"user": {"name": "abcdefg", "id": 7}, "ok": true}')
 
 
+def test_vllms_options_beside_the_kind():
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from sparrow.structured_output.grammar import _closed_objects
+
+    schema = SCHEMAS["array"]
+    # disable_any_whitespace: compact JSON even where the engine allows any whitespace.
+    forced = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    assert not accepts(build_grammar(forced, any_whitespace=True), '{ "xs": [1, -2]}')
+    assert accepts(build_grammar(forced, any_whitespace=True), '{"xs": [1, -2]}')
+    assert grammar_key(forced) != grammar_key(StructuredOutputsParams(json=schema))  # compiled apart
+    # disable_additional_properties: objects that do not say take false; a schema that says keeps it.
+    objects = {"type": "object", "properties": {"a": {"type": "object"}, "b": {"type": "object",
+                                                                                "additionalProperties": True}}}
+    closed = _closed_objects(objects)
+    assert closed["additionalProperties"] is False and closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["b"]["additionalProperties"] is True
+    grammar = build_grammar(StructuredOutputsParams(json=objects, disable_additional_properties=True))
+    assert accepts(grammar, '{"a": {}, "b": {"x": 1}}') and not accepts(grammar, '{"a": {"x": 1}}')
+    assert not accepts(grammar, '{"c": 1}')
+    # disable_fallback holds (one backend); whitespace_pattern is refused, as are options of another kind.
+    assert StructuredOutputsParams(regex="a+", disable_fallback=True).kind == "regex"
+    for fields, field in ((dict(regex="a", whitespace_pattern=r"[ ]?"), "structured_outputs.whitespace_pattern"),
+                          (dict(regex="a", disable_additional_properties=True),
+                           "structured_outputs.disable_additional_properties"),
+                          (dict(json=schema, disable_any_whitespace=1), "structured_outputs.disable_any_whitespace")):
+        with pytest.raises(ValueError) as caught:
+            StructuredOutputsParams(**fields)
+        assert caught.value.field == field
+
+
 # -- the scheduler's side (real scheduler, fake grammar and model output) -----------------------
 class FakeGrammar:
     """The duck-typed interface the scheduler sees: ready when told, ends after ``length`` tokens."""

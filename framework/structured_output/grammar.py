@@ -33,7 +33,9 @@ def grammar_key(params: StructuredOutputsParams) -> str:
         value = json.dumps(value, separators=(",", ":"))
     elif kind == "json_object":
         value = ""
-    return f"{kind}:{value}"
+    options = "".join(f"+{name}" for name in ("disable_any_whitespace", "disable_additional_properties")
+                      if getattr(params, name))
+    return f"{kind}{options}:{value}"
 
 
 def choice_ebnf(choices: list[str]) -> str:
@@ -51,9 +53,12 @@ def build_grammar(params: StructuredOutputsParams, *, any_whitespace: bool = Fal
     import xgrammar
 
     kind = params.kind
+    any_whitespace = any_whitespace and not params.disable_any_whitespace
     try:
         if kind == "json":
             schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+            if params.disable_additional_properties:
+                schema = _closed_objects(schema)
             return xgrammar.Grammar.from_json_schema(json.dumps(_strict_string_lengths(schema)),
                                                      any_whitespace=any_whitespace)
         if kind == "json_object":
@@ -155,6 +160,20 @@ def _strict_string_lengths(schema: Any) -> Any:
         rewritten.pop("maxLength", None)
         rewritten["pattern"] = f"^{_PLAIN_JSON_CHAR}{{{low},{'' if high is None else high}}}$"
     return rewritten
+
+
+def _closed_objects(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` in every ``"type": "object"`` schema that
+    does not say (vLLM's ``disable_additional_properties``)."""
+    if isinstance(schema, list):
+        return [_closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed_objects(value) for key, value in schema.items()}
+    kind = closed.get("type")
+    if (kind == "object" or (isinstance(kind, list) and "object" in kind)) and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
 
 
 def check_structured_outputs(params: StructuredOutputsParams | None) -> None:

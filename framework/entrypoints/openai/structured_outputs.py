@@ -21,7 +21,7 @@ from typing import Any
 from sparrow.entrypoints.openai.protocol import ResponseFormat
 from sparrow.entrypoints.openai.request_checks import RequestFieldError, not_supported
 from sparrow.errors import InvalidArgumentError
-from sparrow.sampling_params import STRUCTURED_OUTPUT_KINDS, StructuredOutputsParams
+from sparrow.sampling_params import STRUCTURED_OUTPUT_KINDS, STRUCTURED_OUTPUT_OPTIONS, StructuredOutputsParams
 
 # response_format types: "text" is no constraint; the others are structured outputs.
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "structural_tag")
@@ -100,10 +100,11 @@ def _sources(request: Any) -> list[tuple[str, dict[str, Any], str]]:
         if not isinstance(extra, dict):
             raise RequestFieldError("structured_outputs must be an object such as {\"regex\": \"[a-z]+\"}",
                                     "structured_outputs")
-        unknown = sorted(set(extra) - set(STRUCTURED_OUTPUT_KINDS))
+        unknown = sorted(set(extra) - set(STRUCTURED_OUTPUT_KINDS) - set(STRUCTURED_OUTPUT_OPTIONS)
+                         - {"whitespace_pattern"})
         if unknown:
             raise not_supported(f"structured_outputs.{unknown[0]}", f"structured_outputs.{unknown[0]}",
-                                f"; supported: {', '.join(STRUCTURED_OUTPUT_KINDS)}")
+                                f"; supported: {', '.join(STRUCTURED_OUTPUT_KINDS + STRUCTURED_OUTPUT_OPTIONS)}")
         fields = {key: value for key, value in extra.items() if value is not None}
         sources.append(("structured_outputs", fields, "structured_outputs"))
     for name, kind in GUIDED_FIELDS.items():
@@ -129,6 +130,9 @@ def structured_outputs_of(request: Any) -> StructuredOutputsParams | None:
         params = StructuredOutputsParams(**fields)
         check_structured_outputs(params)
     except (TypeError, ValueError) as exc:
+        named = getattr(exc, "field", None)
+        if where == "structured_outputs" and isinstance(named, str) and named.startswith("structured_outputs."):
+            param = named  # the key of the request's own structured_outputs object
         raise RequestFieldError(_client_words(str(exc), where, fields), param) from None
     return params
 

@@ -102,6 +102,10 @@ class ParallelConfig(_Section):
                                             "so either value runs the same.")
     data_parallel_size: int = Field(1, gt=0, description="Engine cores behind one frontend, each with a whole "
                                     "copy of the model.")
+    enable_expert_parallel: bool = Field(
+        False, description="vLLM's: mixture-of-experts layers split their experts over the tensor-parallel ranks "
+        "(each rank holds whole experts, the first ranks one more when they do not divide evenly) instead of "
+        "every expert's intermediate size; attention is split as before.")
     data_parallel_rank: int = Field(0, ge=0, description="This engine core's index under data parallelism "
                                     "(set by the frontend; picks its devices after the lower ranks').")
     worker_extension_cls: str | None = Field(
@@ -266,7 +270,6 @@ VLLM_ARGUMENTS_NOT_TAKEN = {
     "max_seq_len_to_capture": "CUDA graphs cover decode steps up to max_num_seqs and mixed steps up to 512 tokens",
     "limit_mm_per_prompt": "Sparrow serves text-only models",
     "mm_processor_kwargs": "Sparrow serves text-only models",
-    "enable_expert_parallel": "experts are split by tensor parallelism over their intermediate size",
     "kv_transfer_config": "give kv_connector, kv_role and kv_connector_extra_config instead",
     "speculative_model": "vLLM's older argument: give speculative_config={'model': ..., 'num_speculative_tokens': N}",
     "num_speculative_tokens": "vLLM's older argument: give speculative_config={..., 'num_speculative_tokens': N}",

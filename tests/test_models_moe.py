@@ -102,21 +102,27 @@ def test_engine_matches_hf_with_chunking_prefix_cache_and_preemption(name, moe_d
     check_against_hf(second[::-1], reference)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
-def test_tp2_gives_the_tokens_of_tp1(name, moe_dirs):
+@pytest.mark.parametrize(("name", "layouts"), [
+    ("qwen3_moe", ((2, False), (2, True))),  # 5 experts: 3 on rank 0 and 2 on rank 1 with expert parallelism
+    ("mixtral", ((2, False),)),
+])
+def test_tp2_gives_the_tokens_of_tp1(name, layouts, moe_dirs):
     model_dir = moe_dirs[name]
     prompts = make_prompts(seed=3)
     args = dict(multiprocess=False, dtype="float32", max_model_len=128, max_num_batched_tokens=32)
     results = {}
-    for tp in (1, 2):
-        llm = LLM(model_dir, tensor_parallel_size=tp, **args)
+    for tp, expert_parallel in ((1, False), *layouts):
+        llm = LLM(model_dir, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel, **args)
         try:
-            results[tp], _, _ = run_engine(llm, prompts)
+            if expert_parallel:  # whole experts per rank: 3 and 2 of the sparse layer's (layer 0) 5
+                assert llm.apply_model(lambda model: model.model.layers[0].mlp.experts.num_local_experts) == [3, 2]
+            results[tp, expert_parallel], _, _ = run_engine(llm, prompts)
         finally:
             llm.shutdown()
-    for index, ((tokens1, logprobs1), (tokens2, logprobs2)) in enumerate(zip(results[1], results[2])):
-        assert tokens2 == tokens1, f"prompt {index} differs with tp=2"
-        assert logprobs2 == pytest.approx(logprobs1, abs=TP_ATOL), f"prompt {index} logprobs differ with tp=2"
+    for layout in layouts:
+        for index, ((tokens1, logprobs1), (tokens2, logprobs2)) in enumerate(zip(results[1, False], results[layout])):
+            assert tokens2 == tokens1, f"prompt {index} differs with {layout}"
+            assert logprobs2 == pytest.approx(logprobs1, abs=TP_ATOL), f"prompt {index} logprobs differ with {layout}"
 
 
 # -- structure and loading ------------------------------------------------------------------------
@@ -194,6 +200,67 @@ def test_tensor_parallel_expert_slices_sum_to_the_whole(moe_dirs, world_size):
         assert torch.equal(part.down_proj, experts.down_proj[:, :, mine])
         total += part.forward_native(hidden, weights, ids)
     torch.testing.assert_close(total, experts.forward_native(hidden, weights, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_expert_parallel_ranks_hold_whole_experts_and_sum_to_the_whole(moe_dirs):
+    """Expert parallelism: each rank loads whole experts of its range (5 experts over 2 ranks: 3 and
+    2), and the ranks' outputs sum to the single-device output."""
+    from sparrow.layers.fused_moe import expert_range
+
+    world_size = 2
+    model_dir = moe_dirs["qwen3_moe"]
+    full = load_model(model_dir, TorchPagedAttention, torch.float32, "cpu")
+    experts = full.model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(11, 64, generator=gen)
+    weights, ids = select_experts(torch.randn(11, 5, generator=gen), 3, True)
+    total, owned = torch.zeros(11, 64), []
+    for rank in range(world_size):
+        tp = ParallelContext(rank=rank, world_size=world_size, expert_parallel=True)
+        model = type(full)(full.config, TorchPagedAttention, torch.float32, "cpu", tp)
+        model.load_weights(iter_safetensors(model_dir, tp))
+        part = model.model.layers[0].mlp.experts
+        first, count = expert_range(5, rank, world_size)
+        assert (part.first_expert, part.num_local_experts) == (first, count)
+        owned += range(first, first + count)
+        assert torch.equal(part.gate_up_proj, experts.gate_up_proj[first:first + count])
+        assert torch.equal(part.down_proj, experts.down_proj[first:first + count])
+        total += part.forward_native(hidden, weights, ids)
+    assert owned == list(range(5))
+    torch.testing.assert_close(total, experts.forward_native(hidden, weights, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_expert_ranges_spread_the_remainder_and_the_op_loads_stacked_experts():
+    from sparrow.layers.fused_moe import expert_range
+
+    assert [expert_range(7, rank, 3) for rank in range(3)] == [(0, 3), (3, 2), (5, 2)]
+    assert [expert_range(4, rank, 4) for rank in range(4)] == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    gen = torch.Generator().manual_seed(9)
+    whole = FusedMoE(7, 16, 12)
+    gate_up, down = torch.randn(7, 24, 16, generator=gen), torch.randn(7, 16, 12, generator=gen)
+    whole.weight_loader(whole.gate_up_proj, gate_up)
+    whole.weight_loader(whole.down_proj, down)
+    hidden = torch.randn(13, 16, generator=gen)
+    weights, ids = select_experts(torch.randn(13, 7, generator=gen), 2, False)
+    total = torch.zeros(13, 16)
+    for rank in range(3):
+        part = FusedMoE(7, 16, 12, tp=ParallelContext(rank=rank, world_size=3, expert_parallel=True))
+        part.weight_loader(part.gate_up_proj, gate_up)  # the stacked layout (transformers 5)
+        for expert in range(7):  # and one expert at a time (the hub layout): another rank's are skipped
+            part.weight_loader(part.down_proj, down[expert], ("down", expert))
+        total += part.forward_native(hidden, weights, ids)
+    torch.testing.assert_close(total, whole.forward_native(hidden, weights, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_expert_parallel_is_refused_where_it_cannot_split_naming_it(moe_dirs, qwen3_dir):
+    from sparrow.config import ConfigError
+
+    for model_dir, extra, phrase in ((qwen3_dir, {}, "has no experts"),
+                                     (moe_dirs["qwen3_moe"], dict(data_parallel_size=2), "data-parallel engines"),
+                                     (moe_dirs["qwen3_moe"], dict(tensor_parallel_size=6), "5 experts")):
+        with pytest.raises(ConfigError, match="'enable_expert_parallel'") as caught:
+            LLM(model_dir, enable_expert_parallel=True, multiprocess=False, **extra)
+        assert phrase in str(caught.value)
 
 
 # -- the op --------------------------------------------------------------------------------------

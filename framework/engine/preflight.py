@@ -33,6 +33,8 @@ What is checked:
                            speculative decoding all combine with it)
     communicator           with tensor_parallel_size > 1, the platform's device communicator is
                            registered
+    tensor_parallel_size,  the ranks divide the heads and sizes they split; expert parallelism
+    enable_expert_parallel has experts to split, a dense checkpoint, one engine (preflight_parallel)
     budgets                chunked prefill off needs max_num_batched_tokens >= max_model_len (a
                            longer prompt could never be scheduled); max_model_len >= 2
     async_scheduling       no speculative decoding, KV connector or pooling model
@@ -62,6 +64,7 @@ from sparrow.engine.preflight_files import (  # noqa: F401 - TOKENIZER_FILES re-
     check_model_files,
     check_tokenizer_mode,
 )
+from sparrow.engine.preflight_parallel import check_parallel, tp_split_problem
 from sparrow.plugin_files import load_reasoning_parser_plugin
 from sparrow.plugins import Registry, check_attention_backend, get_plugin_manager, get_registry, import_object
 
@@ -284,34 +287,6 @@ def check_budgets(config: EngineConfig) -> None:
         raise _error("max_num_batched_tokens", f"{budget} is smaller than max_model_len={max_model_len} with "
                      "enable_chunked_prefill=False, so longer prompts could never be scheduled; raise "
                      "max_num_batched_tokens, lower max_model_len or enable chunked prefill")
-
-
-def check_parallel(config: EngineConfig, hf_config: Any) -> None:
-    parallel = config.parallel
-    if parallel.data_parallel_rank >= parallel.data_parallel_size:
-        raise _error("data_parallel_rank", f"{parallel.data_parallel_rank} must be smaller than "
-                     f"data_parallel_size={parallel.data_parallel_size}")
-    problem = tp_split_problem(parallel.tensor_parallel_size, hf_config, "model")
-    if problem is not None:
-        raise _error("tensor_parallel_size", problem)
-
-
-def tp_split_problem(tp: int, hf_config: Any, what: str) -> str | None:
-    """Why ``tp`` ranks cannot split a model of ``hf_config`` (a transformers config or a
-    namespace of config.json), or None. Shapes the layers split across ranks
-    (sparrow.layers.linear); an attribute a model does not have is not checked."""
-    if tp == 1:
-        return None
-    heads = getattr(hf_config, "num_attention_heads", None)
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    intermediate = getattr(hf_config, "intermediate_size", None)
-    if heads is not None and heads % tp:
-        return f"{tp} does not divide the {what}'s {heads} attention heads"
-    if kv_heads is not None and (tp % kv_heads if tp >= kv_heads else kv_heads % tp):
-        return f"{tp} and the {what}'s {kv_heads} KV heads must divide one another"
-    if intermediate is not None and intermediate % tp:
-        return f"{tp} does not divide the {what}'s intermediate_size {intermediate}"
-    return None
 
 
 # -- all of it ------------------------------------------------------------------------------------

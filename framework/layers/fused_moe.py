@@ -9,7 +9,11 @@ with the routing weights. The experts' weights are stacked, one tensor per proje
 
 Tensor parallelism splits every expert's intermediate size, as a dense MLP is split (gate/up
 column-parallel, down row-parallel): each rank computes a partial sum over its slice of the
-intermediate features, and the layer all-reduces it. The op call itself is rank-local.
+intermediate features, and the layer all-reduces it. The op call itself is rank-local. With expert
+parallelism (vLLM's ``enable_expert_parallel``) each rank holds whole experts instead, a contiguous
+range of them (``expert_range``), and computes the pairs routed to those: the all-reduce then sums
+the ranks' experts. The stacks hold the local experts only; an op implementation bound to the
+layer receives the pairs of other ranks' experts with weight 0 (the native op skips them).
 
 Built under a quantization method whose linear layers load a quantized checkpoint (AWQ, GPTQ), the
 layer holds each expert as the linear layers a dense MLP has (children ``"0"``, ``"1"``...: a
@@ -45,6 +49,13 @@ from sparrow.quantization import building_method
 
 # shard ids of one expert's checkpoint tensor: (projection, expert index)
 GATE, UP, DOWN = "gate", "up", "down"
+
+
+def expert_range(num_experts: int, rank: int, world_size: int) -> tuple[int, int]:
+    """(first expert, count) of ``rank`` under expert parallelism: contiguous ranges, the first
+    ``num_experts % world_size`` ranks one expert more (as vLLM spreads a remainder)."""
+    base, extra = divmod(num_experts, world_size)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +117,18 @@ class FusedMoE(CustomOp):
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.intermediate_size_per_rank = divide(intermediate_size, self.tp.world_size, "moe_intermediate_size")
+        self.expert_parallel = self.tp.expert_parallel and self.tp.world_size > 1
+        if self.expert_parallel:
+            if num_experts < self.tp.world_size:
+                raise ValueError(f"expert parallelism over {self.tp.world_size} ranks needs at least as many "
+                                 f"experts; the model has {num_experts}")
+            if building_method() is not None:
+                raise ValueError("expert parallelism with a quantization method is not supported")
+            self.first_expert, self.num_local_experts = expert_range(num_experts, self.tp.rank, self.tp.world_size)
+            self.intermediate_size_per_rank = intermediate_size
+        else:
+            self.first_expert, self.num_local_experts = 0, num_experts
+            self.intermediate_size_per_rank = divide(intermediate_size, self.tp.world_size, "moe_intermediate_size")
         self.reduce_results = reduce_results
         inter = self.intermediate_size_per_rank
         # Under a quantization method, an expert's linear layers tell whether the checkpoint
@@ -121,9 +143,10 @@ class FusedMoE(CustomOp):
                 self.add_module(str(expert), ExpertLinears(hidden_size, intermediate_size, self.tp, params_dtype))
             return
         # Uninitialised on purpose: every value is overwritten by load_weights.
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, dtype=params_dtype),
+        local = self.num_local_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * inter, hidden_size, dtype=params_dtype),
                                          requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inter, dtype=params_dtype),
+        self.down_proj = nn.Parameter(torch.empty(local, hidden_size, inter, dtype=params_dtype),
                                       requires_grad=False)
         self.gate_up_proj.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.down_proj.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -152,6 +175,9 @@ class FusedMoE(CustomOp):
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         impl = self._op_impl
+        if impl is not None and self.expert_parallel:  # other ranks' pairs: local expert 0, weight 0
+            topk_weights, topk_ids, outside = self.local_routing(topk_weights, topk_ids)
+            topk_ids = topk_ids.masked_fill(outside, 0)
         out = impl(hidden, topk_weights, topk_ids) if impl is not None else \
             self.forward_native(hidden, topk_weights, topk_ids)
         if self.reduce_results:
@@ -163,12 +189,26 @@ class FusedMoE(CustomOp):
         if self.quantized:  # not bound through a quantization method's op: dequantize here, once
             self.dequantize_experts()
         inter = self.gate_up_proj.shape[1] // 2
+        local = self.num_local_experts
+        if self.expert_parallel:  # other ranks' pairs go to a last, empty expert
+            topk_weights, topk_ids, _ = self.local_routing(topk_weights, topk_ids)
 
         def expert_mlp(expert: int, x: torch.Tensor) -> torch.Tensor:
+            if expert == local:
+                return torch.zeros_like(x)
             gate_up = F.linear(x, self.gate_up_proj[expert])  # [n, 2 * inter]
             return F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], self.down_proj[expert])  # [n, H]
 
-        return mix_experts(hidden, topk_weights, topk_ids, self.num_experts, expert_mlp)
+        return mix_experts(hidden, topk_weights, topk_ids, local + 1 if self.expert_parallel else local, expert_mlp)
+
+    def local_routing(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert parallelism: the ids as this rank's local ones, the pairs of other ranks' experts
+        given id ``num_local_experts`` and weight 0; and the mask of those pairs."""
+        local = topk_ids - self.first_expert
+        outside = (local < 0) | (local >= self.num_local_experts)
+        return (topk_weights.masked_fill(outside, 0), local.masked_fill(outside, self.num_local_experts),
+                outside)
 
     # -- weight loading ------------------------------------------------------------------------
 
@@ -180,22 +220,28 @@ class FusedMoE(CustomOp):
         (transformers 5's fused ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``).
         """
         inter, full = self.intermediate_size_per_rank, self.intermediate_size
-        start = self.tp.rank * inter
+        # Expert parallelism: whole experts (the intermediate size is not split), this rank's only.
+        start = 0 if self.expert_parallel else self.tp.rank * inter
+        first, local = self.first_expert, self.num_local_experts
         shape = loaded_shape(loaded)
         if shard_id is None:
             if param is self.gate_up_proj:
                 self._check(shape, (self.num_experts, 2 * full, self.hidden_size), "gate_up_proj")
-                copy_checked(param.data[:, :inter], narrow_loaded(loaded, 1, start, inter))
-                copy_checked(param.data[:, inter:], narrow_loaded(loaded, 1, full + start, inter))
+                mine = narrow_loaded(loaded, 0, first, local)
+                copy_checked(param.data[:, :inter], narrow_loaded(mine, 1, start, inter))
+                copy_checked(param.data[:, inter:], narrow_loaded(mine, 1, full + start, inter))
             else:
                 self._check(shape, (self.num_experts, self.hidden_size, full), "down_proj")
-                copy_checked(param.data, narrow_loaded(loaded, 2, start, inter))
+                copy_checked(param.data, narrow_loaded(narrow_loaded(loaded, 0, first, local), 2, start, inter))
             return
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id[0] in (GATE, UP, DOWN)
                 and isinstance(shard_id[1], int) and 0 <= shard_id[1] < self.num_experts):
             raise ValueError(f"unknown shard_id {shard_id!r} for FusedMoE; expected (projection, expert) with "
                              f"projection one of {GATE!r}, {UP!r}, {DOWN!r} and expert < {self.num_experts}")
         projection, expert = shard_id
+        if not first <= expert < first + local:
+            return  # another rank's expert (expert parallelism)
+        expert -= first
         if projection == DOWN:
             self._check(shape, (self.hidden_size, full), "down_proj")
             copy_checked(self.down_proj.data[expert], narrow_loaded(loaded, 1, start, inter))
@@ -212,6 +258,8 @@ class FusedMoE(CustomOp):
     def layer_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
                 f"intermediate_per_rank={self.intermediate_size_per_rank}, tp={self.tp.rank}/{self.tp.world_size}"
+                + (f", local experts {self.first_expert}-{self.first_expert + self.num_local_experts - 1}"
+                   if self.expert_parallel else "")
                 + (", quantized" if self.quantized else ""))
 
 

@@ -24,6 +24,9 @@ class ParallelContext:
     # A sparrow.distributed.DeviceCommunicator; None with several ranks: the built-in
     # torch_distributed one over ``group``.
     communicator: Any = None
+    # vLLM's enable_expert_parallel: mixture-of-experts layers split their experts over the ranks
+    # (each holds whole experts) instead of every expert's intermediate size.
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

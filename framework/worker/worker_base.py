@@ -51,6 +51,10 @@ class WorkerBase:
 
             self.tp = init_distributed(self.platform, self.rank, self.world_size, self.distributed_init_method,
                                        self.device)
+            if self.config.parallel.enable_expert_parallel:
+                import dataclasses
+
+                self.tp = dataclasses.replace(self.tp, expert_parallel=True)
 
     def attention_backend_cls(self, hf_config: Any) -> type:
         pm = get_plugin_manager()

@@ -111,6 +111,11 @@ class ModelConfig(_Section):
     max_logprobs: int = Field(
         20, ge=-1, description="Most log probabilities per token a request may ask for (logprobs, prompt_logprobs, "
         "top_logprobs); -1: the vocabulary size.")
+    logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = Field(
+        "raw_logprobs", description="vLLM's: what a sampled token's logprobs report: the model's log-probabilities "
+        "(raw_logprobs) or logits (raw_logits), or those the token was drawn from after the logits processors, "
+        "penalties, temperature and min-p/top-k/top-p filters (processed_logprobs, processed_logits; filtered-out "
+        "tokens at -inf). Prompt logprobs are always the model's.")
 
     @field_validator("logits_processors", mode="before")
     @classmethod

@@ -4,6 +4,10 @@ The order follows vLLM V1:
 
 1. logprobs for the output come from the raw logits (the model's own distribution), for the
    rows that asked only, and not at all when none did (taken last, from the untouched logits);
+   vLLM's ``logprobs_mode`` picks what is reported: ``raw_logprobs`` (that, the default),
+   ``raw_logits`` (the logits themselves), ``processed_logprobs`` / ``processed_logits`` (what the
+   token was drawn from: after steps 2-4 for a greedy row, after step 6's temperature and filters
+   for a random one, tokens filtered out at -inf);
 2. tokens a row's grammar forbids (structured outputs) get -inf;
 3. the logits processors that can change the argmax (``sparrow.sample.logits_processor``): the
    built-ins allowed_token_ids, bad_words, min_tokens (EOS and stop ids of rows short of it get
@@ -41,6 +45,8 @@ __all__ = ["Sampler", "SamplerOutput", "apply_grammar_bitmask", "apply_min_p", "
            "draw_uniforms", "inverse_cdf", "sample_from_logits"]
 
 _SAMPLING_EPS = 1e-5
+# vLLM's logprobs_mode values.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 @dataclass(slots=True)
@@ -79,7 +85,11 @@ class Sampler:
     def __init__(self, generator: torch.Generator | None = None, platform: str | None = None, *,
                  top_k_top_p_op: Callable[..., torch.Tensor] | None = None,
                  draw_op: Callable[..., torch.Tensor] | None = None,
-                 sample_from_logits_op: Callable[..., torch.Tensor] | None = None) -> None:
+                 sample_from_logits_op: Callable[..., torch.Tensor] | None = None,
+                 logprobs_mode: str = "raw_logprobs") -> None:
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
         self.generator = generator
         if platform is not None:
             from sparrow.ops.binding import resolve_function_op
@@ -117,18 +127,22 @@ class Sampler:
             owned = logits is not caller_logits and not (logits is raw_logits and metadata.max_num_logprobs is not None)
             logits = metadata.logits_processors.apply_non_argmax_invariant(logits, owned=owned)
         logits = apply_penalties(logits, metadata)
-        sampled = self._sample(logits, metadata)
+        processed = metadata.max_num_logprobs is not None and self.logprobs_mode.startswith("processed")
+        sampled, processed_logits = self._sample(logits, metadata, keep_processed=processed)
 
         logprobs = None
         if metadata.max_num_logprobs is not None:
-            logprobs = _raw_logprobs(raw_logits, sampled, metadata.max_num_logprobs, metadata.logprob_rows)
+            logprobs = _logprobs(processed_logits if processed else raw_logits, sampled, metadata.max_num_logprobs,
+                                 metadata.logprob_rows, normalize=self.logprobs_mode.endswith("logprobs"))
         return SamplerOutput(
             sampled_token_ids=sampled, logprobs=logprobs, num_logprobs=metadata.num_logprobs
         )
 
-    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata, keep_processed: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampled ids [B], and (``keep_processed``) the logits each row's token was drawn from."""
         if metadata.all_greedy:
-            return logits.argmax(dim=-1)
+            return logits.argmax(dim=-1), (logits if keep_processed else None)
         greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)  # [B]
 
         greedy_rows = metadata.temperature < _SAMPLING_EPS  # [B]
@@ -138,14 +152,18 @@ class Sampler:
             uniforms = draw_uniforms(logits.shape[0], logits.device, self.generator, metadata.seeded_rows,
                                      metadata.seeded_uniforms)
             random_ids = self.sample_from_logits(logits, temperature, uniforms)
+            random_logits = logits / temperature.unsqueeze(1) if keep_processed else None
         else:
-            random_ids = self._filter_and_draw(logits, temperature, metadata)
+            random_ids, random_logits = self._filter_and_draw(logits, temperature, metadata)
         if greedy_ids is None:
-            return random_ids
-        return torch.where(greedy_rows, greedy_ids, random_ids)
+            return random_ids, random_logits
+        processed = torch.where(greedy_rows.unsqueeze(1), logits, random_logits) if keep_processed else None
+        return torch.where(greedy_rows, greedy_ids, random_ids), processed
 
     def _filter_and_draw(self, logits: torch.Tensor, temperature: torch.Tensor,
-                         metadata: SamplingMetadata) -> torch.Tensor:
+                         metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Temperature, the argmax-invariant processors, min-p, top-k/top-p, then one draw per
+        row: the ids, and the filtered logits they were drawn from."""
         logits = logits / temperature.unsqueeze(1)
         if metadata.logits_processors is not None and metadata.logits_processors.argmax_invariant:
             logits = metadata.logits_processors.apply_argmax_invariant(logits, owned=True)
@@ -157,7 +175,7 @@ class Sampler:
             else:
                 logits = self.top_k_top_p(logits, metadata.top_k, metadata.top_p)
         probs = logits.softmax(dim=-1)  # [B, V]
-        return self.draw(probs, self.generator, metadata.seeded_rows, metadata.seeded_uniforms)
+        return self.draw(probs, self.generator, metadata.seeded_rows, metadata.seeded_uniforms), logits
 
 
 def _temperature_only(metadata: SamplingMetadata) -> bool:
@@ -167,14 +185,18 @@ def _temperature_only(metadata: SamplingMetadata) -> bool:
             and not (processors is not None and processors.argmax_invariant))
 
 
-def _raw_logprobs(raw_logits: torch.Tensor, sampled: torch.Tensor, k: int,
-                  rows: torch.Tensor | None) -> LogprobsTensors:
-    """Logprobs from the model's own logits, [B, 1 + k] in batch order; with ``rows`` (some rows
+def _logprobs(logits: torch.Tensor, sampled: torch.Tensor, k: int, rows: torch.Tensor | None,
+              normalize: bool = True) -> LogprobsTensors:
+    """The reported logprobs, [B, 1 + k] in batch order, from ``logits`` (log-softmaxed when
+    ``normalize``, as they are otherwise: the ``*_logits`` modes); with ``rows`` (some rows
     asked), computed for those rows alone and placed at them (zeros elsewhere, never read)."""
+    def values(selected: torch.Tensor) -> torch.Tensor:
+        return selected.log_softmax(dim=-1) if normalize else selected
+
     if rows is None:
-        return gather_logprobs(raw_logits.log_softmax(dim=-1), sampled, k)
-    subset = gather_logprobs(raw_logits.index_select(0, rows).log_softmax(dim=-1), sampled.index_select(0, rows), k)
-    return subset.placed_at(rows, raw_logits.shape[0])
+        return gather_logprobs(values(logits), sampled, k)
+    subset = gather_logprobs(values(logits.index_select(0, rows)), sampled.index_select(0, rows), k)
+    return subset.placed_at(rows, logits.shape[0])
 
 
 def draw(

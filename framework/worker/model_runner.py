@@ -92,7 +92,7 @@ class ModelRunner(SamplingStep):
         generator = torch.Generator(device=device)
         generator.manual_seed(config.model.seed)
         # The platform's top-k/top-p and draw ops (None: the torch references).
-        self.sampler = Sampler(generator, platform)
+        self.sampler = Sampler(generator, platform, logprobs_mode=config.model.logprobs_mode)
         self.kv_caches: list[torch.Tensor] = []
         self.kv_connector: Any = None  # worker half of a KV connector, set by the worker
         # Speculative decoding: the proposer (None: off). Requests speculate only when nothing

@@ -132,8 +132,9 @@ class Sampler:
 
         logprobs = None
         if metadata.max_num_logprobs is not None:
-            logprobs = _logprobs(processed_logits if processed else raw_logits, sampled, metadata.max_num_logprobs,
-                                 metadata.logprob_rows, normalize=self.logprobs_mode.endswith("logprobs"))
+            source = processed_logits if processed_logits is not None else raw_logits
+            logprobs = _logprobs(source, sampled, metadata.max_num_logprobs, metadata.logprob_rows,
+                                 normalize=self.logprobs_mode.endswith("logprobs"))
         return SamplerOutput(
             sampled_token_ids=sampled, logprobs=logprobs, num_logprobs=metadata.num_logprobs
         )
@@ -157,7 +158,8 @@ class Sampler:
             random_ids, random_logits = self._filter_and_draw(logits, temperature, metadata)
         if greedy_ids is None:
             return random_ids, random_logits
-        processed = torch.where(greedy_rows.unsqueeze(1), logits, random_logits) if keep_processed else None
+        processed = torch.where(greedy_rows.unsqueeze(1), logits, random_logits) \
+            if keep_processed and random_logits is not None else None
         return torch.where(greedy_rows, greedy_ids, random_ids), processed
 
     def _filter_and_draw(self, logits: torch.Tensor, temperature: torch.Tensor,

@@ -111,6 +111,9 @@ class ModelConfig(_Section):
     max_logprobs: int = Field(
         20, ge=-1, description="Most log probabilities per token a request may ask for (logprobs, prompt_logprobs, "
         "top_logprobs); -1: the vocabulary size.")
+    disable_sliding_window: bool = Field(
+        False, description="vLLM's: attend to the whole context in sliding-window layers, with max_model_len cut "
+        "to the window (so that outputs are the model's); a model without a window is unchanged.")
     logprobs_mode: Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"] = Field(
         "raw_logprobs", description="vLLM's: what a sampled token's logprobs report: the model's log-probabilities "
         "(raw_logprobs) or logits (raw_logits), or those the token was drawn from after the logits processors, "

@@ -50,8 +50,15 @@ def get_hf_config(model_dir: str | Path, trust_remote_code: bool = False, overri
 
 def model_hf_config(model: Any) -> Any:
     """The transformers config of the engine's model section (``config.model``), with its
-    ``trust_remote_code`` and ``hf_overrides``."""
-    return get_hf_config(model.model, model.trust_remote_code, model.hf_overrides)
+    ``trust_remote_code`` and ``hf_overrides``, and ``disable_sliding_window`` set on it when the
+    section says so (``sparrow.models.windows.attended_windows`` reads it)."""
+    return with_model_settings(get_hf_config(model.model, model.trust_remote_code, model.hf_overrides), model)
+
+
+def with_model_settings(hf_config: Any, model: Any) -> Any:
+    if getattr(model, "disable_sliding_window", False):
+        hf_config.disable_sliding_window = True
+    return hf_config
 
 
 def apply_hf_overrides(config: Any, overrides: dict[str, Any]) -> None:
@@ -267,7 +274,8 @@ def load_model(
     from sparrow.models.registry import resolve_model_class
 
     model_dir = Path(model_dir)
-    hf_config = get_hf_config(model_dir, config.model.trust_remote_code, config.model.hf_overrides) \
+    hf_config = with_model_settings(get_hf_config(model_dir, config.model.trust_remote_code,
+                                                  config.model.hf_overrides), config.model) \
         if config is not None else get_hf_config(model_dir)
     model_cls = resolve_model_class(hf_config, _architectures(registry))
     loader = get_model_loader(config, registry)

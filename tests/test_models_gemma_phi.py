@@ -120,6 +120,37 @@ def test_engine_matches_hf_with_chunking_prefix_cache_and_preemption(name, model
     assert preemptions > 0, "the small KV cache should have forced a preemption"
 
 
+@pytest.mark.parametrize("name", ["gemma3", "mistral"])
+def test_disable_sliding_window_attends_to_the_window_cut_context_as_hf(name, model_dirs_gp):
+    """vLLM's disable_sliding_window: full attention in every layer, max_model_len cut to the
+    window (12), so the outputs are HF's; Gemma 3's sliding layers keep their local RoPE."""
+    from sparrow.config import ConfigError
+    from sparrow.layers.attention import Attention
+    from tests.test_parity import hf_greedy
+
+    model_dir = model_dirs_gp[name]
+    prompts = [prompt[:5] for prompt in make_prompts(seed=7)[:3]]  # 3 and 5 tokens, + 6 out <= 12
+    reference = hf_greedy(model_dir, prompts, MAX_TOKENS)
+    llm = LLM(model_dir, multiprocess=False, dtype="float32", disable_sliding_window=True)
+    try:
+        assert llm.llm_engine.config.model.max_model_len == 12
+        windows = llm.apply_model(lambda model: [module.sliding_window for module in model.modules()
+                                                 if isinstance(module, Attention)])
+        assert windows[0] and set(windows[0]) == {None}
+        engine = llm.llm_engine
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
+        outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)
+        results = [(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                                                   o.outputs[0].logprobs)])
+                   for o in outputs]
+        check_against_hf(results, reference)
+        assert engine.kv_cache_capacity_tokens >= 12
+    finally:
+        llm.shutdown()
+    with pytest.raises(ConfigError, match="'max_model_len': 64 exceeds the model's maximum 12 .*disable_sliding"):
+        LLM(model_dir, multiprocess=False, disable_sliding_window=True, max_model_len=64)
+
+
 # -- layer-level checks ---------------------------------------------------------------------------
 
 def test_layers_carry_their_window_soft_cap_and_rope(model_dirs_gp):

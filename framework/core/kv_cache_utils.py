@@ -143,9 +143,9 @@ def request_capacity_tokens(num_blocks: int, block_size: int, hf_config: Any, ma
     ``max_model_len``: such a request holds about its window only, and the engine core's
     ``KVCacheManager.can_fit`` decides.
     """
-    from sparrow.models.windows import layer_sliding_windows
+    from sparrow.models.windows import attended_windows
 
-    windows = layer_sliding_windows(hf_config) if hf_config is not None else []
+    windows = attended_windows(hf_config) if hf_config is not None else []
     if windows and all(window is not None and window < max_model_len for window in windows):
         return max_model_len
     return num_blocks * block_size

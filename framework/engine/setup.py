@@ -50,13 +50,18 @@ def resolve_model_path(model: str | None, revision: str | None = None, download_
     return str(path.resolve())
 
 
-def _model_limits(model_path: str, trust_remote_code: bool = False,
-                  hf_overrides: dict[str, Any] | None = None) -> tuple[Any, int]:
+def _model_limits(model_path: str, trust_remote_code: bool = False, hf_overrides: dict[str, Any] | None = None,
+                  disable_sliding_window: bool = False) -> tuple[Any, int]:
     from sparrow.model_loader import get_hf_config, get_max_model_len
+    from sparrow.models.windows import layer_sliding_windows
 
     try:
         hf_config = get_hf_config(model_path, trust_remote_code, hf_overrides)
-        return hf_config, get_max_model_len(hf_config)
+        model_max = get_max_model_len(hf_config)
+        windows = [window for window in layer_sliding_windows(hf_config) if window is not None]
+        if disable_sliding_window and windows:  # vLLM's: full attention, the context cut to the window
+            model_max = min(model_max, min(windows))
+        return hf_config, model_max
     except ConfigError:  # names its own argument (trust_remote_code)
         raise
     except (OSError, ValueError) as exc:
@@ -64,10 +69,11 @@ def _model_limits(model_path: str, trust_remote_code: bool = False,
                           f"used: {exc}") from None
 
 
-def _check_max_model_len(max_model_len: int, model_max: int) -> None:
+def _check_max_model_len(max_model_len: int, model_max: int, disable_sliding_window: bool = False) -> None:
     if max_model_len > model_max:
         raise ConfigError(
             f"invalid engine argument 'max_model_len': {max_model_len} exceeds the model's maximum {model_max}"
+            + (" (its sliding window: disable_sliding_window is set)" if disable_sliding_window else "")
         )
 
 
@@ -127,11 +133,12 @@ def finalize_config(config: EngineConfig) -> EngineConfig:
                           "locally; tokenizer_revision applies to a Hub id in the Hugging Face cache")
     tokenizer_path = model_path if tokenizer_source is None else resolve_hub_id(
         tokenizer_source, requested.tokenizer_revision, requested.download_dir, "tokenizer_revision")
-    hf_config, model_max = _model_limits(model_path, config.model.trust_remote_code, config.model.hf_overrides)
+    hf_config, model_max = _model_limits(model_path, config.model.trust_remote_code, config.model.hf_overrides,
+                                         config.model.disable_sliding_window)
     max_model_len = config.model.max_model_len
     if max_model_len is None:
         max_model_len = model_max
-    _check_max_model_len(max_model_len, model_max)
+    _check_max_model_len(max_model_len, model_max, config.model.disable_sliding_window)
     model = config.model.model_copy(update={
         "model": model_path,
         "tokenizer": tokenizer_path,
@@ -156,8 +163,8 @@ def finalize_config(config: EngineConfig) -> EngineConfig:
     if finalized.model.model != model_path:  # the platform pointed at other weights
         finalized.model.model = resolve_model_path(finalized.model.model)
         hf_config, model_max = _model_limits(finalized.model.model, finalized.model.trust_remote_code,
-                                            finalized.model.hf_overrides)
-    _check_max_model_len(finalized.model.max_model_len or 0, model_max)
+                                            finalized.model.hf_overrides, finalized.model.disable_sliding_window)
+    _check_max_model_len(finalized.model.max_model_len or 0, model_max, finalized.model.disable_sliding_window)
     if finalized.scheduler.max_num_batched_tokens is None:
         finalized.scheduler.max_num_batched_tokens = platform.default_max_num_batched_tokens
     if finalized.model.runner == "pooling" and "enable_prefix_caching" not in config.cache.model_fields_set \

@@ -36,7 +36,7 @@ from sparrow.models.llama import (
     model_head_dim,
     num_kv_heads_per_rank,
 )
-from sparrow.models.windows import FULL, SLIDING, layer_sliding_windows
+from sparrow.models.windows import FULL, SLIDING, attended_windows, layer_sliding_windows
 
 SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh",)
 
@@ -126,10 +126,11 @@ class GemmaModel(nn.Module):
         else:
             ropes = dict.fromkeys((SLIDING, FULL), get_rope(hf_config, head_dim))
         self.rotary_embs = nn.ModuleDict({kind: rope for kind, rope in ropes.items()})
+        # A sliding layer keeps its RoPE when disable_sliding_window lets it attend to everything.
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(hf_config, options, backend, ropes[SLIDING if window else FULL], index, window, tp,
+            GemmaDecoderLayer(hf_config, options, backend, ropes[SLIDING if window else FULL], index, attended, tp,
                               params_dtype)
-            for index, window in enumerate(windows)
+            for index, (window, attended) in enumerate(zip(windows, attended_windows(hf_config)))
         )
         self.norm = GemmaRMSNorm(hidden_size, hf_config.rms_norm_eps, params_dtype=params_dtype)
 

@@ -26,7 +26,7 @@ from sparrow.layers.layernorm import RMSNorm
 from sparrow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from sparrow.layers.parallel import ParallelContext, default_weight_loader, divide, resolve_tp
 from sparrow.layers.rotary import RotaryEmbedding, get_rope
-from sparrow.models.windows import layer_sliding_windows
+from sparrow.models.windows import attended_windows
 
 # fused parameter -> (checkpoint projection, shard id) in the fused order
 STACKED_PARAMS: dict[str, tuple[tuple[str, Hashable], ...]] = {
@@ -106,7 +106,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rotary_emb = rotary_emb  # one instance shared by every layer (no parameters)
         # Mistral, Phi-3 and Qwen2 with use_sliding_window attend through a window.
-        self.attn = Attention(backend, layer_index, sliding_window=layer_sliding_windows(hf_config)[layer_index])
+        self.attn = Attention(backend, layer_index, sliding_window=attended_windows(hf_config)[layer_index])
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:

@@ -39,3 +39,13 @@ def layer_sliding_windows(hf_config: Any) -> list[int | None]:
     if window is None or getattr(hf_config, "use_sliding_window", True) is False:
         return [None] * num_layers
     return [window] * num_layers
+
+
+def attended_windows(hf_config: Any) -> list[int | None]:
+    """The window each layer attends through: ``layer_sliding_windows``, or full attention in every
+    layer with vLLM's ``disable_sliding_window`` (set on the config by ``model_hf_config``), where a
+    sliding layer keeps what else sets it apart (Gemma's local RoPE) and ``max_model_len`` is cut to
+    the window, so that the outputs are the model's."""
+    if getattr(hf_config, "disable_sliding_window", False):
+        return [None] * int(hf_config.num_hidden_layers)
+    return layer_sliding_windows(hf_config)

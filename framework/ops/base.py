@@ -48,6 +48,16 @@ class OpImpl:
         into a repacked weight unpacks, loads into the dense weights, and repacks."""
         return None
 
+    def release_weights(self) -> int:
+        """Sleep level 2 (``LLM.sleep(level=2)``): drop the weights this implementation holds in a
+        layout of its own (an opaque packed tensor, which the worker cannot shrink in place);
+        returns the bytes released. The default releases nothing (such weights stay in memory)."""
+        return 0
+
+    def restore_weights(self) -> None:
+        """Waking after :meth:`release_weights`: hold zeros of the same shapes again (the dense
+        weights they came from are zeros too), ready for new weights to load."""
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 

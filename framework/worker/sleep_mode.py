@@ -13,7 +13,9 @@ back.
 Memory is released by shrinking each tensor's storage to nothing and grown back in place on
 waking, so every module, view and list keeps the tensors it holds; only their addresses change
 (the CUDA worker captures its graphs again). Tensors without a storage of their own (oneDNN's
-packed weights) are kept as they are.
+packed weights) cannot shrink: at level 1 they stay as they are (host memory on the CPU), at
+level 2 the op implementation that holds them drops them (``OpImpl.release_weights``) and holds
+zeros again on waking.
 """
 
 from __future__ import annotations
@@ -31,9 +33,13 @@ logger = logging.getLogger(__name__)
 class _Released:
     """Storages shrunk to nothing, with their sizes and (offloaded) contents."""
 
-    def __init__(self, tensors: list[torch.Tensor], offload: bool, keep: _Released | None = None) -> None:
+    def __init__(self, tensors: list[torch.Tensor], offload: bool, keep: _Released | None = None,
+                 impls: Any = ()) -> None:
         self.storages: list[tuple[Any, int, torch.Tensor | None]] = []
         self.keep = keep  # released alongside, restored first (buffers beside parameters)
+        # Op implementations whose own-layout weights were dropped (level 2), restored last.
+        self.impls: list[Any] = []
+        self.impl_bytes = 0
         seen: set[int] = {storage.data_ptr() for storage, _, _ in keep.storages} if keep is not None else set()
         for tensor in tensors:
             if tensor.layout != torch.strided or tensor.is_mkldnn:
@@ -51,10 +57,16 @@ class _Released:
             self.storages.append((storage, storage.nbytes(), saved))
         for storage, _, _ in self.storages:
             storage.resize_(0)
+        for impl in impls:
+            released = impl.release_weights()
+            if released:
+                self.impls.append(impl)
+                self.impl_bytes += released
 
     @property
     def nbytes(self) -> int:
-        return sum(size for _, size, _ in self.storages) + (self.keep.nbytes if self.keep is not None else 0)
+        return (sum(size for _, size, _ in self.storages) + (self.keep.nbytes if self.keep is not None else 0)
+                + self.impl_bytes)
 
     def restore(self) -> None:
         """Grow every storage back: the offloaded contents copied in, the rest zeroed."""
@@ -67,6 +79,8 @@ class _Released:
                 view.copy_(saved)
             else:
                 view.zero_()
+        for impl in self.impls:  # after the dense weights: a tied head repacks from its table
+            impl.restore_weights()
 
 
 class WorkerSleep:
@@ -90,7 +104,8 @@ class WorkerSleep:
         self.released = {
             "kv_cache": _Released(kv_cache_tensors(runner), offload=False),
             # Buffers (rotary tables: no checkpoint has them) are offloaded at either level.
-            "weights": _Released(parameters, offload=level == 1, keep=_Released(buffers, offload=True)),
+            "weights": _Released(parameters, offload=level == 1, keep=_Released(buffers, offload=True),
+                                 impls=op_impls(runner) if level == 2 else ()),
         }
         self.level = level
         return {tag: released.nbytes for tag, released in self.released.items()}
@@ -110,12 +125,23 @@ def kv_cache_tensors(runner: Any) -> list[torch.Tensor]:
     return [*runner.kv_caches, *(getattr(cache, "kv_caches", None) or [])]
 
 
-def weight_tensors(runner: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The parameters, and the buffers, of the runner's model and of a proposer's models (a
-    draft model, an EAGLE head)."""
+def _models(runner: Any) -> list[Any]:
+    """The runner's model and a proposer's models (a draft model, an EAGLE head)."""
     models = [runner.model]
     proposer = getattr(runner, "proposer", None)
     if proposer is not None:
         models += [forward.model for forward in proposer.graph_forwards()]
+    return models
+
+
+def op_impls(runner: Any) -> list[Any]:
+    """The op implementations bound to the layers of those models."""
+    return [module._op_impl for model in _models(runner) for module in model.modules()
+            if getattr(module, "_op_impl", None) is not None]
+
+
+def weight_tensors(runner: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The parameters, and the buffers, of those models."""
+    models = _models(runner)
     return ([param for model in models for param in model.parameters()],
             [buffer for model in models for buffer in model.buffers()])

@@ -86,6 +86,25 @@ class OneDnnLinear(OpImpl):
     def unpack_weights(self) -> dict[str, torch.Tensor] | None:
         return {"weight": self.layer.weight.to_dense()} if self.tied_version is None else None
 
+    def release_weights(self) -> int:
+        """Sleep level 2: the packed weight (or a tied head's packed copy) is freed."""
+        if self.packed is None:
+            return 0
+        in_features = self.packed.shape[1]
+        released = self.out_features * in_features * self.packed.element_size()
+        self._dense_shape = (self.out_features, in_features)
+        if self.tied_version is None:
+            self.layer.replace_parameter("weight", torch.empty(0, dtype=torch.float32))
+        self.packed = None
+        return released
+
+    def restore_weights(self) -> None:
+        if self.packed is not None:
+            return
+        if self.tied_version is None:
+            self.layer.replace_parameter("weight", torch.zeros(self._dense_shape, dtype=torch.float32))
+        self.process_weights()  # packs the zeros (a tied head: the table the embedding woke with)
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[0] == 0:  # oneDNN rejects empty inputs
             return x.new_empty(*x.shape[:-1], self.out_features)

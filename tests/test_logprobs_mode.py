@@ -40,21 +40,26 @@ def reported(completion) -> list[tuple[float, dict[int, float]]]:
 
 
 def test_raw_modes_report_the_models_logits_or_their_log_softmax(qwen3_dir, hf_logits):
+    """Whatever the token was drawn with: a greedy step, and a step of random rows only (the
+    temperature must not reach the reported values)."""
     from sparrow import LLM, SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=3, ignore_eos=True)
     for mode in ("raw_logits", "raw_logprobs"):
         with LLM(qwen3_dir, logprobs_mode=mode, multiprocess=False) as llm:
-            completion = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0]
-        expected = hf_logits(list(completion.token_ids))
-        if mode == "raw_logprobs":
-            expected = expected.log_softmax(dim=-1)
-        for step, (token, (value, entries)) in enumerate(zip(completion.token_ids, reported(completion))):
-            assert value == pytest.approx(float(expected[step, token]), abs=1e-4), (mode, step)
-            top = expected[step].topk(3).indices.tolist()
-            assert set(top) <= set(entries), (mode, step)
-            for tid in top:
-                assert entries[tid] == pytest.approx(float(expected[step, tid]), abs=1e-4), (mode, step)
+            for temperature in (0.0, 0.8):
+                params = SamplingParams(temperature=temperature, seed=2, max_tokens=MAX_TOKENS, logprobs=3,
+                                        ignore_eos=True)
+                completion = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0]
+                expected = hf_logits(list(completion.token_ids))
+                if mode == "raw_logprobs":
+                    expected = expected.log_softmax(dim=-1)
+                for step, (token, (value, entries)) in enumerate(zip(completion.token_ids, reported(completion))):
+                    where = (mode, temperature, step)
+                    assert value == pytest.approx(float(expected[step, token]), abs=1e-4), where
+                    top = expected[step].topk(3).indices.tolist()
+                    assert set(top) <= set(entries), where
+                    for tid in top:
+                        assert entries[tid] == pytest.approx(float(expected[step, tid]), abs=1e-4), where
 
 
 @pytest.mark.parametrize("mode", ["processed_logprobs", "processed_logits"])

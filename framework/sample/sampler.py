@@ -132,7 +132,10 @@ class Sampler:
 
         logprobs = None
         if metadata.max_num_logprobs is not None:
-            source = processed_logits if processed_logits is not None else raw_logits
+            source = raw_logits
+            if processed:
+                assert processed_logits is not None  # _sample keeps them when asked
+                source = processed_logits
             logprobs = _logprobs(source, sampled, metadata.max_num_logprobs, metadata.logprob_rows,
                                  normalize=self.logprobs_mode.endswith("logprobs"))
         return SamplerOutput(
@@ -156,11 +159,13 @@ class Sampler:
             random_logits = logits / temperature.unsqueeze(1) if keep_processed else None
         else:
             random_ids, random_logits = self._filter_and_draw(logits, temperature, metadata)
-        if greedy_ids is None:
-            return random_ids, random_logits
-        processed = torch.where(greedy_rows.unsqueeze(1), logits, random_logits) \
-            if keep_processed and random_logits is not None else None
-        return torch.where(greedy_rows, greedy_ids, random_ids), processed
+        ids = random_ids if greedy_ids is None else torch.where(greedy_rows, greedy_ids, random_ids)
+        if not keep_processed or random_logits is None:
+            return ids, None
+        # A greedy row's token came from its plain (penalised) logits.
+        processed = random_logits if greedy_ids is None else torch.where(greedy_rows.unsqueeze(1), logits,
+                                                                         random_logits)
+        return ids, processed
 
     def _filter_and_draw(self, logits: torch.Tensor, temperature: torch.Tensor,
                          metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -266,6 +266,7 @@ def test_use_tqdm_may_be_the_progress_bar_class(llm):
     outputs = llm.generate(["a", "b", "c"], SamplingParams(max_tokens=2), use_tqdm=Recorded)
     assert len(outputs) == 3 and len(bars) == 1
     assert bars[0].total == 3 and bars[0].n == 3
+    assert "est. speed input: " in bars[0].postfix and ", output: " in bars[0].postfix
 
 
 def test_what_vllm_callers_pass_is_taken_or_refused_by_name(llm):

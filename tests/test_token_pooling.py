@@ -102,6 +102,20 @@ def test_token_embed_shares_steps_with_prompt_vectors(dirs, pooling_type):
               max_num_batched_tokens=32, enable_prefix_caching=caching, multiprocess=False)
     try:
         assert llm.llm_engine.input_processor.pooling.supported_tasks == ("embed", "token_embed")
+        if pooling_type == "LAST":  # the progress bar of a pooling run shows the prompts' speed only
+            import io
+
+            from tqdm import tqdm
+
+            bars = []
+
+            class Recorded(tqdm):
+                def __init__(self, *args, **kwargs):
+                    super().__init__(*args, file=io.StringIO(), **kwargs)
+                    bars.append(self)
+
+            llm.encode(PROMPTS[:2], use_tqdm=Recorded)
+            assert bars[0].n == 2 and "est. speed input: " in bars[0].postfix and "output" not in bars[0].postfix
         prompts = [LONG, LONG, PROMPTS[0], PROMPTS[3]]
         params = [PoolingParams(task="token_embed"), PoolingParams(task="embed"), PoolingParams(task="embed"),
                   PoolingParams(task="token_embed", normalize=False)]

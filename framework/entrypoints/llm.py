@@ -177,15 +177,21 @@ class LLM(PoolingMethods):
         engine = self.llm_engine
         results: list[RequestOutput | None] = [None] * len(order)
         bar = None
+        # A pooling model generates nothing: its bar shows the prompts' speed only (as vLLM's).
+        generates = engine.input_processor.pooling is None
+
+        def speeds(elapsed: float) -> str:
+            shown = f"est. speed input: {num_prompt_tokens / elapsed:.2f} toks/s"
+            return shown + f", output: {num_output_tokens / elapsed:.2f} toks/s" if generates else shown
+
+        num_prompt_tokens = num_output_tokens = 0
         if use_tqdm:
             from tqdm.auto import tqdm
 
             # As in vLLM, use_tqdm may be the progress bar class itself (a tqdm subclass or factory).
             make_bar = use_tqdm if callable(use_tqdm) else tqdm
-            bar = make_bar(total=len(order), desc="Processed prompts", dynamic_ncols=True,
-                           postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+            bar = make_bar(total=len(order), desc="Processed prompts", dynamic_ncols=True, postfix=speeds(1.0))
         started = time.perf_counter()
-        num_prompt_tokens = num_output_tokens = 0
         try:
             while engine.has_unfinished_requests():
                 for output in engine.step():
@@ -197,9 +203,7 @@ class LLM(PoolingMethods):
                         num_prompt_tokens += len(output.prompt_token_ids or ())
                         if isinstance(output.outputs, list):  # a pooling output has a vector, no tokens
                             num_output_tokens += sum(len(o.token_ids) for o in output.outputs)
-                        elapsed = max(time.perf_counter() - started, 1e-9)
-                        bar.postfix = (f"est. speed input: {num_prompt_tokens / elapsed:.2f} toks/s, "
-                                       f"output: {num_output_tokens / elapsed:.2f} toks/s")
+                        bar.postfix = speeds(max(time.perf_counter() - started, 1e-9))
                         bar.update(1)
         except BaseException:
             # Interrupted (e.g. Ctrl-C) or a request failed in the engine core: leave the engine

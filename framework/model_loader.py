@@ -150,7 +150,8 @@ class SafetensorsLoader(ModelLoader):
         if pooling:
             classify = self.config.model.convert == "classify"
             weights = causal_lm_names(weights, classify=classify,
-                                      score_from_tokens=score_from_tokens(self.config) if classify else None)
+                                      score_from_tokens=score_from_tokens(self.config, getattr(model, "config", None))
+                                      if classify else None)
         loaded = model.load_weights(weights)  # type: ignore[operator]
         check_loaded = getattr(model, "check_loaded", None)  # a plugin's model may check for itself
         if callable(check_loaded) and isinstance(loaded, set):
@@ -183,11 +184,12 @@ def causal_lm_names(weights: Iterator[tuple[str, Any]], classify: bool = False,
         yield (name if name.startswith("model.") else f"model.{name}"), tensor
 
 
-def score_from_tokens(config: EngineConfig) -> tuple[str, list[int], bool] | None:
-    """(method, token ids, tied embeddings) of a causal LM converted into a classifier, or None."""
+def score_from_tokens(config: EngineConfig, hf_config: Any = None) -> tuple[str, list[int], bool] | None:
+    """(method, token ids, tied embeddings) of a causal LM converted into a classifier, or None;
+    ``hf_config``: the config the model was built from (None: read it)."""
     from sparrow.pooling_convert import classifier_token_ids, conversion_method, tokenizer_for
 
-    hf_config = model_hf_config(config.model)
+    hf_config = hf_config if hf_config is not None else model_hf_config(config.model)
     method = conversion_method(hf_config)
     if method is None:
         return None

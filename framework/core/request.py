@@ -6,6 +6,7 @@ import enum
 import time
 from typing import Any
 
+from sparrow.pooling_params import TOKEN_TASKS
 from sparrow.sampling_params import SamplingParams
 from sparrow.wire import FinishReason
 
@@ -101,8 +102,7 @@ class Request:
     def skip_reading_prefix_cache(self) -> bool:
         """vLLM's: the request needs the model's output at every prompt position (prompt logprobs,
         token-level pooling), so no prompt token may come from the prefix cache."""
-        return self.sampling_params.prompt_logprobs is not None or \
-            self.pooling_task in ("token_embed", "token_classify")
+        return self.sampling_params.prompt_logprobs is not None or self.pooling_task in TOKEN_TASKS
 
     # -- progress ---------------------------------------------------------------------------
     @property

@@ -24,6 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from sparrow.pooling_params import TOKEN_TASKS
 from sparrow.worker.input_batch import InputBatch
 
 
@@ -41,7 +42,7 @@ class Pooler:
     def begin(self, req_id: str, task: str | None) -> None:
         """A request the workers have just received (or that resumed): a token-level task gets
         every prompt token's row."""
-        if task in ("token_embed", "token_classify"):
+        if task in TOKEN_TASKS:
             self._token_rows[req_id] = []
 
     def forget(self, req_ids: list[str]) -> None:
@@ -60,7 +61,8 @@ class Pooler:
         req_ids = batch.req_ids
         num_reqs = len(num_scheduled)
         pooled: dict[str, bytes] = {}
-        token_level = np.array([req_id in self._token_rows for req_id in req_ids[:num_reqs]], dtype=bool)
+        token_level = np.array([req_id in self._token_rows for req_id in req_ids[:num_reqs]], dtype=bool) \
+            if self._token_rows else np.zeros(num_reqs, dtype=bool)
         if token_level.any():
             self._token_level(hidden_states, req_ids, num_scheduled, complete_rows, token_level, pooled)
             complete_rows = complete_rows & ~token_level

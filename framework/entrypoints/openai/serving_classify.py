@@ -18,8 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from sparrow.entrypoints.openai.protocol_classify import ClassificationRequest, ClassificationResponse
-from sparrow.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, in_field_words
-from sparrow.entrypoints.openai.serving_engine import APIError, pooling_model_kind
+from sparrow.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, in_field_words, pooling_model_kind
+from sparrow.entrypoints.openai.serving_engine import APIError
 from sparrow.outputs import PoolingRequestOutput
 
 

@@ -31,7 +31,6 @@ from sparrow.entrypoints.openai.serving_engine import (
     collect_finals,
     engine_dead,
     field_error,
-    pooling_model_kind,
 )
 from sparrow.entrypoints.openai.streams import cancel_on_disconnect
 from sparrow.errors import InvalidArgumentError
@@ -139,6 +138,16 @@ def encode_vector(vector: Any, encoding_format: str) -> list[Any] | str:
         return base64.b64encode(values.tobytes()).decode("ascii")
     return values.tolist()
 
+
+def pooling_model_kind(pooling: Any) -> tuple[str, str]:
+    """(what a pooling model is, the endpoints that answer for it), for messages."""
+    if pooling.head == "embed":
+        return "an embedding model", "/v1/embeddings, /v1/score, /v1/rerank and /pooling"
+    if "classify" not in pooling.supported_tasks:
+        return f"a token classifier ({pooling.num_labels} labels)", "/pooling (task token_classify)"
+    labels = f"{pooling.num_labels} label{'' if pooling.num_labels == 1 else 's'}"
+    return f"a classifier ({labels})", "/classify, /v1/score, /v1/rerank and /pooling" if pooling.num_labels == 1 \
+        else "/classify and /pooling"
 
 class OpenAIServingEmbedding(OpenAIServing):
     # The chat form's rendering: the server's --chat-template and its content format (api_server).

@@ -157,6 +157,8 @@ class OpenAIServing:
         pooling = self.engine.input_processor.pooling
         if pooling is None:
             return
+        from sparrow.entrypoints.openai.serving_embedding import pooling_model_kind
+
         kind, answers = pooling_model_kind(pooling)
         raise APIError(400, f"the model {model!r} is {kind} (this server runs it as a pooling model): it answers "
                        f"{answers}, not {endpoint}; serve a generative model to generate text", "BadRequestError",
@@ -394,14 +396,3 @@ async def grammar_errors_named(stream: AsyncGenerator[RequestOutput, None], requ
         raise in_request_words(exc, request) from None
     finally:
         await stream.aclose()
-
-
-def pooling_model_kind(pooling: Any) -> tuple[str, str]:
-    """(what a pooling model is, the endpoints that answer for it), for messages."""
-    if pooling.head == "embed":
-        return "an embedding model", "/v1/embeddings, /v1/score, /v1/rerank and /pooling"
-    if "classify" not in pooling.supported_tasks:
-        return f"a token classifier ({pooling.num_labels} labels)", "/pooling (task token_classify)"
-    labels = f"{pooling.num_labels} label{'' if pooling.num_labels == 1 else 's'}"
-    return f"a classifier ({labels})", "/classify, /v1/score, /v1/rerank and /pooling" if pooling.num_labels == 1 \
-        else "/classify and /pooling"

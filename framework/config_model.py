@@ -119,6 +119,11 @@ class ModelConfig(_Section):
         "(raw_logprobs) or logits (raw_logits), or those the token was drawn from after the logits processors, "
         "penalties, temperature and min-p/top-k/top-p filters (processed_logprobs, processed_logits; filtered-out "
         "tokens at -inf). Prompt logprobs are always the model's.")
+    enable_prompt_embeds: bool = Field(
+        False, description="vLLM's: accept prompts given as embeddings ({'prompt_embeds': tensor [tokens, "
+        "hidden_size]} offline, a base64 torch.save'd tensor in /v1/completions' prompt_embeds), fed to the model "
+        "in place of its token embeddings. The server then loads tensors that clients send (torch.load with "
+        "weights_only=True); off by default.")
 
     @field_validator("logits_processors", mode="before")
     @classmethod

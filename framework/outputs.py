@@ -118,6 +118,16 @@ class RequestOutput:
     encoder_prompt_token_ids: list[int] | None = None
     num_cached_tokens: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    # The prompt's length in positions; None: len(prompt_token_ids). Set by the engine for every
+    # request, so that a prompt given as embeddings (prompt_token_ids None, as vLLM's) counts too.
+    num_prompt_tokens: int | None = None
+
+    @property
+    def prompt_length(self) -> int:
+        """How many positions the prompt has, whether it came as text, token ids or embeddings."""
+        if self.num_prompt_tokens is not None:
+            return self.num_prompt_tokens
+        return len(self.prompt_token_ids or ())
 
     def add(self, next_output: RequestOutput, aggregate: bool) -> None:
         """Merge a later output of the same request into this one.

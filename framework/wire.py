@@ -36,6 +36,15 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
+class TensorData(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A tensor as it crosses a process: its bytes in C order, its torch dtype name ("float32",
+    "bfloat16", "float16") and its shape (sparrow.utils.tensor_data converts both ways)."""
+
+    data: bytes
+    dtype: str
+    shape: list[int]
+
+
 # -- engine core -> workers ---------------------------------------------------------------------
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     """A request the workers have not seen, or one resumed after preemption (they forgot it)."""
@@ -56,6 +65,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
     # A pooling model's request: its task ("token_embed" / "token_classify": pool every token).
     pooling_task: str | None = None
+    # vLLM's prompt embeddings (enable_prompt_embeds): [num_prompt_tokens, hidden_size], fed to the
+    # model in place of the token embeddings; prompt_token_ids then only hold placeholders (0).
+    prompt_embeds: TensorData | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -163,6 +175,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True,
     pooling_params: PoolingParams | None = None
     # vLLM's cache_salt: keys the request's prefix-cache blocks (only the same salt shares them).
     cache_salt: str | None = None
+    # vLLM's prompt embeddings (enable_prompt_embeds), [len(prompt_token_ids), hidden_size]; the
+    # token ids are placeholders (0), and the embeddings key the prefix cache instead.
+    prompt_embeds: TensorData | None = None
 
 
 # -- engine core -> frontend --------------------------------------------------------------------

@@ -75,11 +75,23 @@ def update_request_block_hashes(request: Request, block_size: int) -> list[Block
     num_full_blocks = len(token_ids) // block_size
     parent = block_hashes[-1] if block_hashes else None
     extra_keys = request_extra_keys(request)
+    embeds = getattr(request, "prompt_embeds", None)
     for block_index in range(len(block_hashes), num_full_blocks):
         start = block_index * block_size
-        parent = hash_block_tokens(parent, tuple(token_ids[start:start + block_size]), extra_keys)
+        keys = extra_keys
+        if embeds is not None and start < embeds.shape[0]:  # placeholder ids: the block's embeddings key it
+            keys = (keys or ()) + prompt_embeds_key(embeds, start, start + block_size)
+        parent = hash_block_tokens(parent, tuple(token_ids[start:start + block_size]), keys)
         block_hashes.append(parent)
     return block_hashes
+
+
+def prompt_embeds_key(embeds: Any, start: int, stop: int) -> tuple[Any, ...]:
+    """The part of a block's hash that its prompt embeddings (rows ``start:stop`` of a
+    sparrow.wire.TensorData [num_tokens, hidden]) make: their dtype and bytes, so that a block is
+    shared only by requests that gave the same embeddings at the same positions."""
+    row_bytes = len(embeds.data) // embeds.shape[0]
+    return ("embeds", embeds.dtype, embeds.data[start * row_bytes:min(stop, embeds.shape[0]) * row_bytes])
 
 
 def request_extra_keys(request: Request) -> tuple[Any, ...] | None:

@@ -49,6 +49,7 @@ class Request:
         "priority", "status", "num_computed_tokens", "num_cached_tokens", "num_preemptions",
         "max_tokens", "stop_reason", "block_hashes", "_output_token_ids", "_all_token_ids",
         "structured_output", "lora_request", "num_output_placeholders", "cache_salt", "pooling_task",
+        "prompt_embeds",
     )
 
     def __init__(
@@ -63,6 +64,7 @@ class Request:
         lora_request: Any = None,
         cache_salt: str | None = None,
         pooling_task: str | None = None,
+        prompt_embeds: Any = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -94,6 +96,9 @@ class Request:
         # A pooling model's request: its resolved task (None: a generation request). A token-level
         # task ("token_embed", "token_classify") reads every prompt position's hidden state.
         self.pooling_task = pooling_task
+        # vLLM's prompt embeddings (sparrow.wire.TensorData [num_prompt_tokens, hidden]) or None;
+        # prompt_token_ids are then placeholders, and the embeddings key the prefix cache instead.
+        self.prompt_embeds = prompt_embeds
         # Overlapped (async) scheduling: tokens scheduled to be sampled by steps still running,
         # whose ids the scheduler has not seen yet (the worker feeds them to the next step itself).
         self.num_output_placeholders = 0

@@ -15,7 +15,7 @@ from sparrow.core.request import FinishReason, Request, RequestStatus
 from sparrow.core.sched.interface import SchedulerInterface
 from sparrow.core.sched.output import SchedulerOutput
 from sparrow.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from sparrow.engine.request_guard import check_request, model_vocab_size
+from sparrow.engine.request_guard import check_request, model_hidden_size, model_vocab_size
 from sparrow.engine.sleep_args import SLEEP_TAGS, check_sleep, check_wake_up_tags
 from sparrow.executor import Executor, make_executor
 from sparrow.executor.abstract import StepHandle
@@ -66,6 +66,8 @@ class EngineCore:
         # None when the model directory cannot tell (fake executors in tests): token ids are then
         # checked for sign only.
         self.vocab_size = model_vocab_size(config.model)
+        # What prompt embeddings must match (enable_prompt_embeds); None: they are refused.
+        self.prompt_embeds_hidden_size = model_hidden_size(config.model) if config.model.enable_prompt_embeds else None
         # Structured outputs: built on the first constrained request (it loads the tokenizer).
         self._structured_output: Any = None
         self._grammar_pending: dict[str, Request] = {}  # req_id -> request whose grammar compiles
@@ -85,7 +87,8 @@ class EngineCore:
             raise ValueError(f"the engine is asleep ({', '.join(sorted(self._sleeping_tags))} released by sleep()); "
                              "call wake_up() before adding requests")
         check_request(request, vocab_size=self.vocab_size, max_model_len=self.config.model.max_model_len or 0,
-                      pooling=self.config.model.runner == "pooling")
+                      pooling=self.config.model.runner == "pooling",
+                      prompt_embeds_hidden_size=self.prompt_embeds_hidden_size)
         core_request = Request(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -97,6 +100,7 @@ class EngineCore:
             lora_request=request.lora_request,
             cache_salt=request.cache_salt,
             pooling_task=request.pooling_params.task if request.pooling_params is not None else None,
+            prompt_embeds=request.prompt_embeds,
         )
         if request.lora_request is not None:
             from sparrow.lora.engine import check_lora_request
@@ -104,7 +108,8 @@ class EngineCore:
             check_lora_request(request.lora_request, self.config, self.lora_hf_config())
         if request.sampling_params.structured_outputs is not None:
             core_request.structured_output = self.structured_output_manager().new_request(
-                request.sampling_params.structured_outputs, request.prompt_token_ids)
+                request.sampling_params.structured_outputs,
+                request.prompt_token_ids if request.prompt_embeds is None else None)  # placeholders say nothing
             core_request.status = RequestStatus.WAITING_FOR_GRAMMAR
         try:
             self.scheduler.add_request(core_request)

@@ -6,6 +6,7 @@ Prompts come in vLLM's forms:
     "text"                                  a text prompt
     {"prompt": "text"}                      TextPrompt
     {"prompt_token_ids": [1, 2, 3]}         TokensPrompt (a "prompt" key, if any, is kept as text)
+    {"prompt_embeds": tensor}               EmbedsPrompt, with enable_prompt_embeds (sparrow.engine.prompt_embeds)
     [{"role": "user", "content": "..."}]    chat messages, rendered with the chat template
 
 Text that is not valid Unicode (a lone surrogate such as ``"\\ud800"``) is refused here
@@ -22,15 +23,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
 from sparrow.engine.bad_words import request_bad_words
+from sparrow.engine.prompt_embeds import check_prompt_embeds
 from sparrow.engine.text_checks import check_text
 from sparrow.errors import InvalidArgumentError
 from sparrow.sampling_params import SamplingParams
 from sparrow.wire import EngineCoreRequest
 
 PromptType = Union[str, Mapping[str, Any], Sequence[Mapping[str, Any]]]
-# The keys a prompt dict may have (vLLM's TextPrompt and TokensPrompt, with cache_salt). vLLM's
-# others (multi_modal_data, mm_processor_kwargs, prompt_embeds, ...) are refused, never dropped.
-PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+# The keys a prompt dict may have (vLLM's TextPrompt, TokensPrompt and EmbedsPrompt, with
+# cache_salt). vLLM's others (multi_modal_data, mm_processor_kwargs, ...) are refused, never dropped.
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds", "cache_salt")
 
 # vLLM's default cap on logprobs per position.
 DEFAULT_MAX_LOGPROBS = 20
@@ -82,6 +84,7 @@ class InputProcessor:
         logits_processor_classes: Sequence[type] = (),
         scheduler: str | None = None,
         pooling: Any = None,
+        prompt_embeds_hidden_size: int | None = None,
     ) -> None:
         if max_model_len < 2:
             raise InvalidArgumentError(f"max_model_len must be >= 2 (one prompt and one output token), "
@@ -100,6 +103,8 @@ class InputProcessor:
         self.scheduler_without_priority = scheduler
         # A pooling model's checks (sparrow.engine.pooling_io.PoolingIO), or None: a generative one.
         self.pooling = pooling
+        # The model's hidden size when prompts may come as embeddings (enable_prompt_embeds), else None.
+        self.prompt_embeds_hidden_size = prompt_embeds_hidden_size
         if isinstance(eos_token_ids, int):
             eos_token_ids = [eos_token_ids]
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
@@ -177,13 +182,16 @@ class InputProcessor:
             for key, value in prompt.items():
                 if key not in PROMPT_KEYS and value is not None:
                     raise InvalidArgumentError(
-                        f"{label}: key {key!r} is not supported (Sparrow takes text or token ids only: no "
-                        f"multi-modal data or embeddings); a prompt dict takes {', '.join(PROMPT_KEYS)}",
+                        f"{label}: key {key!r} is not supported (Sparrow takes text, token ids or embeddings: no "
+                        f"multi-modal data); a prompt dict takes {', '.join(PROMPT_KEYS)}",
                         f"prompt.{key}")
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):
                 raise InvalidArgumentError(f"{label}: 'prompt' must be a string, got {type(text).__name__}", "prompt")
             check_text("prompt", text, label)
+            if prompt.get("prompt_embeds") is not None:
+                raise InvalidArgumentError(f"{label}: a prompt given as prompt_embeds has no token ids to read "
+                                           "here", "prompt_embeds")
             token_ids = prompt.get("prompt_token_ids")
             if token_ids is not None:
                 return text, self._check_token_id_types(request_id, token_ids)
@@ -247,12 +255,22 @@ class InputProcessor:
                                        "priority; start the engine with scheduler='priority' (or a policy that "
                                        "uses priorities) or leave priority at 0", "priority")
         cache_salt = prompt_cache_salt(request_id, prompt)
-        text, token_ids = self.tokenize_prompt(request_id, prompt)
+        embeds = self.prompt_embeds(request_id, prompt, params)
+        if embeds is not None and pooling_params is not None:
+            raise InvalidArgumentError(f"request {request_id!r}: a pooling model takes text or token ids, not "
+                                       "prompt_embeds", "prompt_embeds")
+        if embeds is None:
+            text, token_ids = self.tokenize_prompt(request_id, prompt)
+        else:  # placeholders: the engine core counts and schedules the positions
+            text, token_ids = None, [0] * int(embeds.shape[0])
         # A pooling prompt generates nothing, so it may fill max_model_len (as in vLLM).
         longest = self.max_model_len if pooling_params is not None else self.max_model_len - 1
         if params.truncate_prompt_tokens is not None:  # vLLM's: the prompt's last k tokens
             token_ids = self.truncate(token_ids, params.truncate_prompt_tokens, longest)
-        name = describe_prompt(request_id, text, token_ids)
+            if embeds is not None:
+                embeds = embeds[embeds.shape[0] - len(token_ids):]
+        name = describe_prompt(request_id, text, token_ids) if embeds is None else \
+            f"prompt of request {request_id!r} ({len(token_ids)} embeddings)"
         self._validate_prompt(name, token_ids, longest)
         if default_max_tokens and params.max_tokens is not None \
                 and len(token_ids) + params.max_tokens > self.max_model_len:
@@ -271,8 +289,23 @@ class InputProcessor:
             lora_request=lora_request,  # checked against the engine's LoRA settings by the caller
             pooling_params=pooling_params,
             cache_salt=cache_salt,
+            prompt_embeds=None if embeds is None else _tensor_data(embeds),
         )
         return text, request
+
+    def prompt_embeds(self, request_id: str, prompt: PromptType, params: SamplingParams) -> Any:
+        """A prompt dict's checked ``prompt_embeds`` tensor, or None for a prompt of text or ids."""
+        if not isinstance(prompt, Mapping) or prompt.get("prompt_embeds") is None:
+            return None
+        label = f"prompt of request {request_id!r}"
+        embeds = check_prompt_embeds(label, prompt["prompt_embeds"], self.prompt_embeds_hidden_size)
+        for key in ("prompt", "prompt_token_ids"):
+            if prompt.get(key) is not None:
+                raise InvalidArgumentError(f"{label}: give prompt_embeds or {key}, not both", key)
+        if params.prompt_logprobs is not None:
+            raise InvalidArgumentError(f"{label}: prompt_logprobs are not available for a prompt given as "
+                                       "prompt_embeds (it has no token ids to score)", "prompt_logprobs")
+        return embeds
 
     def _validate_prompt(self, name: str, token_ids: list[int], longest: int) -> None:
         if not token_ids:
@@ -342,6 +375,12 @@ class InputProcessor:
         for processor_cls in self.logits_processor_classes:
             processor_cls.validate_params(resolved)
         return resolved
+
+
+def _tensor_data(tensor: Any) -> Any:
+    from sparrow.utils.tensor_data import to_tensor_data  # torch: only for a prompt given as embeddings
+
+    return to_tensor_data(tensor)
 
 
 # The key under which a transformers tokenizer records that it has shown its warning

@@ -71,7 +71,9 @@ class RequestState:
     index: int
     parent: ParentRequest | None
     prompt: str | None
-    prompt_token_ids: list[int]
+    # None for a prompt given as embeddings (vLLM's): its ids in the engine core are placeholders.
+    prompt_token_ids: list[int] | None
+    num_prompt_tokens: int
     output_kind: RequestOutputKind
     detokenizer: IncrementalDetokenizer | None
     # The token decoder for logprob texts; None when the request does not detokenize.
@@ -216,10 +218,12 @@ class OutputProcessor:
             index=index,
             parent=parent,
             prompt=prompt,
-            prompt_token_ids=request.prompt_token_ids,
+            prompt_token_ids=request.prompt_token_ids if request.prompt_embeds is None else None,
+            num_prompt_tokens=len(request.prompt_token_ids),
             output_kind=params.output_kind,
             detokenizer=(
-                IncrementalDetokenizer.from_sampling_params(decoder, params, request.prompt_token_ids)
+                IncrementalDetokenizer.from_sampling_params(
+                    decoder, params, request.prompt_token_ids if request.prompt_embeds is None else None)
                 if decoder is not None
                 else None
             ),
@@ -326,6 +330,7 @@ class OutputProcessor:
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
             prompt_logprobs=state.take_prompt_logprobs(),
+            num_prompt_tokens=state.num_prompt_tokens,
             outputs=completions,
             finished=finished,
             metrics=state.metrics.snapshot(),

@@ -28,7 +28,8 @@ What is checked:
     dtype                  supported by the platform
     kv_cache_dtype         in the platform's supported_kv_cache_dtypes (and the requested backend's)
     quantization           the method accepts the configuration (``QuantizationMethod.check_config``)
-    speculative_config     a draft model or EAGLE head shares the target's vocabulary (and hidden size)
+    speculative_config     a draft model or EAGLE head shares the target's vocabulary (and hidden size);
+                           not with enable_prompt_embeds
     enable_lora            a llama-family architecture (tensor parallelism, quantization and
                            speculative decoding all combine with it)
     communicator           with tensor_parallel_size > 1, the platform's device communicator is
@@ -252,6 +253,9 @@ def check_speculative(config: EngineConfig, hf_config: Any) -> None:
     from sparrow.spec_decode.config import MODEL_METHODS, check_against_target
 
     spec_config = config.speculative.speculative_config
+    if spec_config is not None and config.model.enable_prompt_embeds:
+        raise _error("enable_prompt_embeds", "is not supported with speculative decoding (speculative_config): "
+                     "drafts are proposed from token ids, which a prompt given as embeddings does not have")
     try:
         check_against_target(spec_config, hf_config, config.model.tokenizer)
     except ValueError as exc:

@@ -308,7 +308,9 @@ def build_frontend(config: EngineConfig) -> Frontend:
                                                    else config.model.max_logprobs),
                                      logits_processor_classes=processor_classes,
                                      scheduler=None if getattr(scheduler_cls, "uses_priority", False) else scheduler,
-                                     pooling=_pooling_io(config, hf_config))
+                                     pooling=_pooling_io(config, hf_config),
+                                     prompt_embeds_hidden_size=(
+                                         hf_config.hidden_size if config.model.enable_prompt_embeds else None))
     if config.model.reasoning_parser is not None:
         # Built once here, before any engine process starts, so that a tokenizer without the
         # parser's tokens is a ConfigError now rather than a failure of the first request using it.

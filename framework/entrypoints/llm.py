@@ -200,9 +200,11 @@ class LLM(PoolingMethods):
                         continue
                     results[order[output.request_id]] = output
                     if bar is not None:
-                        num_prompt_tokens += len(output.prompt_token_ids or ())
                         if isinstance(output.outputs, list):  # a pooling output has a vector, no tokens
+                            num_prompt_tokens += output.prompt_length
                             num_output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                        else:
+                            num_prompt_tokens += len(output.prompt_token_ids or ())
                         bar.postfix = speeds(max(time.perf_counter() - started, 1e-9))
                         bar.update(1)
         except BaseException:

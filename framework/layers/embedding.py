@@ -118,3 +118,16 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward_native(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden_states, self.weight).float()
+
+
+# A step's prompt embeddings: flat token positions [K] int64 and the rows they take [K, hidden].
+PromptEmbeds = tuple[torch.Tensor, torch.Tensor]
+
+
+def with_prompt_embeds(hidden_states: torch.Tensor, prompt_embeds: PromptEmbeds | None) -> torch.Tensor:
+    """``hidden_states`` [T, hidden] (the token embeddings) with the rows of prompts given as
+    embeddings (vLLM's prompt_embeds) put in place; unchanged when there are none."""
+    if prompt_embeds is None:
+        return hidden_states
+    rows, values = prompt_embeds
+    return hidden_states.index_copy(0, rows, values.to(hidden_states.dtype))

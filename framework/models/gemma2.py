@@ -25,7 +25,7 @@ from torch import nn
 from sparrow.attention import AttentionBackend, AttentionMetadata
 from sparrow.layers.activation import GeluAndMul
 from sparrow.layers.attention import Attention
-from sparrow.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from sparrow.layers.embedding import ParallelLMHead, PromptEmbeds, VocabParallelEmbedding, with_prompt_embeds
 from sparrow.layers.parallel import ParallelContext, divide, resolve_tp
 from sparrow.layers.rotary import RotaryEmbedding, get_rope
 from sparrow.models.llama import (
@@ -135,8 +135,9 @@ class GemmaModel(nn.Module):
         self.norm = GemmaRMSNorm(hidden_size, hf_config.rms_norm_eps, params_dtype=params_dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids) * self.normalizer  # [T, hidden]
+                attn_metadata: AttentionMetadata, prompt_embeds: PromptEmbeds | None = None) -> torch.Tensor:
+        # transformers' embedding scales by the normalizer itself, so given embeddings are not scaled
+        hidden_states = with_prompt_embeds(self.embed_tokens(input_ids) * self.normalizer, prompt_embeds)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden_states = layer(positions, hidden_states, kv_cache, attn_metadata)
         return self.norm(hidden_states)

@@ -21,7 +21,7 @@ from torch import nn
 from sparrow.attention import AttentionBackend, AttentionMetadata
 from sparrow.layers.activation import SiluAndMul
 from sparrow.layers.attention import Attention
-from sparrow.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from sparrow.layers.embedding import ParallelLMHead, PromptEmbeds, VocabParallelEmbedding, with_prompt_embeds
 from sparrow.layers.layernorm import RMSNorm
 from sparrow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from sparrow.layers.parallel import ParallelContext, default_weight_loader, divide, resolve_tp
@@ -166,8 +166,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, params_dtype=params_dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
+                attn_metadata: AttentionMetadata, prompt_embeds: PromptEmbeds | None = None) -> torch.Tensor:
+        hidden_states = with_prompt_embeds(self.embed_tokens(input_ids), prompt_embeds)  # [T, hidden]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
@@ -177,6 +177,9 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Llama-architecture causal LM; subclasses switch options in :meth:`decoder_options`."""
+
+    # forward() takes prompt_embeds (enable_prompt_embeds): rows that replace token embeddings.
+    supports_prompt_embeds = True
 
     @classmethod
     def decoder_options(cls, hf_config: Any) -> DecoderOptions:
@@ -214,13 +217,17 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] int64; kv_caches: one per layer -> hidden_states [T, hidden]."""
+                attn_metadata: AttentionMetadata, prompt_embeds: PromptEmbeds | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] int64; kv_caches: one per layer -> hidden_states [T, hidden].
+        ``prompt_embeds`` (rows [K] int64, values [K, hidden]): embeddings that replace those of
+        ``input_ids`` at those flat positions (prompts given as embeddings)."""
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(
                 f"kv_caches must hold one tensor per layer ({len(self.model.layers)}), got {len(kv_caches)}"
             )
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        if prompt_embeds is None:
+            return self.model(input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, prompt_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # [N, hidden] -> [N, vocab] float32

@@ -39,10 +39,19 @@ class CachedRequestState:
     lora_request: Any = None
     # vLLM's cache_salt (None: none), which keys a draft model's prefix cache as the scheduler's.
     cache_salt: str | None = None
+    # vLLM's prompt embeddings: a CPU tensor [num_prompt_tokens, hidden] in the model's dtype, read
+    # in place of the token embeddings; prompt_token_ids then hold placeholders (0). None: none.
+    prompt_embeds: Any = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def sampling_prompt_token_ids(self) -> list[int]:
+        """The prompt the penalties and logits processors see: none for a prompt given as
+        embeddings (its placeholder ids are not tokens the request contains)."""
+        return self.prompt_token_ids if self.prompt_embeds is None else []
 
 
 class InputBatch:
@@ -171,4 +180,4 @@ class InputBatch:
 
 
 def _describe_added(row: int, state: CachedRequestState) -> AddedRequest:
-    return (row, state.sampling_params, state.prompt_token_ids, state.output_token_ids)
+    return (row, state.sampling_params, state.sampling_prompt_token_ids, state.output_token_ids)

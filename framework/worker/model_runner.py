@@ -24,11 +24,13 @@ from sparrow.sample.metadata import SamplingTensors
 from sparrow.sample.sampler import Sampler
 from sparrow.spec_decode.proposer import build_proposer
 from sparrow.spec_decode.worker import write_draft_tokens
+from sparrow.utils.tensor_data import from_tensor_data
 from sparrow.worker.deferred_tokens import DeferredStepOutput, PendingTokens, TokenCopies
 from sparrow.worker.input_batch import CachedRequestState, InputBatch
 from sparrow.worker.input_buffers import InputBuffers
 from sparrow.worker.outputs import ModelRunnerOutput
 from sparrow.worker.pooler import Pooler
+from sparrow.worker.prompt_embeds import step_prompt_embeds
 from sparrow.worker.sampling_step import SamplingStep
 
 logger = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ class StepInputs:
     """One step's flat inputs; host arrays are numpy, device tensors torch."""
 
     __slots__ = ("input_ids", "positions", "metadata", "num_scheduled", "logits_indices", "complete_rows",
-                 "grammar_bitmask", "draft_grammar_bitmask", "spec_decode_tokens")
+                 "grammar_bitmask", "draft_grammar_bitmask", "spec_decode_tokens", "prompt_embeds")
 
     def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                  num_scheduled: np.ndarray, logits_indices: torch.Tensor, complete_rows: np.ndarray) -> None:
@@ -57,6 +59,9 @@ class StepInputs:
         self.draft_grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
         # Speculative decoding: req_id -> the drafts this step verifies (empty: none).
         self.spec_decode_tokens: dict[str, list[int]] = {}
+        # Prompts given as embeddings: (flat positions [K] int64, rows [K, hidden]) on the device,
+        # which replace the token embeddings there; None when no such prompt token is in the step.
+        self.prompt_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner(SamplingStep):
@@ -113,6 +118,12 @@ class ModelRunner(SamplingStep):
         self.pooler = Pooler(config.model.pooler_config["pooling_type"],
                              head=getattr(model, "score", None) if config.model.convert == "classify" else None) \
             if config.model.runner == "pooling" and config.model.pooler_config else None
+        # Requests whose prompt came as embeddings (enable_prompt_embeds), while the worker holds them.
+        self.embeds_req_ids: set[str] = set()
+        if config.model.enable_prompt_embeds and not getattr(model, "supports_prompt_embeds", False):
+            raise ValueError(f"enable_prompt_embeds: the model class {type(model).__name__} does not take prompt "
+                             "embeddings (its forward has no prompt_embeds argument; see supports_prompt_embeds "
+                             "in docs/plugins.md)")
 
     # -- KV cache ---------------------------------------------------------------------------
     def num_kv_cache_tensors(self) -> int:
@@ -219,15 +230,20 @@ class ModelRunner(SamplingStep):
                 self.pooler.begin(new.req_id, new.pooling_task)
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.embeds_req_ids.discard(req_id)
             batch.remove(req_id)
         for new in so.scheduled_new_reqs:
             batch.remove(new.req_id)  # a resumed request may still hold a stale row
+            embeds = None
+            if new.prompt_embeds is not None:
+                embeds = from_tensor_data(new.prompt_embeds).to(self.dtype)
+                self.embeds_req_ids.add(new.req_id)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
                 sampling_params=new.sampling_params, block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens, output_token_ids=list(new.output_token_ids),
                 extra_group_block_ids=[list(block_ids) for block_ids in new.extra_group_block_ids],
-                lora_request=new.lora_request, cache_salt=new.cache_salt,
+                lora_request=new.lora_request, cache_salt=new.cache_salt, prompt_embeds=embeds,
             )
         cached = so.scheduled_cached_reqs
         for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
@@ -275,11 +291,15 @@ class ModelRunner(SamplingStep):
                 dataclasses.replace(metadata, block_table=table, slot_mapping=slots, kv_group=group)
                 for group, (table, slots) in enumerate(zip(step.block_tables[1:], step.slot_mappings[1:]), start=1)
             ]
+        prompt_embeds = step_prompt_embeds(batch, self.embeds_req_ids, num_scheduled, step.query_start_loc_cpu.numpy(),
+                                           self.device) if self.embeds_req_ids else None
         batch.num_computed_tokens[:num_reqs] += num_scheduled
-        return StepInputs(
+        inputs = StepInputs(
             input_ids=step.input_ids, positions=step.positions, metadata=metadata, num_scheduled=num_scheduled,
             logits_indices=step.logits_indices, complete_rows=step.complete_rows,
         )
+        inputs.prompt_embeds = prompt_embeds
+        return inputs
 
     # None: a separate device copy exactly when the device is not the CPU; tests set True on CPU
     # to run the copying path (pinned staging, incremental block tables) without a GPU.
@@ -322,6 +342,9 @@ class ModelRunner(SamplingStep):
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass; subclasses may replay a CUDA graph here."""
         self.prepare_attention(inputs.metadata)
+        if inputs.prompt_embeds is not None:
+            return self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata,
+                                      prompt_embeds=inputs.prompt_embeds)
         return self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
 
     def prepare_attention(self, metadata: AttentionMetadata) -> None:

@@ -84,7 +84,7 @@ class SamplingStep:
             batch_update = batch.take_batch_update()
             if batch_update is not None:
                 self.sampling_tensors.update_batch([s.sampling_params for s in batch.states],
-                                                   [s.prompt_token_ids for s in batch.states], batch_update)
+                                                   [s.sampling_prompt_token_ids for s in batch.states], batch_update)
             self._sampling_version = batch.version
         sampling_metadata = self.sampling_tensors.metadata([s.output_token_ids for s in batch.states])
         sampling_metadata.grammar_bitmask = inputs.grammar_bitmask

@@ -208,7 +208,8 @@ class CudaModelRunner(ModelRunner):
         metadata = inputs.metadata
         lora_state = self.lora_manager.state if self.lora_manager is not None else None
         lora = lora_state is not None and lora_state.active
-        shape = None if graphs is None else graphs.select(
+        # A graph embeds token ids only: a step with prompt embeddings runs eagerly.
+        shape = None if graphs is None or inputs.prompt_embeds is not None else graphs.select(
             metadata.num_actual_tokens, metadata.num_reqs, metadata.max_query_len, lora)
         if shape is None:
             if graphs is not None:

@@ -330,4 +330,5 @@ class Scheduler(StepOutputs, SchedulerInterface):
             lora_request=request.lora_request,
             cache_salt=request.cache_salt,
             pooling_task=request.pooling_task,
+            prompt_embeds=request.prompt_embeds,
         )

@@ -148,8 +148,12 @@ class SamplingFields(RequestModel):
 
 # -- completions ------------------------------------------------------------------------------
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
-        ..., description="Text, several texts, token ids, or several lists of token ids.")
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] | None = Field(
+        None, description="Text, several texts, token ids, or several lists of token ids (required unless "
+        "prompt_embeds are given; then an empty prompt adds none).")
+    prompt_embeds: str | list[str] | None = Field(
+        None, description="vLLM's: prompts given as embeddings, each a base64 torch.save'd tensor [num_tokens, "
+        "hidden_size], answered before the prompts of 'prompt' (needs --enable-prompt-embeds).")
     max_tokens: int | None = Field(16, ge=0, le=INT32_MAX,
                                    description="0 only with echo: score the prompt, generate nothing.")
     logprobs: int | None = Field(None, ge=0, le=INT32_MAX)

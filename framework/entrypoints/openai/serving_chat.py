@@ -268,7 +268,7 @@ class OpenAIServingChat(OpenAIServing):
                 token_ids=list(completion.token_ids) if reply.token_ids else None))
         completion_tokens = sum(len(completion.token_ids) for completion in final.outputs)
         return ChatCompletionResponse(id=request_id, model=model, choices=choices,
-                                      usage=usage(len(final.prompt_token_ids or []), completion_tokens,
+                                      usage=usage(final.prompt_length, completion_tokens,
                                                   self.cached([final])),
                                       prompt_token_ids=reply.prompt_token_ids,
                                       prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs)
@@ -302,7 +302,7 @@ class OpenAIServingChat(OpenAIServing):
         choice_streams = [parsers.stream() for _ in range(n)]
         try:
             async for _, output in merge_streams([stream]):
-                prompt_tokens = len(output.prompt_token_ids or []) or prompt_tokens
+                prompt_tokens = output.prompt_length or prompt_tokens
                 cached = self.cached([output])
                 choices, finishes = [], []
                 for completion in output.outputs:

@@ -12,6 +12,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sparrow.engine.exceptions import EngineDeadError
+from sparrow.engine.prompt_embeds import (
+    check_prompt_embeds,
+    decode_prompt_embeds,
+    engine_prompt_length,
+    refuse_disabled,
+)
 from sparrow.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -59,8 +65,14 @@ def tokenize_prompts(input_processor: Any, request: CompletionRequest) -> list[d
     ``truncate_prompt_tokens``, with its ``cache_salt``. Blocking: the endpoint runs it in a
     worker thread."""
     check_unicode(request)
-    prompts = []
-    for prompt in completion_prompts(request.prompt):
+    prompts = embeds_prompts(input_processor, request)  # vLLM's order: the embeddings first
+    text_prompts = request.prompt
+    if text_prompts is None or (prompts and text_prompts in ("", [])):  # the SDK makes clients send a prompt
+        if not prompts:
+            raise APIError(400, "prompt is required (or prompt_embeds, with --enable-prompt-embeds)",
+                           "BadRequestError", param="prompt", code="invalid_value")
+        text_prompts = []
+    for prompt in completion_prompts(text_prompts) if text_prompts != [] else []:
         if isinstance(prompt, str):
             all_ids = input_processor.tokenize(prompt, add_special_tokens=request.add_special_tokens)
             token_ids = input_processor.truncate(all_ids, request.truncate_prompt_tokens)
@@ -73,6 +85,30 @@ def tokenize_prompts(input_processor: Any, request: CompletionRequest) -> list[d
     if request.cache_salt is not None:
         for prompt in prompts:
             prompt["cache_salt"] = request.cache_salt
+    return prompts
+
+
+def embeds_prompts(input_processor: Any, request: CompletionRequest) -> list[dict[str, Any]]:
+    """vLLM's ``prompt_embeds``: one base64 ``torch.save``'d tensor or a list of them, each a
+    prompt of its own, checked against the model and cut to ``truncate_prompt_tokens``."""
+    encoded = request.prompt_embeds
+    if encoded is None:
+        return []
+    label = "prompt_embeds"
+    if input_processor.prompt_embeds_hidden_size is None:
+        raise refuse_disabled(label)
+    items = [encoded] if isinstance(encoded, str) else list(encoded)
+    if not items:
+        raise APIError(400, "prompt_embeds must not be empty", "BadRequestError", param="prompt_embeds",
+                       code="invalid_value")
+    prompts = []
+    for position, item in enumerate(items):
+        where = position if not isinstance(encoded, str) else None
+        name = label if where is None else f"prompt_embeds[{where}]"
+        embeds = check_prompt_embeds(name, decode_prompt_embeds(item, where), input_processor.prompt_embeds_hidden_size)
+        keep = len(input_processor.truncate(list(range(embeds.shape[0])), request.truncate_prompt_tokens))
+        prompt: dict[str, Any] = {"prompt_embeds": embeds[embeds.shape[0] - keep:]}
+        prompts.append(prompt)
     return prompts
 
 
@@ -200,6 +236,12 @@ class OpenAIServingCompletion(OpenAIServing):
                            param="max_tokens", code="invalid_value")
         if request.best_of is not None and request.best_of != request.n:
             raise field_error(not_supported("best_of", "best_of other than n (returning the best of several samples)"))
+        if request.prompt_embeds is not None:
+            for name, value in (("echo", echo), ("use_beam_search", request.use_beam_search)):
+                if value:
+                    raise APIError(400, f"{name} is not supported with prompt_embeds (a prompt given as embeddings "
+                                   "has no tokens to echo or to search from)", "BadRequestError", param=name,
+                                   code="invalid_value")
         structured_outputs = await self.structured_outputs(request)
         prompts = await self.off_loop(tokenize_prompts, self.engine.input_processor, request, default_param="prompt")
         # echo with max_tokens=0 scores the prompt: one token is generated and dropped, as vLLM does.
@@ -213,7 +255,7 @@ class OpenAIServingCompletion(OpenAIServing):
         else:
             params = self.sampling_params(request, max_tokens=1 if echo_only else request.max_tokens,
                                           logprobs=request.logprobs, stream=bool(request.stream),
-                                          longest_prompt=max(len(prompt["prompt_token_ids"]) for prompt in prompts),
+                                          longest_prompt=max(map(engine_prompt_length, prompts)),
                                           prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs)
             streams = await self.submit(request_id, prompts, self.per_prompt(params, prompts, request.max_tokens),
                                         request.priority, self.lora_request_of(request.model), request=request)
@@ -237,7 +279,7 @@ class OpenAIServingCompletion(OpenAIServing):
                   shape: Echo, as_token_ids: bool) -> CompletionResponse:
         choices, totals = [], UsageInfo()
         for prompt_index, final in enumerate(finals):
-            totals.prompt_tokens += len(final.prompt_token_ids or [])
+            totals.prompt_tokens += final.prompt_length
             for completion in final.outputs:
                 completion = shape.generated(completion)
                 totals.completion_tokens += len(completion.token_ids)
@@ -274,7 +316,7 @@ class OpenAIServingCompletion(OpenAIServing):
         completion_tokens = 0
         try:
             async for prompt_index, output in merge_streams(streams):
-                prompt_tokens[prompt_index] = len(output.prompt_token_ids or [])
+                prompt_tokens[prompt_index] = output.prompt_length
                 latest[prompt_index] = output
                 choices = []
                 for completion in output.outputs:

@@ -15,6 +15,7 @@ from sparrow.engine.async_beam_search import async_beam_search
 from sparrow.engine.async_llm import AsyncLLM
 from sparrow.engine.exceptions import EngineDeadError
 from sparrow.engine.generation_defaults import server_max_tokens_cap
+from sparrow.engine.prompt_embeds import engine_prompt_length
 from sparrow.engine.text_checks import check_text
 from sparrow.entrypoints.openai.api_errors import (  # noqa: F401 - re-exported: the endpoints import them from here
     APIError,
@@ -285,7 +286,7 @@ class OpenAIServing:
         ``priority``), so that an invalid one is a 400 before anything runs. ``logprobs``: the top
         logprobs each choice shows (None: none)."""
         temperature = request.temperature if request.temperature is not None else 0.0
-        max_tokens = self.resolve_max_tokens(max_tokens, max(len(prompt["prompt_token_ids"]) for prompt in prompts))
+        max_tokens = self.resolve_max_tokens(max_tokens, max(engine_prompt_length(prompt) for prompt in prompts))
         check = SamplingParams(max_tokens=max_tokens, temperature=temperature, detokenize=False)
         streams = []
         for index, prompt in enumerate(prompts):
@@ -341,7 +342,7 @@ class OpenAIServing:
         room each prompt leaves, as vLLM cuts it, rather than to the longest prompt's."""
         if max_tokens is not None or len(prompts) == 1:
             return [params] * len(prompts)
-        limits = [self.resolve_max_tokens(None, len(prompt["prompt_token_ids"])) for prompt in prompts]
+        limits = [self.resolve_max_tokens(None, engine_prompt_length(prompt)) for prompt in prompts]
         return [params if limit == params.max_tokens else params.clone(max_tokens=limit) for limit in limits]
 
     async def submit(self, request_id: str, prompts: list[Any], params: SamplingParams | list[SamplingParams],

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from sparrow.config_base import ConfigError, _describe, _Section  # noqa: F401 - re-exported
+from sparrow.config_base import ConfigError, _describe, _Section, expand_dict_argument  # noqa: F401 - re-exported
 from sparrow.config_model import DTYPES, ModelConfig  # noqa: F401 - re-exported
 
 # kv_cache_dtype values (vLLM's names); "fp8" and "fp8_e4m3" both mean float8_e4m3fn.
@@ -162,6 +162,14 @@ class KVTransferConfig(_Section):
         None, description="This engine's side of the KV transfer (default: none).")
     kv_connector_extra_config: dict[str, Any] = Field(
         default_factory=dict, description='The connector\'s settings, e.g. {"storage_path": "/dir"}.')
+    kv_transfer_config: dict[str, Any] | None = Field(
+        None, description='vLLM\'s form of the three above in one dict, e.g. {"kv_connector": "shared_storage", '
+        '"kv_role": "kv_both", "kv_connector_extra_config": {"storage_path": "/dir"}}; not with them.')
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_dict(cls, values: Any) -> Any:
+        return expand_dict_argument(values, "kv_transfer_config", _kv_transfer_key)
 
     @model_validator(mode="after")
     def _needs_a_connector(self) -> KVTransferConfig:
@@ -170,6 +178,13 @@ class KVTransferConfig(_Section):
                 if getattr(self, name):
                     raise ValueError(f"{name} is set but kv_connector is not: it applies to a KV connector only")
         return self
+
+
+def _kv_transfer_key(key: str, value: Any) -> dict[str, Any]:
+    if key not in ("kv_connector", "kv_role", "kv_connector_extra_config"):
+        raise ValueError(f"kv_transfer_config.{key} is not supported: Sparrow's KV connectors take kv_connector, "
+                         "kv_role and kv_connector_extra_config (a connector's own settings go in the last)")
+    return {key: value}
 
 
 class SpeculativeSection(_Section):

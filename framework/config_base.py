@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
@@ -53,3 +53,24 @@ def _describe(exc: ValidationError) -> str:
         field = ".".join(str(p) for p in err["loc"])
         parts.append(f"invalid engine argument {field!r}: {message} (got {err.get('input')!r})")
     return "; ".join(parts)
+
+
+def expand_dict_argument(values: Any, name: str, translate: Callable[[str, Any], dict[str, Any]]) -> Any:
+    """vLLM's dict form of several flat arguments (``kv_transfer_config={...}``): ``values`` (a
+    section's raw input) with each of the dict's keys set as the flat fields ``translate(key,
+    value)`` returns (it raises ValueError for a key Sparrow does not take) and ``name`` itself
+    cleared. A field given both ways is refused, as is a dict that is not one."""
+    if not isinstance(values, dict) or values.get(name) is None:
+        return values
+    given = values[name]
+    if isinstance(given, BaseModel):  # vLLM's config object; here a section of Sparrow's own
+        given = given.model_dump(exclude_unset=True)
+    if not isinstance(given, dict):
+        raise ValueError(f"{name} must be a dict (a JSON object on the command line), got {type(given).__name__}")
+    out = {key: value for key, value in values.items() if key != name}
+    for key, value in given.items():
+        for field, field_value in translate(key, value).items():
+            if values.get(field) not in (None, {}):
+                raise ValueError(f"{name}.{key} and {field} are both given; give one of them")
+            out[field] = field_value
+    return out

@@ -11,9 +11,9 @@ import logging
 import random
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from sparrow.config_base import _Section
+from sparrow.config_base import _Section, expand_dict_argument
 
 logger = logging.getLogger("sparrow.config")  # the name its log lines had before the split
 
@@ -59,6 +59,11 @@ class ModelConfig(_Section):
         False, description="Structured outputs: let JSON grammars put any whitespace between tokens (the "
         "default allows only compact JSON, so that a weak model cannot emit whitespace until max_tokens; "
         "vLLM's disable_any_whitespace, inverted).")
+    structured_outputs_config: dict[str, Any] | None = Field(
+        None, description="vLLM's StructuredOutputsConfig as one dict: backend (auto or xgrammar, the one Sparrow "
+        "has), disable_any_whitespace (the inverse of structured_outputs_any_whitespace), reasoning_parser, "
+        "reasoning_parser_plugin, and disable_fallback, disable_additional_properties and enable_in_reasoning at "
+        "the values Sparrow runs (no fallback backend, closed JSON objects, grammars after the reasoning).")
     structured_outputs_compile_timeout: float = Field(
         30.0, gt=0, description="Structured outputs: seconds a grammar may take to compile; a request whose grammar "
         "takes longer fails, and the compile is stopped (a short regex can take xgrammar minutes).")
@@ -124,6 +129,11 @@ class ModelConfig(_Section):
         "hidden_size]} offline, a base64 torch.save'd tensor in /v1/completions' prompt_embeds), fed to the model "
         "in place of its token embeddings. The server then loads tensors that clients send (torch.load with "
         "weights_only=True); off by default.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_dict(cls, values: Any) -> Any:
+        return expand_dict_argument(values, "structured_outputs_config", _structured_outputs_key)
 
     @field_validator("logits_processors", mode="before")
     @classmethod
@@ -191,3 +201,31 @@ class ModelConfig(_Section):
 
         return None if value is None else check_pooler_config(value, info.field_name)
 
+
+
+def _structured_outputs_key(key: str, value: Any) -> dict[str, Any]:
+    """One key of vLLM's structured_outputs_config as Sparrow's flat fields (ValueError for a
+    value Sparrow does not run)."""
+    where = f"structured_outputs_config.{key}"
+    if key not in _STRUCTURED_OUTPUTS_KEYS:
+        raise ValueError(f"{where} is not one of vLLM's keys Sparrow takes ({', '.join(_STRUCTURED_OUTPUTS_KEYS)})")
+    if key == "backend":
+        if value not in ("auto", "xgrammar"):
+            raise ValueError(f"{where}: Sparrow's structured outputs run on xgrammar ('auto' or 'xgrammar'), not "
+                             f"{value!r}")
+        return {}
+    if key in ("reasoning_parser", "reasoning_parser_plugin"):
+        return {key: value} if value else {}  # vLLM's "" is none
+    if not isinstance(value, bool):
+        raise ValueError(f"{where} must be true or false, got {value!r}")
+    if key == "disable_any_whitespace":
+        return {"structured_outputs_any_whitespace": not value}
+    if key in ("disable_fallback", "disable_additional_properties"):
+        return {}  # both hold either way: one backend; xgrammar closes objects a schema leaves open
+    if value:  # enable_in_reasoning
+        raise ValueError(f"{where}: the grammar constrains the answer only, after the reasoning ends")
+    return {}
+
+
+_STRUCTURED_OUTPUTS_KEYS = ("backend", "disable_any_whitespace", "disable_fallback", "disable_additional_properties",
+                            "reasoning_parser", "reasoning_parser_plugin", "enable_in_reasoning")

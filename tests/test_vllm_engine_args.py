@@ -52,3 +52,57 @@ def test_serve_takes_them_as_flags():
     kwargs = engine_kwargs(args)
     assert kwargs["pipeline_parallel_size"] == 1 and kwargs["runner"] == "generate"
     assert kwargs["disable_custom_all_reduce"] is True and kwargs["scheduling_policy"] == "priority"
+
+
+def test_kv_transfer_config_is_vllms_dict_of_the_connector_settings(qwen3_dir, tmp_path):
+    """A disaggregated-prefill pair started as vLLM's examples start it: the producer from the
+    command line's --kv-transfer-config JSON, the consumer with a KVTransferConfig object; the
+    consumer loads the producer's blocks and generates what an engine alone does."""
+    import json
+
+    from sparrow.config import KVTransferConfig
+    from sparrow.entrypoints.cli import build_parser, engine_kwargs
+    from tests.test_kv_connector import prompts_for, run
+
+    prompts = prompts_for(4096)
+    expected = run(qwen3_dir, prompts, 4, enable_prefix_caching=False)
+    storage = {"storage_path": str(tmp_path / "kv")}
+    flag = json.dumps({"kv_connector": "shared_storage", "kv_role": "kv_producer",
+                       "kv_connector_extra_config": storage})
+    producer = engine_kwargs(build_parser().parse_args(["serve", "m", "--kv-transfer-config", flag]))
+    config = EngineConfig.from_kwargs(**producer)
+    assert (config.kv_transfer.kv_connector, config.kv_transfer.kv_role) == ("shared_storage", "kv_producer")
+    run(qwen3_dir, prompts, 1, kv_transfer_config=producer["kv_transfer_config"])
+    assert list((tmp_path / "kv").glob("*.safetensors"))
+    consumer = KVTransferConfig(kv_connector="shared_storage", kv_role="kv_consumer",
+                                kv_connector_extra_config=storage)
+    assert run(qwen3_dir, prompts, 4, enable_prefix_caching=False, kv_transfer_config=consumer) == expected
+    for kwargs, words in [({"kv_transfer_config": {"kv_connector": "shared_storage", "kv_buffer_device": "cuda"}},
+                           "kv_transfer_config.kv_buffer_device is not supported"),
+                          ({"kv_transfer_config": {"kv_role": "kv_both"}, "kv_role": "kv_both"},
+                           "kv_transfer_config.kv_role and kv_role are both given"),
+                          ({"kv_transfer_config": "shared_storage"}, "must be a dict")]:
+        with pytest.raises(ConfigError, match=words):
+            EngineConfig.from_kwargs(**kwargs)
+
+
+def test_structured_outputs_config_is_vllms_dict_of_the_structured_output_settings():
+    from sparrow.entrypoints.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["serve", "m", "--structured-outputs-config.backend", "xgrammar",
+                                      "--structured-outputs-config.disable_any_whitespace", "false",
+                                      "--structured-outputs-config.reasoning_parser", "qwen3"])
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    assert config.model.structured_outputs_any_whitespace is True and config.model.reasoning_parser == "qwen3"
+    # vLLM's defaults, as a full dump of its config has them: Sparrow runs each of them.
+    defaults = {"backend": "auto", "disable_fallback": False, "disable_any_whitespace": False,
+                "disable_additional_properties": False, "reasoning_parser": "", "enable_in_reasoning": False}
+    assert EngineConfig.from_kwargs(structured_outputs_config=defaults).model.reasoning_parser is None
+    assert EngineConfig.from_kwargs(structured_outputs_config={"disable_any_whitespace": True}
+                                    ).model.structured_outputs_any_whitespace is False
+    for value, words in [({"backend": "guidance"}, "run on xgrammar"),
+                         ({"enable_in_reasoning": True}, "after the reasoning ends"),
+                         ({"disable_fallback": "yes"}, "must be true or false"),
+                         ({"whitespace_pattern": " "}, "not one of vLLM's keys")]:
+        with pytest.raises(ConfigError, match=words):
+            EngineConfig.from_kwargs(structured_outputs_config=value)

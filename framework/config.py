@@ -285,7 +285,6 @@ VLLM_ARGUMENTS_NOT_TAKEN = {
     "max_seq_len_to_capture": "CUDA graphs cover decode steps up to max_num_seqs and mixed steps up to 512 tokens",
     "limit_mm_per_prompt": "Sparrow serves text-only models",
     "mm_processor_kwargs": "Sparrow serves text-only models",
-    "kv_transfer_config": "give kv_connector, kv_role and kv_connector_extra_config instead",
     "speculative_model": "vLLM's older argument: give speculative_config={'model': ..., 'num_speculative_tokens': N}",
     "num_speculative_tokens": "vLLM's older argument: give speculative_config={..., 'num_speculative_tokens': N}",
     "num_scheduler_steps": "a vLLM V0 argument; V1, like Sparrow, schedules every step",

@@ -42,6 +42,25 @@ class CacheConfig(_Section):
         "auto", description="Storage dtype of the KV cache: auto (the model's dtype); bfloat16 (a float32 "
         "model's cache in half the memory; CPU only); or fp8 / fp8_e4m3 (float8_e4m3fn with a per-tensor scale "
         "per layer, half the memory of bf16; CUDA only).")
+    kv_events_config: dict[str, Any] | None = Field(
+        None, description='vLLM\'s KV cache events: {"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://*:5557", "topic": "kv-events"} publishes every stored and evicted prefix-cache block '
+        "on a ZeroMQ PUB socket (msgpack, as vLLM's), for KV-aware routers; needs enable_prefix_caching.")
+
+    @field_validator("kv_events_config")
+    @classmethod
+    def _kv_events(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        from sparrow.engine.kv_events import check_kv_events_config
+
+        return None if value is None else check_kv_events_config(value)
+
+    @model_validator(mode="after")
+    def _events_need_caching(self) -> CacheConfig:
+        events = self.kv_events_config
+        if events is not None and events["enable_kv_cache_events"] and not self.enable_prefix_caching:
+            raise ValueError("kv_events_config: KV cache events report the prefix cache, and "
+                             "enable_prefix_caching is off")
+        return self
 
     @model_validator(mode="after")
     def _num_gpu_blocks_override(self) -> CacheConfig:

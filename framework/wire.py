@@ -1,6 +1,7 @@
 """Every message that crosses a process boundary, in one leaf module.
 
-Three boundaries, each a msgpack stream of the Structs below:
+Three boundaries, each a msgpack stream of the Structs below (and vLLM's KV cache events, which
+the engine core publishes to subscribers outside the engine: KVEventBatch):
 
     frontend (P0)   --EngineCoreRequest-->          engine core (P1)
                     <--EngineCoreOutputs--          (after one HandshakeMessage)
@@ -259,3 +260,40 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     utility_output: UtilityOutput | None = None
     # Set once, when the engine core is about to die; every pending request fails with it.
     engine_dead_message: str | None = None
+
+
+# -- engine core -> KV event subscribers (kv_events_config; vLLM's KV cache events) ---------------
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+    """One change to the prefix cache; tagged with its class name in the stream, as vLLM's."""
+
+
+class BlockStored(KVCacheEvent):
+    """Full blocks whose KV is now cached: their hashes in order, the hash of the block before the
+    first (None: they start the prompt), the tokens they hold, the block size and the request's
+    LoRA adapter id (None: the base model)."""
+
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Cached blocks whose content was evicted (their blocks were handed out again)."""
+
+    block_hashes: list[bytes]
+    medium: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """The whole prefix cache was forgotten (reset_prefix_cache)."""
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One engine step's events, with the wall-clock time (seconds since the epoch) they were sent."""
+
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None

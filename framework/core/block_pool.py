@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sparrow.core.eviction import EvictionPolicy, LRUPolicy, overrides_on_hit
 from sparrow.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock, group_block_hash
+from sparrow.wire import AllBlocksCleared, BlockRemoved, BlockStored
 
 if TYPE_CHECKING:
     from sparrow.core.request import Request
@@ -54,6 +55,16 @@ class BlockPool:
         # requests computed the same prefix before either was cached; any one of them serves a
         # hit, and evicting one must not forget the others.
         self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+        # vLLM's KV cache events (kv_events_config): what changed in the prefix cache since the
+        # engine core last took them; None (the default) records nothing.
+        self.kv_events: list[Any] | None = None
+
+    def take_events(self) -> list[Any]:
+        """The KV cache events since the last call (sparrow.wire.BlockStored, ...), oldest first."""
+        if not self.kv_events:
+            return []
+        events, self.kv_events = self.kv_events, []
+        return events
 
     def _new_free_queue(self, blocks: Iterable[KVCacheBlock]) -> FreeKVCacheBlockQueue:
         policy = self.eviction_policy_cls(self.num_blocks)
@@ -100,11 +111,15 @@ class BlockPool:
                 f"num_full_blocks={num_full_blocks} (block_size={block_size}); "
                 "call update_request_block_hashes first"
             )
+        stored = []
         for block_index in range(num_cached_blocks, num_full_blocks):
             block = blocks[block_index]
             if block.block_hash is not None or block is self.null_block:
                 continue
             self.cache_block(block, group_block_hash(block_hashes[block_index], kv_cache_group_id))
+            stored.append(block_index)
+        if self.kv_events is not None and stored:
+            self.kv_events.extend(stored_events(request, stored, block_size, kv_cache_group_id))
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Index one held, full block under ``block_hash`` (a block already indexed keeps its
@@ -125,6 +140,8 @@ class BlockPool:
         same_content.pop(block.block_id, None)
         if not same_content:
             del self.cached_block_hash_to_block[block_hash]
+            if self.kv_events is not None:  # the last copy of the content is gone
+                self.kv_events.append(BlockRemoved(block_hashes=[bytes(block_hash)]))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only possible while no block is in use; returns success."""
@@ -138,6 +155,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.free_block_queue = self._new_free_queue(free_blocks)
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
         return True
 
     # -- allocation ---------------------------------------------------------------------------
@@ -201,3 +220,23 @@ class BlockPool:
         """Fraction of blocks held by requests (0.0 when idle, 1.0 when full); the null block
         counts for neither."""
         return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks
+
+
+def stored_events(request: Request, block_indices: list[int], block_size: int, group: int) -> list[BlockStored]:
+    """BlockStored events for ``request``'s blocks at ``block_indices`` (ascending), one per run
+    of consecutive blocks, with each run's parent hash and tokens."""
+    hashes = request.block_hashes
+    lora = request.lora_request
+    events: list[BlockStored] = []
+    start = 0
+    for position in range(1, len(block_indices) + 1):
+        if position < len(block_indices) and block_indices[position] == block_indices[position - 1] + 1:
+            continue
+        first, last = block_indices[start], block_indices[position - 1]
+        events.append(BlockStored(
+            block_hashes=[bytes(group_block_hash(hashes[index], group)) for index in range(first, last + 1)],
+            parent_block_hash=bytes(group_block_hash(hashes[first - 1], group)) if first > 0 else None,
+            token_ids=list(request.all_token_ids[first * block_size:(last + 1) * block_size]),
+            block_size=block_size, lora_id=lora.lora_int_id if lora is not None else None))
+        start = position
+    return events

@@ -14,6 +14,7 @@ from sparrow.core.kv_cache_utils import KVCacheGroupSpec
 from sparrow.core.request import FinishReason, Request, RequestStatus
 from sparrow.core.sched.interface import SchedulerInterface
 from sparrow.core.sched.output import SchedulerOutput
+from sparrow.engine.kv_events import start_kv_events
 from sparrow.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from sparrow.engine.request_guard import check_request, model_hidden_size, model_vocab_size
 from sparrow.engine.sleep_args import SLEEP_TAGS, check_sleep, check_wake_up_tags
@@ -61,6 +62,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             eviction_policy=eviction_policy,
         )
+        self.kv_events = start_kv_events(config, self.kv_cache_manager.block_pool)
         self.scheduler = build_scheduler(config, self.kv_cache_manager, self.pm)
         self._schedule = schedule_step(self.pm, self.scheduler)
         # None when the model directory cannot tell (fake executors in tests): token ids are then
@@ -191,6 +193,7 @@ class EngineCore:
         return scheduler_output
 
     def _outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        self._publish_kv_events()
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(),
                                  timestamp=time.monotonic())
 
@@ -263,7 +266,13 @@ class EngineCore:
 
     # -- utilities (callable by name from the frontend) -------------------------------------
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+        reset = self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()  # AllBlocksCleared now, not at the next step
+        return reset
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.kv_cache_manager.block_pool.take_events())
 
     def get_scheduler_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
@@ -329,6 +338,8 @@ class EngineCore:
     def shutdown(self) -> None:
         if self._structured_output is not None:
             self._structured_output.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.executor.shutdown()
 
 
@@ -394,3 +405,4 @@ def build_scheduler(config: EngineConfig, kv_cache_manager: KVCacheManager, pm: 
         # Read by Scheduler._schedule_waiting: at most this many distinct adapters per step.
         scheduler.max_loras = config.lora.max_loras
     return scheduler
+

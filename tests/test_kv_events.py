@@ -1,7 +1,7 @@
 """vLLM's KV cache events (kv_events_config) from a real engine process to a real ZeroMQ SUB socket
 on 127.0.0.1: every full prompt block cached is a BlockStored with its tokens and its parent's
 hash (a shared prefix is not stored twice), every evicted one a BlockRemoved of a hash stored
-before, reset_prefix_cache an AllBlocksCleared; batches are numbered from 0 under the topic."""
+before, reset_prefix_cache an AllBlocksCleared; batches are numbered in order under the topic."""
 
 from __future__ import annotations
 
@@ -54,7 +54,14 @@ def engine_and_subscriber(qwen3_dir):
     sub = context.socket(zmq.SUB)
     sub.connect(f"tcp://127.0.0.1:{port}")
     sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
-    time.sleep(0.5)  # the subscription reaches the publisher before anything is sent
+    # A subscription takes a moment to reach the publisher: clear the (empty) cache until the
+    # AllBlocksCleared it publishes arrives, so that nothing the test sends is lost.
+    deadline = time.monotonic() + 30
+    while not sub.poll(100):
+        assert time.monotonic() < deadline, "the subscriber never received an event"
+        assert llm.reset_prefix_cache()
+    while sub.poll(200):
+        sub.recv_multipart()
     try:
         yield llm, sub
     finally:
@@ -72,7 +79,8 @@ def test_stored_evicted_and_cleared_blocks_reach_a_subscriber(engine_and_subscri
         llm.generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False)
     assert llm.reset_prefix_cache()
     messages = receive(sub)
-    assert [seq for _, seq, _ in messages] == list(range(len(messages)))
+    first_seq = messages[0][1]  # after the handshake's
+    assert first_seq > 0 and [seq for _, seq, _ in messages] == list(range(first_seq, first_seq + len(messages)))
     assert {topic for topic, _, _ in messages} == {b"kv-events"}
     events = [event for _, _, batch in messages for event in batch.events]
     stored = [event for event in events if isinstance(event, BlockStored)]

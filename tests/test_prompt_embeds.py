@@ -222,17 +222,17 @@ def test_without_the_flag_embeddings_are_refused_and_spec_decoding_does_not_comb
             speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
 
 
-def test_async_scheduling_and_tensor_parallel_give_the_same_tokens(dirs):
+def test_async_scheduling_over_tensor_parallel_ranks_gives_the_same_tokens(dirs):
     hidden = hf_model(dirs["llama"]).config.hidden_size
     prompts = [{"prompt_embeds": random_embeds(n, hidden, seed=n)} for n in (4, 19)]
     results = []
-    for overrides in ({}, {"async_scheduling": True}, {"tensor_parallel_size": 2, "multiprocess": True}):
+    for overrides in ({}, {"async_scheduling": True, "tensor_parallel_size": 2, "multiprocess": True}):
         llm = engine(dirs["llama"], **overrides)
         try:
             results.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
         finally:
             llm.shutdown()
-    assert results[0] == results[1] == results[2]
+    assert results[0] == results[1]
 
 
 def test_tensor_data_round_trips_every_dtype():

@@ -96,6 +96,9 @@ class SchedulerConfig(_Section):
                                          "it in one.")
     long_prefill_token_threshold: int | None = Field(None, gt=0, description="Most tokens of one prompt per step "
                                                      "(default: no cap beyond the step's budget).")
+    stream_interval: int = Field(1, ge=1, description="vLLM's: a streamed request's outputs carry at least this "
+                                 "many new tokens each (its first token and its last output are sent at once); "
+                                 "larger values send fewer, bigger chunks.")
     async_scheduling: bool | None = Field(None, description="Overlapped scheduling: the engine core schedules "
                                           "step n+1 while step n runs; not with speculative decoding or a KV "
                                           "connector (default: the platform's; off on the built-in CPU and CUDA "
@@ -309,6 +312,21 @@ VLLM_ARGUMENTS_NOT_TAKEN = {
     "num_scheduler_steps": "a vLLM V0 argument; V1, like Sparrow, schedules every step",
     "use_v2_block_manager": "a vLLM V0 argument; Sparrow has one block manager",
     "otlp_traces_endpoint": "Sparrow has no OpenTelemetry tracing; its metrics are Prometheus's (/metrics)",
+    "max_num_partial_prefills": "vLLM V0's limit on prompts prefilled at once, removed in vLLM 0.27 (its V1 scheduler "
+                                "never read it); Sparrow chunks any number of prompts within max_num_batched_tokens, "
+                                "and long_prefill_token_threshold caps one prompt's share of a step",
+    "max_long_partial_prefills": "vLLM V0's limit on long prompts prefilled at once, removed in vLLM 0.27; "
+                                 "long_prefill_token_threshold caps one prompt's share of a step",
+    "enable_eplb": "Sparrow has no expert-parallel load balancer: with enable_expert_parallel each rank keeps the "
+                   "contiguous range of experts it loaded",
+    "eplb_config": "Sparrow has no expert-parallel load balancer (enable_eplb)",
+    "num_redundant_experts": "Sparrow has no expert-parallel load balancer, so no redundant experts",
+    "cuda_graph_sizes": "CUDA graphs are captured for decode batches of 1, 2, 4, 8 and 16-512 in steps of 16 up to "
+                        "max_num_seqs, and mixed steps up to 512 tokens; the sizes are not configurable "
+                        "(enforce_eager=True turns graphs off)",
+    "max_cudagraph_capture_size": "CUDA graphs are captured for decode batches up to min(512, max_num_seqs) and mixed "
+                                  "steps up to 512 tokens; the sizes are not configurable (enforce_eager=True turns "
+                                  "graphs off)",
 }
 
 

@@ -1,5 +1,6 @@
 """`sparrow serve --chat-template / --response-role / --enable-log-requests / --max-log-len /
---root-path`: one real server on 127.0.0.1 with all of them, the real `openai` client, and
+--root-path / --stream-interval / --default-chat-template-kwargs / --exclude-tools-when-tool-choice-none
+/ --log-error-stack / --h11-*`: one real server on 127.0.0.1 with all of them, the real `openai` client, and
 references computed independently (jinja2 renders the template, the Hugging Face tokenizer
 tokenizes it). Wrong values are refused at start-up: subprocesses that never load the model."""
 
@@ -24,6 +25,10 @@ TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}<<USER>>{% else 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a small bird."}]
 MAX_LOG_LEN = 20
 ROOT_PATH = "/proxy"
+STREAM_INTERVAL = 3
+TEMPLATE_DEFAULTS = {"house_style": "Answer in rhyme.", "mood": "calm"}
+MAX_HEADER_COUNT = 40
+MAX_HEAD_BYTES = 8192
 
 
 class FlagsServer(Server):
@@ -52,6 +57,11 @@ def server(model_dir, template_file, tmp_path_factory):
                                 "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
                                 "--max-log-len", str(MAX_LOG_LEN),
                                 "--root-path", ROOT_PATH, "--enable-sleep-mode", "--trust-request-chat-template",
+                                "--stream-interval", str(STREAM_INTERVAL),
+                                "--default-chat-template-kwargs", json.dumps(TEMPLATE_DEFAULTS),
+                                "--exclude-tools-when-tool-choice-none", "--log-error-stack",
+                                "--h11-max-header-count", str(MAX_HEADER_COUNT),
+                                "--h11-max-incomplete-event-size", str(MAX_HEAD_BYTES), "--api-server-count", "1",
                                 server_cls=FlagsServer,
                                 env={"SPARROW_SERVER_DEV_MODE": "1"})
 
@@ -371,3 +381,136 @@ def test_dev_mode_endpoints_sleep_wake_up_and_call_the_workers(server, client, h
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == param
     assert complete().choices[0].text == before
+
+
+# -- --stream-interval ------------------------------------------------------------------------------
+def test_streamed_chunks_carry_the_stream_interval(client):
+    # With --return-tokens-as-token-ids on, each chunk's logprob tokens are its token ids.
+    whole = client.completions.create(model=MODEL_NAME, prompt="the quick brown fox", max_tokens=11, temperature=0,
+                                      logprobs=0, extra_body={"ignore_eos": True})
+    chunks = [chunk.choices[0] for chunk in client.completions.create(
+        model=MODEL_NAME, prompt="the quick brown fox", max_tokens=11, temperature=0, logprobs=0, stream=True,
+        extra_body={"ignore_eos": True}) if chunk.choices and chunk.choices[0].logprobs]
+    sizes = [len(choice.logprobs.tokens) for choice in chunks]
+    # The first token at once, then at least STREAM_INTERVAL per chunk, the rest in the last one. (The
+    # server may merge outputs it has not sent yet, so a chunk can be larger, never smaller; the
+    # exact chunking is tests/test_stream_interval.py's.)
+    assert all(size >= STREAM_INTERVAL for size in sizes[1:-1]) and sum(sizes) == 11, sizes
+    assert len(sizes) <= 2 + 10 // STREAM_INTERVAL, sizes
+    assert [t for choice in chunks for t in choice.logprobs.tokens] == whole.choices[0].logprobs.tokens
+    assert "".join(choice.text for choice in chunks) == whole.choices[0].text
+
+
+# -- --default-chat-template-kwargs / --exclude-tools-when-tool-choice-none ------------------------------
+STYLE_TEMPLATE = ("[{{ house_style }}|{{ mood | default('-') }}]{% if tools %}<tools "
+                  "{{ tools | map(attribute='function') | map(attribute='name') | join(',') }}>{% endif %}"
+                  "{% for m in messages %}{{ m['content'] }}|{% endfor %}")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+def styled(hf_tokenizer, tools=None, **variables) -> list[int]:
+    text = jinja2.Environment().from_string(STYLE_TEMPLATE).render(messages=MESSAGES, tools=tools, **variables)
+    return hf_tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_default_chat_template_kwargs_sit_under_the_requests_own(client, http, hf_tokenizer):
+    tokenized = http.post("/tokenize", json={"model": MODEL_NAME, "messages": MESSAGES,
+                                             "chat_template": STYLE_TEMPLATE}).json()
+    assert tokenized["tokens"] == styled(hf_tokenizer, **TEMPLATE_DEFAULTS)
+    assert chat(client, chat_template=STYLE_TEMPLATE).usage.prompt_tokens == len(tokenized["tokens"])
+    # A request's own chat_template_kwargs win key by key; the other defaults stay.
+    own = {"house_style": "Be terse, very terse indeed."}
+    expected = styled(hf_tokenizer, **{**TEMPLATE_DEFAULTS, **own})
+    assert http.post("/tokenize", json={"model": MODEL_NAME, "messages": MESSAGES, "chat_template": STYLE_TEMPLATE,
+                                        "chat_template_kwargs": own}).json()["tokens"] == expected
+    assert chat(client, chat_template=STYLE_TEMPLATE, chat_template_kwargs=own).usage.prompt_tokens == len(expected)
+
+
+def test_tool_choice_none_renders_without_the_tools(client, http, hf_tokenizer):
+    with_tools = styled(hf_tokenizer, tools=TOOLS, **TEMPLATE_DEFAULTS)
+    without = styled(hf_tokenizer, **TEMPLATE_DEFAULTS)
+    assert len(with_tools) > len(without)
+    # /tokenize has no tool_choice: the tools are rendered.
+    assert http.post("/tokenize", json={"model": MODEL_NAME, "messages": MESSAGES, "chat_template": STYLE_TEMPLATE,
+                                        "tools": TOOLS}).json()["tokens"] == with_tools
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="none",
+                                           max_completion_tokens=2, extra_body={"chat_template": STYLE_TEMPLATE})
+    assert reply.usage.prompt_tokens == len(without)
+    assert reply.choices[0].message.tool_calls in (None, [])
+
+
+def test_reserved_default_template_kwargs_are_refused(hf_tokenizer):
+    from types import SimpleNamespace
+
+    from sparrow.entrypoints.openai.serving_chat import check_default_template_kwargs
+
+    engine = SimpleNamespace(tokenizer=hf_tokenizer)
+    assert check_default_template_kwargs(engine, {"enable_thinking": False}) == {"enable_thinking": False}
+    with pytest.raises(ValueError, match="--default-chat-template-kwargs: 'tokenize' cannot be set there"):
+        check_default_template_kwargs(engine, {"tokenize": True})
+    with pytest.raises(ValueError, match="--default-chat-template-kwargs: this server has no tokenizer"):
+        check_default_template_kwargs(SimpleNamespace(tokenizer=None), {"mood": "x"})
+
+
+# -- --log-error-stack -----------------------------------------------------------------------------------
+def test_error_responses_log_their_stack(server, client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2, logit_bias={"999999": 1})
+    record = wait_until(lambda: next((part for part in server.log().split("ERROR sparrow.entrypoints.openai."
+                                                                          "error_handlers:")[1:]
+                                      if "logit_bias: token id 999999" in part.splitlines()[0]), None),
+                        what="the error's stack in the log")
+    assert record.splitlines()[0].lstrip().startswith("error response 400:"), record
+    # The check that failed (the input processor's, hidden from the client by `from None`) and
+    # the answer made from it.
+    assert "Traceback (most recent call last)" in record and "input_processor.py" in record, record
+    assert "InvalidArgumentError" in record and "which was answered as:" in record and "APIError" in record, record
+    # A pydantic refusal is logged too.
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2, temperature=-1.0)
+    wait_until(lambda: "RequestValidationError" in server.log(), what="the validation error's stack")
+
+
+# -- --h11-max-header-count / --h11-max-incomplete-event-size ---------------------------------------------
+def test_too_many_header_fields_are_a_431(server):
+    extra = {f"x-extra-{i}": "1" for i in range(MAX_HEADER_COUNT)}
+    answer = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}", **extra})
+    assert answer.status_code == 431, answer.text
+    assert answer.json()["error"]["code"] == "too_many_headers"
+    assert f"limit of {MAX_HEADER_COUNT}" in answer.json()["error"]["message"]
+    few = dict(list(extra.items())[:MAX_HEADER_COUNT // 2])
+    assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}", **few}).status_code \
+        == 200
+
+
+def test_a_request_head_over_the_h11_limit_is_refused(server):
+    """h11 holds at most --h11-max-incomplete-event-size bytes of a head it has not seen the end of:
+    a head still arriving past that is answered 400 and the connection closed."""
+    import socket
+    from urllib.parse import urlsplit
+
+    address = urlsplit(server.url)
+
+    def send_head(header_bytes: int, finish: bool) -> bytes:
+        with socket.create_connection((address.hostname, address.port), timeout=30) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\nX-Big: " + b"a" * header_bytes)
+            if finish:
+                sock.sendall(b"\r\nConnection: close\r\n\r\n")
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+            return answer
+
+    assert send_head(MAX_HEAD_BYTES + 1000, finish=False).startswith(b"HTTP/1.1 400 ")
+    assert send_head(MAX_HEAD_BYTES // 2, finish=True).startswith(b"HTTP/1.1 200 ")
+
+
+def test_api_server_count_takes_one():
+    from sparrow.entrypoints.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "m", "--api-server-count", "1"]).api_server_count == 1
+    result = subprocess.run([sys.executable, "-m", "sparrow.entrypoints.cli", "serve", "/nonexistent-model",
+                             "--api-server-count", "2"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "sparrow serve runs one API server process" in result.stderr, result.stderr

@@ -58,6 +58,10 @@ def log_config(log_file: Path) -> dict:
                         for name in ("sparrow", "uvicorn")}}
 
 
+# --ssl-ciphers: the server offers these alone (TLS 1.2's list; TLS 1.3 suites are OpenSSL's own).
+CIPHERS = "ECDHE+AESGCM"
+
+
 class TLSServer:
     """``sparrow serve --port 0`` over HTTPS, its sparrow and uvicorn logs in ``log_file`` (its
     --log-config-file's), the rest of its output in ``output``."""
@@ -70,6 +74,7 @@ class TLSServer:
         command = [sys.executable, "-m", "sparrow.entrypoints.cli", "serve", model_dir, "--port", "0",
                    "--served-model-name", MODEL_NAME, "--max-model-len", "512", "--kv-cache-memory-bytes",
                    str(16 << 20), "--disable-access-log", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
+                   "--ssl-ciphers", CIPHERS,
                    "--log-config-file", str(config_file), "--reasoning-parser-plugin", str(PLUGIN_FILE),
                    "--reasoning-parser", "qwen3_from_file"]
         with open(self.output, "wb") as output:
@@ -196,6 +201,8 @@ def test_the_tls_checks(certificate, tmp_path):
     mutual = tls_options(tls_args(ssl_keyfile=str(key), ssl_certfile=str(cert), ssl_ca_certs=str(cert),
                                   ssl_cert_reqs=2))
     assert (mutual["ssl_ca_certs"], mutual["ssl_cert_reqs"]) == (str(cert), ssl.CERT_REQUIRED)
+    assert tls_options(tls_args(ssl_keyfile=str(key), ssl_certfile=str(cert), ssl_ciphers=CIPHERS))["ssl_ciphers"] \
+        == CIPHERS
     other_key, _ = make_certificate(tmp_path, "other")
     encrypted = tmp_path / "encrypted.key"
     subprocess.run(["openssl", "pkey", "-in", str(key), "-out", str(encrypted), "-aes256", "-passout", "pass:secret"],
@@ -204,6 +211,9 @@ def test_the_tls_checks(certificate, tmp_path):
             ({"ssl_certfile": str(cert)}, "--ssl-certfile needs --ssl-keyfile too"),
             ({"ssl_ca_certs": str(cert)}, "--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile"),
             ({"ssl_cert_reqs": 1}, "--ssl-cert-reqs needs --ssl-keyfile and --ssl-certfile"),
+            ({"ssl_ciphers": CIPHERS}, "--ssl-ciphers needs --ssl-keyfile and --ssl-certfile"),
+            ({"ssl_keyfile": str(key), "ssl_certfile": str(cert), "ssl_ciphers": "NO-SUCH-CIPHER"},
+             "--ssl-ciphers: 'NO-SUCH-CIPHER' selects no cipher"),
             ({"ssl_keyfile": str(other_key), "ssl_certfile": str(cert)}, "do not load as a PEM private key and its "
                                                                          "certificate: KEY_VALUES_MISMATCH"),
             ({"ssl_keyfile": str(key), "ssl_certfile": str(cert), "ssl_ca_certs": str(key)}, "--ssl-ca-certs: "),
@@ -242,6 +252,17 @@ def test_https_serves_the_openai_client_and_plain_http_is_refused(server, client
         httpx.get(f"https://127.0.0.1:{server.port}/health", timeout=10)
     with server.http_client() as http:
         assert http.get(f"https://127.0.0.1:{server.port}/health").status_code == 200
+    # --ssl-ciphers: a TLS 1.2 client offering only a cipher outside the list gets no handshake.
+    for cipher, accepted in (("ECDHE-ECDSA-AES128-GCM-SHA256", True), ("ECDHE-ECDSA-CHACHA20-POLY1305", False)):
+        context = ssl.create_default_context(cafile=str(server.cert))
+        context.maximum_version = ssl.TLSVersion.TLSv1_2
+        context.set_ciphers(cipher)
+        with httpx.Client(verify=context, timeout=10) as http:
+            if accepted:
+                assert http.get(f"https://127.0.0.1:{server.port}/health").status_code == 200
+            else:
+                with pytest.raises(httpx.ConnectError, match="HANDSHAKE_FAILURE|NO_SHARED_CIPHER|UNEXPECTED_EOF"):
+                    http.get(f"https://127.0.0.1:{server.port}/health")
 
 
 def test_the_log_config_file_routes_the_servers_logs(server):

@@ -106,3 +106,27 @@ def test_structured_outputs_config_is_vllms_dict_of_the_structured_output_settin
                          ({"whitespace_pattern": " "}, "not one of vLLM's keys")]:
         with pytest.raises(ConfigError, match=words):
             EngineConfig.from_kwargs(structured_outputs_config=value)
+
+
+def test_vllm_flags_sparrow_does_not_take_are_refused_with_the_reason():
+    """`sparrow serve --swap-space 4` is argparse's "unrecognized arguments" with the reason for each
+    vLLM flag Sparrow does not take, engine arguments and serve flags alike; other unknown flags
+    are still named as such."""
+    import subprocess
+    import sys
+
+    from sparrow.config import VLLM_ARGUMENTS_NOT_TAKEN
+    from sparrow.entrypoints.cli_errors import explain_vllm_flags
+
+    message = explain_vllm_flags("unrecognized arguments: --swap-space 4 --headless --no-such-flag -O3")
+    assert message.startswith("--swap-space (vLLM's) is not taken: " + VLLM_ARGUMENTS_NOT_TAKEN["swap_space"]), message
+    assert "; --headless (vLLM's) is not taken: data parallelism runs on one machine here" in message
+    assert "; -O3 (vLLM's) is not taken: Sparrow does not compile the model" in message
+    assert message.endswith("; unrecognized arguments: --no-such-flag"), message
+    assert explain_vllm_flags("unrecognized arguments: --nope") == "unrecognized arguments: --nope"
+    assert explain_vllm_flags("argument --port: invalid") == "argument --port: invalid"
+    result = subprocess.run([sys.executable, "-m", "sparrow.entrypoints.cli", "serve", "/nonexistent-model",
+                             "--max_num_partial_prefills=2"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("sparrow: error: --max-num-partial-prefills (vLLM's) is not taken: "
+                                            "vLLM V0's limit"), result.stderr

@@ -58,7 +58,7 @@ def render_chat(
     check_text("tools", tools)
     check_text("chat_template_kwargs", chat_template_kwargs)
     kwargs = dict(chat_template_kwargs or {})
-    reserved = sorted(set(kwargs) & _reserved_template_names(tokenizer))
+    reserved = sorted(set(kwargs) & reserved_template_names(tokenizer))
     if reserved:
         raise InvalidArgumentError(f"chat_template_kwargs: {', '.join(map(repr, reserved))} cannot be set here; "
                                    "they are the renderer's own arguments (use the request fields of those names)",
@@ -77,7 +77,7 @@ def render_chat(
     )
 
 
-def _reserved_template_names(tokenizer: Any) -> set[str]:
+def reserved_template_names(tokenizer: Any) -> set[str]:
     """Names ``chat_template_kwargs`` may not use: the parameters of the tokenizer's
     ``apply_chat_template`` (tokenize, padding, ...) and the variables it sets itself."""
     parameters = inspect.signature(tokenizer.apply_chat_template).parameters

@@ -90,6 +90,8 @@ class RequestState:
     num_sent_tokens: int = 0
     num_sent_logprobs: int = 0
     num_sent_prompt_logprobs: int = 0
+    # Output tokens when the last output was made (stream_interval counts from there).
+    num_tokens_at_last_output: int = 0
     lora_request: Any = None  # the request's LoRA adapter, echoed in every RequestOutput
     pooling: Any = None  # a pooling model's request: its resolved PoolingParams (no tokens, one vector)
 
@@ -149,9 +151,12 @@ class OutputProcessor:
     when a request is submitted, ``process_outputs`` for every batch the engine core sends,
     ``abort_requests`` when the caller gives up on requests."""
 
-    def __init__(self, tokenizer: Any, pooling: Any = None) -> None:
+    def __init__(self, tokenizer: Any, pooling: Any = None, stream_interval: int = 1) -> None:
         self._decoder = TokenDecoder.from_tokenizer(tokenizer) if tokenizer is not None else None
         self._pooling = pooling  # a pooling model's sparrow.engine.pooling_io.PoolingIO, else None
+        # vLLM's stream_interval: an unfinished request's output waits until it has this many new
+        # tokens, except its first token (time to first token is not delayed).
+        self._stream_interval = stream_interval
         # engine-core request id -> state
         self._states: dict[str, RequestState] = {}
         # parent request id -> parent, for requests with n > 1
@@ -305,6 +310,10 @@ class OutputProcessor:
             return None, False  # e.g. a prefill chunk that only carried prompt logprobs
         if state.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None, stopped_by_string
+        if (not finished and state.num_tokens_at_last_output
+                and len(state.token_ids) - state.num_tokens_at_last_output < self._stream_interval):
+            return None, stopped_by_string  # stream_interval: too few new tokens yet
+        state.num_tokens_at_last_output = len(state.token_ids)
         completion = state.make_completion(finish_reason, stop_reason)
         return self._make_request_output(state, completion, finished), stopped_by_string
 

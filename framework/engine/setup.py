@@ -324,5 +324,5 @@ def build_frontend(config: EngineConfig) -> Frontend:
                               f"cannot work with the tokenizer of {config.model.tokenizer!r}: {message}") from None
     from sparrow.engine.generation_defaults import generation_defaults
 
-    return Frontend(tokenizer, hf_config, input_processor, OutputProcessor(tokenizer, input_processor.pooling),
-                    generation_defaults(config.model))
+    output_processor = OutputProcessor(tokenizer, input_processor.pooling, config.scheduler.stream_interval)
+    return Frontend(tokenizer, hf_config, input_processor, output_processor, generation_defaults(config.model))

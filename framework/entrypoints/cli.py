@@ -20,7 +20,13 @@ import traceback
 import types
 from typing import Any, Literal, NoReturn, Union, get_args, get_origin
 
-from sparrow.entrypoints.cli_errors import EXIT_INTERRUPTED, EXIT_RUNTIME_FAILURE, EXIT_USER_ERROR, describe_error
+from sparrow.entrypoints.cli_errors import (
+    EXIT_INTERRUPTED,
+    EXIT_RUNTIME_FAILURE,
+    EXIT_USER_ERROR,
+    describe_error,
+    explain_vllm_flags,
+)
 from sparrow.utils.argparse_utils import FlexibleArgumentParser
 
 ENV_LOGGING_LEVEL = "SPARROW_LOGGING_LEVEL"
@@ -38,7 +44,7 @@ class ArgumentParser(FlexibleArgumentParser):
     makes its parsers of the parent's class)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USER_ERROR, f"sparrow: error: {message} (see `{self.prog} --help`)\n")
+        self.exit(EXIT_USER_ERROR, f"sparrow: error: {explain_vllm_flags(message)} (see `{self.prog} --help`)\n")
 
 
 class HelpFormatter(argparse.HelpFormatter):

@@ -57,3 +57,28 @@ def _root_cause(text: str) -> tuple[str, str]:
 
 def _one_line(message: str) -> str:
     return " ".join(part.strip() for part in message.splitlines() if part.strip()) or "(no message)"
+
+
+def explain_vllm_flags(message: str) -> str:
+    """argparse's "unrecognized arguments: ..." with the reason for each vLLM flag Sparrow does
+    not take (``--swap-space (vLLM's) is not taken: ...``); any other message as it is."""
+    prefix = "unrecognized arguments: "
+    if not message.startswith(prefix):
+        return message
+    from sparrow.config import VLLM_ARGUMENTS_NOT_TAKEN
+    from sparrow.entrypoints.openai.cli_args import VLLM_SERVE_FLAGS_NOT_TAKEN
+
+    reasons = {**VLLM_ARGUMENTS_NOT_TAKEN, **VLLM_SERVE_FLAGS_NOT_TAKEN}
+    explained, others = [], []
+    for arg in message[len(prefix):].split():
+        name = arg.partition("=")[0].lstrip("-").replace("-", "_")
+        if re.fullmatch(r"-O[0-3]?|--optimization-level(=.*)?", arg):  # vLLM's compilation level
+            explained.append(f"{arg} (vLLM's) is not taken: {reasons['compilation_config']}")
+        elif arg.startswith("--") and name in reasons:
+            explained.append(f"--{name.replace('_', '-')} (vLLM's) is not taken: {reasons[name]}")
+        elif arg.startswith("-") or not explained:
+            others.append(arg)  # a value after an explained flag is that flag's
+    if not explained:
+        return message
+    return "; ".join(explained + ([prefix + " ".join(others)] if others else []))
+

@@ -48,12 +48,9 @@ import signal
 from typing import Any
 
 from fastapi import Body, FastAPI, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sparrow.engine.async_llm import AsyncLLM
-from sparrow.engine.exceptions import EngineDeadError
 from sparrow.engine.metrics import PROMETHEUS_CONTENT_TYPE, render
 from sparrow.entrypoints.openai.cli_args import (  # noqa: F401 - add_serve_parser: re-exported
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -61,12 +58,12 @@ from sparrow.entrypoints.openai.cli_args import (  # noqa: F401 - add_serve_pars
     ENV_PROFILER_DIR,
     add_serve_parser,
 )
+from sparrow.entrypoints.openai.error_handlers import install_error_handlers
 from sparrow.entrypoints.openai.http_guards import (
     CORSGuard,
     JSONBodyRoute,
     RequestIdHeaderMiddleware,
     RequestLimitsMiddleware,
-    error_response,
 )
 from sparrow.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -82,13 +79,12 @@ from sparrow.entrypoints.openai.protocol_responses import (
     ResponseObject,
     ResponsesRequest,
 )
-from sparrow.entrypoints.openai.request_checks import validation_message
 from sparrow.entrypoints.openai.request_logger import request_logger_from_args
-from sparrow.entrypoints.openai.serving_chat import OpenAIServingChat
+from sparrow.entrypoints.openai.server_flags import DEFAULT_MAX_HEADER_COUNT
+from sparrow.entrypoints.openai.serving_chat import OpenAIServingChat, check_default_template_kwargs
 from sparrow.entrypoints.openai.serving_classify import OpenAIServingClassify, add_classify_routes
 from sparrow.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from sparrow.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
-from sparrow.entrypoints.openai.serving_engine import APIError, engine_dead
 from sparrow.entrypoints.openai.serving_invocations import add_health_and_sagemaker_routes
 from sparrow.entrypoints.openai.serving_models import (
     add_lora_routes,
@@ -115,29 +111,6 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status_code)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(exc.errors())
-        return error_response(400, message, "BadRequestError", param=param, code="invalid_value")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err_type = {404: "NotFoundError", 405: "MethodNotAllowed", 413: "RequestTooLargeError"}.get(
-            exc.status_code, "HTTPError")
-        # A chunked body over the cap is found while it is read, and ends up here.
-        code = "request_too_large" if exc.status_code == 413 else None
-        return error_response(exc.status_code, str(exc.detail), err_type, code=code)
-
-    @app.exception_handler(EngineDeadError)
-    async def dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return JSONResponse(engine_dead(exc).body(), status_code=503)
-
-
 def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``. ``args`` may carry ``api_key``, ``max_request_body_bytes``,
     the CORS flags, ``chat_template``, ``chat_template_content_format``, ``response_role``, ``enable_log_requests``,
@@ -152,7 +125,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
     app = FastAPI(title="Sparrow OpenAI-compatible API", version=__version__, docs_url="/docs" if docs else None,
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.router.route_class = JSONBodyRoute  # before any route is added
-    app.add_middleware(RequestLimitsMiddleware, api_key=api_key, max_body_bytes=max_body)
+    app.add_middleware(RequestLimitsMiddleware, api_key=api_key, max_body_bytes=max_body,
+                       max_header_count=getattr(args, "h11_max_header_count", None) or DEFAULT_MAX_HEADER_COUNT)
     # Added last, so outermost: preflights are answered before auth, and every response (a 401
     # too) carries the CORS headers a browser needs to read it.
     cors = {name: ["*"] if getattr(args, name, None) is None else getattr(args, name)
@@ -173,7 +147,10 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
             app.add_middleware(middleware)
         else:
             app.middleware("http")(middleware)
-    _install_error_handlers(app)
+    install_error_handlers(app)
+    app.state.log_error_stack = bool(getattr(args, "log_error_stack", False))
+    default_template_kwargs = check_default_template_kwargs(engine, getattr(args, "default_chat_template_kwargs",
+                                                                            None))
     app.state.engine = engine
     chat_template = getattr(args, "chat_template", None)
     completions = OpenAIServingCompletion(engine, model_names)
@@ -198,6 +175,10 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace | None = None) -> FastA
         handler.enable_prompt_tokens_details = bool(getattr(args, "enable_prompt_tokens_details", False))
         handler.enable_force_include_usage = bool(getattr(args, "enable_force_include_usage", False))
         handler.trust_request_chat_template = bool(getattr(args, "trust_request_chat_template", False))
+        handler.log_error_stack = app.state.log_error_stack
+        handler.default_chat_template_kwargs = default_template_kwargs
+        handler.exclude_tools_when_tool_choice_none = bool(getattr(args, "exclude_tools_when_tool_choice_none",
+                                                                   False))
     for handler in (embeddings, classify, pooling):  # their chat form renders as the chat endpoint does
         handler.chat_template, handler.chat_template_content_format = chat_template, content_format
 

@@ -13,9 +13,11 @@ import os
 from typing import Any
 
 from sparrow.entrypoints.openai.server_flags import (  # noqa: F401 - re-exported
+    add_process_flags,
     apply_log_config,
     check_serve_flags,
     load_log_config,
+    positive_int,
     tls_options,
 )
 
@@ -27,6 +29,25 @@ ENV_API_KEY = "SPARROW_API_KEY"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 0.0
 ENV_RUNTIME_LORA = "SPARROW_ALLOW_RUNTIME_LORA_UPDATING"
 ENV_PROFILER_DIR = "SPARROW_TORCH_PROFILER_DIR"
+
+
+# vLLM serve flags (not engine arguments) that sparrow serve does not take, and why: the command
+# line's "unrecognized arguments" error gives the reason (sparrow.entrypoints.cli).
+_ONE_MACHINE_DP = ("data parallelism runs on one machine here: data_parallel_size engines behind one server "
+                   "(docs/distributed.md); several machines serve one model through multi-node tensor parallelism "
+                   "(`sparrow worker`)")
+VLLM_SERVE_FLAGS_NOT_TAKEN = {
+    "headless": _ONE_MACHINE_DP,
+    "data_parallel_address": _ONE_MACHINE_DP,
+    "data_parallel_rpc_port": _ONE_MACHINE_DP,
+    "data_parallel_start_rank": _ONE_MACHINE_DP,
+    "data_parallel_size_local": _ONE_MACHINE_DP,
+    "data_parallel_hybrid_lb": _ONE_MACHINE_DP,
+    "data_parallel_external_lb": _ONE_MACHINE_DP,
+    "enable_ssl_refresh": "the TLS key and certificate are read once, at start-up; restart the server to load new "
+                          "ones",
+    "tool_server": "the Responses API has no built-in tools (MCP or demo tool servers); function tools work",
+}
 
 
 def _run_server(args: argparse.Namespace) -> int:
@@ -50,13 +71,7 @@ def _port(value: str) -> int:
 
 
 def _positive_bytes(value: str) -> int:
-    try:
-        size = int(value)
-    except ValueError:
-        size = 0
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"must be a number of bytes >= 1, got {value!r}")
-    return size
+    return positive_int(value, "a number of bytes")
 
 
 def _shutdown_timeout(value: str) -> float:
@@ -169,6 +184,17 @@ def _cert_reqs(value: str) -> int:
         raise argparse.ArgumentTypeError(f"must be 0 (ssl.CERT_NONE), 1 (ssl.CERT_OPTIONAL) or 2 (ssl.CERT_REQUIRED), "
                                          f"got {value!r}")
     return int(value)
+
+
+def _template_kwargs(value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f'must be a JSON object of template variables, e.g. \'{{"enable_thinking": '
+                                         f'false}}\', got {value!r}')
+    return parsed
 
 
 def _lora_module(value: str) -> dict[str, Any]:
@@ -308,6 +334,16 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "this process's logging (the sparrow and uvicorn loggers) before the model loads, "
                              "instead of uvicorn's own; --uvicorn-log-level then applies only when given; vLLM's "
                              "flag (default: none)")
+    server.add_argument("--default-chat-template-kwargs", type=_template_kwargs, default=None, metavar="JSON",
+                        help="chat template variables for every chat request, e.g. '{\"enable_thinking\": false}'; "
+                             "a request's own chat_template_kwargs win key by key; vLLM's flag (default: none)")
+    server.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                        help="a chat request with tool_choice \"none\" is rendered without its tools (by default "
+                             "the template still sees them); vLLM's flag (default: off)")
+    server.add_argument("--log-error-stack", action="store_true",
+                        help="log the stack trace behind every error response (a 4xx or 5xx, or an error event "
+                             "in a stream) at ERROR; vLLM's flag (default: off)")
+    add_process_flags(server)
     add_engine_args(parser)
     parser.set_defaults(func=_run_server)
     return parser

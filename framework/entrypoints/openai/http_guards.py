@@ -1,5 +1,5 @@
-"""The HTTP server's guards around every request, before a route sees it: the API key and the
-body size cap (RequestLimitsMiddleware), the JSON body parsed with a 400 that says what is wrong
+"""The HTTP server's guards around every request, before a route sees it: the header count cap,
+the API key and the body size cap (RequestLimitsMiddleware), the JSON body parsed with a 400 that says what is wrong
 (JSONBodyRoute), CORS preflights refused in OpenAI's error shape (CORSGuard), and the
 X-Request-Id response header (RequestIdHeaderMiddleware). The requests in flight (for GET /load
 and a graceful shutdown) are counted by ``lifecycle.RequestTracker``."""
@@ -50,22 +50,31 @@ class _BodyTooLarge(StarletteHTTPException):
 
 
 class RequestLimitsMiddleware:
-    """Bearer auth on /v1/* and the tokenizer endpoints, and a cap on the request body, before
-    any route reads the body. (CORS preflight requests never get here: CORSMiddleware, outside
+    """A cap on the number of header fields (vLLM's --h11-max-header-count: a 431), Bearer auth
+    on /v1/* and the tokenizer endpoints, and a cap on the request body, before any route reads
+    the body. (CORS preflight requests never get here: CORSMiddleware, outside
     this one, answers them, as browsers send them without credentials.)
 
     The cap is checked against Content-Length up front and against the bytes actually received
     (a chunked body has no Content-Length).
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
+                 max_header_count: int | None = None) -> None:
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.max_header_count = max_header_count
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if self.max_header_count is not None and len(scope["headers"]) > self.max_header_count:
+            response = error_response(431, f"the request has {len(scope['headers'])} header fields, more than the "
+                                           f"limit of {self.max_header_count} (--h11-max-header-count)",
+                                      "RequestHeaderFieldsTooLargeError", code="too_many_headers")
+            await response(scope, receive, send)
             return
         headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
         path = route_path(scope)

@@ -1,9 +1,10 @@
 """The ``sparrow serve`` flags that configure the server process rather than a request: TLS
-(``--ssl-*``, checked and turned into uvicorn's keywords) and ``--log-config-file`` (applied to
+(``--ssl-*``, checked and turned into uvicorn's keywords), ``--log-config-file`` (applied to
 this process's logging once, and by the engine's processes through
-``$SPARROW_LOGGING_CONFIG_PATH``, sparrow.utils.process_logging). Checked before the model
-loads; every error is a ValueError naming the flag. Imports nothing heavy (``sparrow`` builds
-every command's parser from cli_args).
+``$SPARROW_LOGGING_CONFIG_PATH``, sparrow.utils.process_logging), the HTTP parser's limits
+(``--h11-*``) and vLLM's ``--api-server-count``. Checked before the model loads; every error is a
+ValueError naming the flag. Imports nothing heavy (``sparrow`` builds every command's parser from
+cli_args).
 """
 
 from __future__ import annotations
@@ -12,6 +13,47 @@ import argparse
 import json
 import os
 from typing import Any
+
+# vLLM's default for --h11-max-header-count: a request with more header fields is a 431.
+DEFAULT_MAX_HEADER_COUNT = 256
+
+
+def positive_int(value: str, what: str = "a whole number") -> int:
+    """An argparse type: ``value`` as an int >= 1, else an error saying it must be ``what`` >= 1."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be {what} >= 1, got {value!r}")
+    return number
+
+
+def _api_server_count(value: str) -> int:
+    count = positive_int(value)
+    if count != 1:
+        raise argparse.ArgumentTypeError(
+            f"only 1 is taken, got {value!r}: sparrow serve runs one API server process, which streams every "
+            "engine's outputs (data_parallel_size engines included); run several servers behind a load balancer "
+            "for more")
+    return count
+
+
+def add_process_flags(server: Any) -> None:
+    """The flags of the server process (TLS ciphers, the HTTP parser's limits, the number of API
+    server processes) in the ``server`` argument group; vLLM's names and meanings."""
+    server.add_argument("--ssl-ciphers", default=None, metavar="CIPHERS",
+                        help="with --ssl-keyfile and --ssl-certfile: the ciphers TLS offers, in OpenSSL's cipher "
+                             "list format (uvicorn's --ssl-ciphers); vLLM's flag (default: uvicorn's, TLSv1)")
+    server.add_argument("--h11-max-incomplete-event-size", type=positive_int, default=None, metavar="BYTES",
+                        help="the most bytes of a request's line and headers the HTTP/1.1 parser buffers; a "
+                             "longer head is answered with an error and the connection closed (uvicorn's h11 "
+                             "setting); vLLM's flag (default: h11's, 16384)")
+    server.add_argument("--h11-max-header-count", type=positive_int, default=DEFAULT_MAX_HEADER_COUNT,
+                        metavar="N", help="a request with more header fields than this is answered 431 (Request "
+                                          "Header Fields Too Large); vLLM's flag")
+    server.add_argument("--api-server-count", type=_api_server_count, default=1, metavar="N",
+                        help="vLLM's number of API server processes: 1, the one process that serves every engine")
 
 
 def _readable_file(flag: str, path: str) -> None:
@@ -42,7 +84,8 @@ def tls_options(args: argparse.Namespace) -> dict[str, Any]:
     keyfile, certfile = getattr(args, "ssl_keyfile", None), getattr(args, "ssl_certfile", None)
     ca_certs, cert_reqs = getattr(args, "ssl_ca_certs", None), getattr(args, "ssl_cert_reqs", None)
     if keyfile is None and certfile is None:
-        for flag, value in (("--ssl-ca-certs", ca_certs), ("--ssl-cert-reqs", cert_reqs)):
+        for flag, value in (("--ssl-ca-certs", ca_certs), ("--ssl-cert-reqs", cert_reqs),
+                            ("--ssl-ciphers", getattr(args, "ssl_ciphers", None))):
             if value is not None:
                 raise ValueError(f"{flag} needs --ssl-keyfile and --ssl-certfile (the server's key and certificate)")
         return {}
@@ -63,6 +106,13 @@ def tls_options(args: argparse.Namespace) -> dict[str, Any]:
     except ssl.SSLError as exc:
         raise ValueError(f"--ssl-keyfile / --ssl-certfile: {keyfile!r} and {certfile!r} do not load as a PEM private "
                          f"key and its certificate: {exc.reason or exc}") from None
+    ciphers = getattr(args, "ssl_ciphers", None)
+    if ciphers is not None:
+        try:
+            context.set_ciphers(ciphers)
+        except ssl.SSLError:
+            raise ValueError(f"--ssl-ciphers: {ciphers!r} selects no cipher OpenSSL knows (an OpenSSL cipher list, "
+                             "e.g. 'ECDHE+AESGCM')") from None
     if ca_certs is not None:
         try:
             context.load_verify_locations(cafile=ca_certs)
@@ -71,8 +121,11 @@ def tls_options(args: argparse.Namespace) -> dict[str, Any]:
     if cert_reqs not in (None, ssl.CERT_NONE) and ca_certs is None:
         raise ValueError(f"--ssl-cert-reqs {cert_reqs} asks clients for a certificate, which the server can verify "
                          "only against --ssl-ca-certs: give it")
-    return {"ssl_keyfile": keyfile, "ssl_certfile": certfile, "ssl_ca_certs": ca_certs,
-            "ssl_cert_reqs": ssl.CERT_NONE if cert_reqs is None else cert_reqs}
+    options = {"ssl_keyfile": keyfile, "ssl_certfile": certfile, "ssl_ca_certs": ca_certs,
+               "ssl_cert_reqs": ssl.CERT_NONE if cert_reqs is None else cert_reqs}
+    if ciphers is not None:
+        options["ssl_ciphers"] = ciphers
+    return options
 
 
 def load_log_config(path: str) -> dict[str, Any]:
@@ -126,6 +179,9 @@ def check_serve_flags(args: argparse.Namespace) -> dict[str, Any]:
     ``uvicorn.Config``'s keywords for TLS and logging. ValueError naming the flag; safe to call
     again."""
     kwargs = tls_options(args)
+    event_size = getattr(args, "h11_max_incomplete_event_size", None)
+    if event_size is not None:
+        kwargs["h11_max_incomplete_event_size"] = event_size
     log_config_file = getattr(args, "log_config_file", None)
     if log_config_file is not None:
         if log_config_file not in _applied_log_config:

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sparrow.engine.exceptions import EngineDeadError
 from sparrow.entrypoints.openai.chat_output import ChoiceStream, ReplyParsers
+from sparrow.entrypoints.openai.error_handlers import log_error_stack
 from sparrow.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -98,6 +99,39 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             entry["reasoning_content"] = message.reasoning_content
         rendered.append(entry)
     return rendered
+
+
+def check_default_template_kwargs(engine: Any, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """--default-chat-template-kwargs checked against the served tokenizer; a ValueError naming the
+    flag for a variable that is the renderer's own argument, or without a tokenizer."""
+    if not kwargs:
+        return None
+    from sparrow.engine.chat_render import reserved_template_names
+    from sparrow.engine.text_checks import check_text
+
+    if engine.tokenizer is None:
+        raise ValueError("--default-chat-template-kwargs: this server has no tokenizer (skip_tokenizer_init), so it "
+                         "renders no chat template")
+    check_text("--default-chat-template-kwargs", kwargs)
+    reserved = sorted(set(kwargs) & reserved_template_names(engine.tokenizer))
+    if reserved:
+        raise ValueError(f"--default-chat-template-kwargs: {', '.join(map(repr, reserved))} cannot be set there; they "
+                         "are the renderer's own arguments (requests set them by the fields of those names)")
+    return dict(kwargs)
+
+
+def template_request(request: Any, handler: Any, tool_choice_kind: str | None = None) -> Any:
+    """The request as the chat template should see it under the server's flags: the handler's
+    --default-chat-template-kwargs under the request's own chat_template_kwargs (key by key), and
+    without its tools when --exclude-tools-when-tool-choice-none and tool_choice is "none"."""
+    update: dict[str, Any] = {}
+    defaults = handler.default_chat_template_kwargs
+    own = request.chat_template_kwargs
+    if defaults and (own is None or isinstance(own, dict)):  # anything else: the renderer names it
+        update["chat_template_kwargs"] = {**defaults, **(own or {})}
+    if tool_choice_kind == "none" and handler.exclude_tools_when_tool_choice_none and getattr(request, "tools", None):
+        update["tools"] = None
+    return request.model_copy(update=update) if update else request
 
 
 def render_prompt(input_processor: Any, request: ChatCompletionRequest,
@@ -220,7 +254,8 @@ class OpenAIServingChat(OpenAIServing):
             structured_outputs = await self.off_loop(tool_structured_outputs, request, tool_choice)
         else:
             structured_outputs = await self.structured_outputs(request)
-        prompt = await self.off_loop(render_prompt, self.engine.input_processor, request, self.chat_template,
+        prompt = await self.off_loop(render_prompt, self.engine.input_processor,
+                                     template_request(request, self, tool_choice.kind), self.chat_template,
                                      self.chat_template_content_format, default_param="messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
@@ -327,7 +362,9 @@ class OpenAIServingChat(OpenAIServing):
                                                      usage=usage(prompt_tokens, completion_tokens, cached))
                 yield f"data: {chunk.model_dump_json()}\n\n"
         except EngineDeadError as exc:
+            log_error_stack(self.log_error_stack, 503, exc)
             yield f"data: {json.dumps(engine_dead(exc).body())}\n\n"
         except ValueError as exc:
+            log_error_stack(self.log_error_stack, 400, exc)
             yield f"data: {json.dumps(bad_request(exc).body())}\n\n"
         yield "data: [DONE]\n\n"

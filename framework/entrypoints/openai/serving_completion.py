@@ -18,6 +18,7 @@ from sparrow.engine.prompt_embeds import (
     engine_prompt_length,
     refuse_disabled,
 )
+from sparrow.entrypoints.openai.error_handlers import log_error_stack
 from sparrow.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -345,8 +346,10 @@ class OpenAIServingCompletion(OpenAIServing):
                                                              self.cached(list(latest.values()))))
                 yield f"data: {chunk.model_dump_json()}\n\n"
         except EngineDeadError as exc:
+            log_error_stack(self.log_error_stack, 503, exc)
             yield f"data: {json.dumps(engine_dead(exc).body())}\n\n"
         except ValueError as exc:
             # The engine core rejected a request after the stream started.
+            log_error_stack(self.log_error_stack, 400, exc)
             yield f"data: {json.dumps(bad_request(exc).body())}\n\n"
         yield "data: [DONE]\n\n"

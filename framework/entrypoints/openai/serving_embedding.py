@@ -219,8 +219,11 @@ class OpenAIServingEmbedding(OpenAIServing):
             return await self.off_loop(tokenize_inputs, self.engine.input_processor, request, verb,
                                        default_param="input"), "input"
         self.check_chat_template(request)
-        return await self.off_loop(chat_inputs, self.engine.input_processor, request, self.chat_template,
-                                   self.chat_template_content_format, verb, default_param="messages"), "messages"
+        from sparrow.entrypoints.openai.serving_chat import template_request
+
+        return await self.off_loop(chat_inputs, self.engine.input_processor, template_request(request, self),
+                                   self.chat_template, self.chat_template_content_format, verb,
+                                   default_param="messages"), "messages"
 
     async def embed(self, request_id: str, prompts: list[dict[str, Any]], params: PoolingParams, request: Any,
                     raw_request: Request, rejected: Callable[[ValueError], APIError],

@@ -27,6 +27,7 @@ from sparrow.entrypoints.openai.api_errors import (  # noqa: F401 - re-exported:
 )
 from sparrow.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, StreamOptions, UsageInfo
 from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_beam_search, check_fields
+from sparrow.entrypoints.openai.streams import collect_final, collect_finals  # noqa: F401 - re-exported
 from sparrow.entrypoints.openai.structured_outputs import GUIDED_FIELDS, in_request_words, structured_outputs_of
 from sparrow.errors import InvalidArgumentError
 from sparrow.outputs import Logprob, RequestOutput, SampleLogprobs
@@ -84,29 +85,6 @@ def logit_bias(value: dict[str, float] | None) -> dict[int, float] | None:
                        param="logit_bias", code="invalid_value") from None
 
 
-async def collect_finals(streams: list[AsyncGenerator[Any, None]],
-                         rejected: Callable[[ValueError], APIError] | None = None) -> list[Any]:
-    """Every stream's last output, in the streams' order (a whole, non-streamed response); the
-    engine's failures as the HTTP errors they are (a rejection through ``rejected``, by default
-    a 400 naming the error's field)."""
-    from sparrow.entrypoints.openai.streams import merge_streams
-
-    finals: dict[int, RequestOutput] = {}
-    try:
-        async for index, output in merge_streams(streams):
-            finals[index] = output
-    except EngineDeadError as exc:
-        raise engine_dead(exc) from None
-    except ValueError as exc:
-        raise (rejected or bad_request)(exc) from None  # the engine core rejected a request
-    return [finals[index] for index in range(len(streams))]
-
-
-async def collect_final(stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
-    """One stream's last output (see ``collect_finals``)."""
-    return (await collect_finals([stream]))[0]
-
-
 class OpenAIServing:
     """Base of the endpoint handlers: one per endpoint, built once per app."""
 
@@ -120,6 +98,12 @@ class OpenAIServing:
     enable_force_include_usage = False
     # --trust-request-chat-template: a request's own chat_template is rendered (else refused).
     trust_request_chat_template = False
+    # --log-error-stack: the stack behind an error event in a stream is logged (error_handlers).
+    log_error_stack = False
+    # --default-chat-template-kwargs: template variables under every chat request's own.
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    # --exclude-tools-when-tool-choice-none: tool_choice "none" renders without the tools.
+    exclude_tools_when_tool_choice_none = False
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
         self.engine = engine

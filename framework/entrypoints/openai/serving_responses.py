@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sparrow.engine.exceptions import EngineDeadError
 from sparrow.entrypoints.openai.chat_output import ReplyParsers
+from sparrow.entrypoints.openai.error_handlers import log_error_stack
 from sparrow.entrypoints.openai.protocol_responses import (
     DeletedResponse,
     IncompleteDetails,
@@ -68,7 +69,7 @@ from sparrow.entrypoints.openai.responses_store import (
     query_bool,
     query_int,
 )
-from sparrow.entrypoints.openai.serving_chat import render_prompt
+from sparrow.entrypoints.openai.serving_chat import render_prompt, template_request
 from sparrow.entrypoints.openai.serving_engine import (
     APIError,
     OpenAIServing,
@@ -237,7 +238,8 @@ class OpenAIServingResponses(OpenAIServing):
             structured_outputs = await self.off_loop(tool_structured_outputs, chat_request, tool_choice)
         else:
             structured_outputs = await self.structured_outputs(chat_request)
-        prompt = await self.off_loop(render_prompt, self.engine.input_processor, chat_request, self.chat_template,
+        prompt = await self.off_loop(render_prompt, self.engine.input_processor,
+                                     template_request(chat_request, self, tool_choice.kind), self.chat_template,
                                      self.chat_template_content_format, default_param="messages")
         prompt_ids = prompt["prompt_token_ids"]
         top_logprobs = (request.top_logprobs or 0) if wants_logprobs(request) else None
@@ -322,6 +324,7 @@ class OpenAIServingResponses(OpenAIServing):
         except (EngineDeadError, ValueError) as exc:
             error = engine_dead(exc) if isinstance(exc, EngineDeadError) else bad_request(exc)
             error = in_responses_words(error, pending.conversation)
+            log_error_stack(self.log_error_stack, error.status_code, exc)
             yield {"type": "error", "code": error.code, "message": error.message, "param": error.param}
             code = "server_error" if isinstance(exc, EngineDeadError) else "invalid_prompt"
             failed = pending.response("failed", error=ResponseError(code=code, message=error.message))

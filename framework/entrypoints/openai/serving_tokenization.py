@@ -28,7 +28,7 @@ from sparrow.entrypoints.openai.protocol import (
     Tool,
 )
 from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_fields, check_unicode
-from sparrow.entrypoints.openai.serving_chat import render_prompt
+from sparrow.entrypoints.openai.serving_chat import render_prompt, template_request
 from sparrow.entrypoints.openai.serving_engine import APIError, OpenAIServing, field_error
 
 # -- requests and responses (vLLM's shapes) -----------------------------------------------------------
@@ -197,6 +197,8 @@ class OpenAIServingTokenization(OpenAIServing):
         self._check_fields(request)
         self.check_chat_template(request)
         default_param = "messages" if isinstance(request, TokenizeChatRequest) else "prompt"
+        if isinstance(request, TokenizeChatRequest):
+            request = template_request(request, self)
         token_ids, token_strs = await self.off_loop(tokenize, self._input_processor(), request, self.chat_template,
                                                     self.chat_template_content_format, default_param=default_param)
         return TokenizeResponse(count=len(token_ids), max_model_len=self.engine.model_config.max_model_len,

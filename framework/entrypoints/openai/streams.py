@@ -1,14 +1,19 @@
-"""Async plumbing of the endpoints: merging a request's streams (one per prompt or choice) and
-cancelling a full (non-streaming) response's work when its client disconnects."""
+"""Async plumbing of the endpoints: merging a request's streams (one per prompt or choice), their
+last outputs for a whole response, and cancelling a full (non-streaming) response's work when its
+client disconnects."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 from fastapi import Request
+
+from sparrow.engine.exceptions import EngineDeadError
+from sparrow.entrypoints.openai.api_errors import APIError, bad_request, engine_dead
+from sparrow.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -82,3 +87,24 @@ async def cancel_on_disconnect(raw_request: Request, work: Awaitable[T]) -> T | 
     work_task.cancel()
     await asyncio.gather(work_task, return_exceptions=True)
     return None
+
+
+async def collect_finals(streams: list[AsyncGenerator[Any, None]],
+                         rejected: Callable[[ValueError], APIError] | None = None) -> list[Any]:
+    """Every stream's last output, in the streams' order (a whole, non-streamed response); the
+    engine's failures as the HTTP errors they are (a rejection through ``rejected``, by default
+    a 400 naming the error's field)."""
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for index, output in merge_streams(streams):
+            finals[index] = output
+    except EngineDeadError as exc:
+        raise engine_dead(exc) from None
+    except ValueError as exc:
+        raise (rejected or bad_request)(exc) from None  # the engine core rejected a request
+    return [finals[index] for index in range(len(streams))]
+
+
+async def collect_final(stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+    """One stream's last output (see ``collect_finals``)."""
+    return (await collect_finals([stream]))[0]

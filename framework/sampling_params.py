@@ -18,6 +18,13 @@ import msgspec
 
 from sparrow.errors import InvalidArgumentError
 from sparrow.param_checks import INT64_MAX, INT64_MIN, _bool, _fail, _float, _int, _token_ids  # noqa: F401
+from sparrow.sampling_options import (  # noqa: F401 - re-exported: vLLM's users import them from here
+    STRUCTURED_OUTPUT_KINDS,
+    STRUCTURED_OUTPUT_OPTIONS,
+    GuidedDecodingParams,
+    RepetitionDetectionParams,
+    StructuredOutputsParams,
+)
 
 _SAMPLING_EPS = 1e-5
 
@@ -28,118 +35,8 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
-class StructuredOutputsParams(
-    msgspec.Struct, omit_defaults=True, array_like=True, kw_only=True,  # type: ignore[call-arg]
-    forbid_unknown_fields=True,
-):
-    """Constrain a request's output to a grammar (vLLM's fields; exactly one is set).
-
-    ``json``: a JSON schema (a dict, or its JSON text); ``json_object``: any JSON object;
-    ``regex``: the whole output matches it; ``choice``: the output is one of these strings;
-    ``grammar``: an EBNF grammar (GBNF style, with a ``root`` rule); ``structural_tag``: vLLM's
-    structural tag, the JSON text of ``{"type": "structural_tag", "format": {...}}`` (xgrammar's
-    format: tags, sequences, JSON schemas, triggered tags...) or of the older ``{"type":
-    "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}`` (free text
-    until a trigger starts a tag, whose content follows its schema). Checked here for shape; the
-    frontend compiles the grammar before the request reaches the engine core (see
-    ``sparrow.structured_output.check``), so a bad schema, regex or grammar is a ValueError
-    naming the field there.
-
-    vLLM's options: ``disable_any_whitespace`` (JSON without free whitespace for this request,
-    whatever the engine's ``structured_outputs_any_whitespace``; compact is the engine default),
-    ``disable_additional_properties`` (json only: every ``"type": "object"`` schema without
-    ``additionalProperties`` takes ``false``), ``disable_fallback`` (no other backend is ever
-    tried: xgrammar is the only one, so it holds either way). ``whitespace_pattern`` (outlines')
-    is refused: xgrammar takes none.
-    """
-
-    json: dict[str, Any] | str | None = None
-    json_object: bool | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    structural_tag: str | None = None
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
-    disable_fallback: bool = False
-    whitespace_pattern: str | None = None
-
-    def __post_init__(self) -> None:
-        import json as json_module
-
-        chosen = [name for name in STRUCTURED_OUTPUT_KINDS
-                  if getattr(self, name) is not None and getattr(self, name) is not False]
-        if len(chosen) != 1:
-            got = " and ".join(chosen) if chosen else "none"
-            raise InvalidArgumentError(f"StructuredOutputsParams: exactly one of "
-                                       f"{', '.join(STRUCTURED_OUTPUT_KINDS)} must be set, got {got}",
-                                       "structured_outputs")
-        for name in STRUCTURED_OUTPUT_OPTIONS:
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidArgumentError(f"structured_outputs.{name} must be true or false, got "
-                                           f"{getattr(self, name)!r}", f"structured_outputs.{name}")
-        if self.whitespace_pattern is not None:
-            raise InvalidArgumentError("structured_outputs.whitespace_pattern is not supported: the xgrammar backend "
-                                       "takes no whitespace pattern (JSON is compact, or any whitespace with the "
-                                       "engine's structured_outputs_any_whitespace; disable_any_whitespace forces "
-                                       "compact)", "structured_outputs.whitespace_pattern")
-        if self.disable_additional_properties and chosen[0] != "json":
-            raise InvalidArgumentError(f"structured_outputs.disable_additional_properties applies to a json schema, "
-                                       f"not {chosen[0]}", "structured_outputs.disable_additional_properties")
-        if isinstance(self.json, str):
-            try:
-                schema = json_module.loads(self.json)
-            except ValueError as exc:
-                raise InvalidArgumentError(f"structured_outputs.json is not valid JSON: {exc}",
-                                           "structured_outputs.json") from None
-            if not isinstance(schema, (dict, bool)):
-                raise InvalidArgumentError(f"structured_outputs.json must be a JSON schema (an object), got "
-                                           f"{type(schema).__name__}", "structured_outputs.json")
-        elif self.json is not None and not isinstance(self.json, Mapping):
-            raise InvalidArgumentError(f"structured_outputs.json must be a dict or a JSON string, got "
-                                       f"{type(self.json).__name__}", "structured_outputs.json")
-        if self.json_object is not None and self.json_object is not True:
-            raise InvalidArgumentError(f"structured_outputs.json_object must be True when set, got "
-                                       f"{self.json_object!r}", "structured_outputs.json_object")
-        for name in ("regex", "grammar", "structural_tag"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise InvalidArgumentError(f"structured_outputs.{name} must be a non-empty string, got {value!r}",
-                                           f"structured_outputs.{name}")
-        if self.choice is not None:
-            if isinstance(self.choice, (str, bytes)) or not isinstance(self.choice, Sequence) or not self.choice:
-                raise InvalidArgumentError(f"structured_outputs.choice must be a non-empty list of strings, got "
-                                           f"{self.choice!r}", "structured_outputs.choice")
-            for index, text in enumerate(self.choice):
-                if not isinstance(text, str) or not text:
-                    raise InvalidArgumentError(f"structured_outputs.choice[{index}] must be a non-empty string, "
-                                               f"got {text!r}", f"structured_outputs.choice[{index}]")
-            self.choice = list(self.choice)
-        if self.structural_tag is not None:
-            try:
-                tag = json_module.loads(self.structural_tag)
-            except ValueError as exc:
-                raise InvalidArgumentError(f"structured_outputs.structural_tag is not valid JSON: {exc}",
-                                           "structured_outputs.structural_tag") from None
-            if not isinstance(tag, dict):
-                raise InvalidArgumentError(f"structured_outputs.structural_tag must be a JSON object, got "
-                                           f"{type(tag).__name__}", "structured_outputs.structural_tag")
-
-    @property
-    def kind(self) -> str:
-        """The field that is set: json, json_object, regex, choice, grammar or structural_tag."""
-        return next(name for name in STRUCTURED_OUTPUT_KINDS
-                    if getattr(self, name) is not None and getattr(self, name) is not False)
-
-
-STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
-# vLLM's boolean options beside the kind (whitespace_pattern, its other one, is refused).
-STRUCTURED_OUTPUT_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback")
 # SamplingParams fields that are read once and are always None afterwards (not shown in its repr).
 _OLDER_NAMES = ("guided_decoding", "logits_processors")
-# vLLM's name for StructuredOutputsParams before 0.11 (``SamplingParams(guided_decoding=...)``).
-GuidedDecodingParams = StructuredOutputsParams
-
 
 class SamplingParams(
     msgspec.Struct, omit_defaults=True, array_like=True, kw_only=True,  # type: ignore[call-arg]
@@ -195,6 +92,12 @@ class SamplingParams(
     # structured_outputs; per-request logits_processors (callables) are refused, as vLLM V1 does.
     guided_decoding: StructuredOutputsParams | None = None
     logits_processors: list[Any] | None = None
+    # vLLM's per-request stream_interval: this request's streamed outputs wait for at least this many
+    # new tokens (at least the engine's stream_interval; its first and last outputs come at once).
+    stream_interval: int | None = None
+    # vLLM's repetition detection: the request ends (finish_reason "repetition") once its output
+    # ends with a pattern repeated min_count times (sparrow.sampling_options).
+    repetition_detection: RepetitionDetectionParams | None = None
 
     def __post_init__(self) -> None:
         self._check_older_names()
@@ -271,6 +174,14 @@ class SamplingParams(
             self.bad_words_token_ids = checked
         if self.extra_args is not None:
             self._check_extra_args()
+        if self.stream_interval is not None:
+            self.stream_interval = _int("stream_interval", self.stream_interval, 1)
+        if isinstance(self.repetition_detection, Mapping):
+            self.repetition_detection = _from_mapping(RepetitionDetectionParams, "repetition_detection",
+                                                      self.repetition_detection)
+        if self.repetition_detection is not None and not isinstance(self.repetition_detection,
+                                                                    RepetitionDetectionParams):
+            _fail("repetition_detection", "must be a RepetitionDetectionParams", self.repetition_detection)
 
     def _check_stop(self) -> None:
         stop = self.stop
@@ -362,6 +273,15 @@ class SamplingParams(
     def __repr__(self) -> str:
         fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__ if f not in _OLDER_NAMES)
         return f"SamplingParams({fields})"
+
+
+def _from_mapping(cls: Any, field: str, values: Mapping[str, Any]) -> Any:
+    """``cls(**values)``, an unknown key refused naming the field and the key."""
+    unknown = sorted(set(values) - set(cls.__struct_fields__))
+    if unknown:
+        raise InvalidArgumentError(f"{field} has no field {unknown[0]!r}; its fields are "
+                                   f"{', '.join(cls.__struct_fields__)}", f"{field}.{unknown[0]}")
+    return cls(**values)
 
 
 class BeamSearchParams:

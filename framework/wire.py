@@ -32,6 +32,7 @@ class FinishReason(enum.IntEnum):
     STOP = 0
     LENGTH = 1
     ABORT = 2
+    REPETITION = 3  # vLLM's: SamplingParams.repetition_detection ended a looping output
 
     def __str__(self) -> str:
         return self.name.lower()

@@ -514,3 +514,22 @@ def test_api_server_count_takes_one():
     result = subprocess.run([sys.executable, "-m", "sparrow.entrypoints.cli", "serve", "/nonexistent-model",
                              "--api-server-count", "2"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "sparrow serve runs one API server process" in result.stderr, result.stderr
+
+
+# -- repetition_detection (a request field, vLLM's) ---------------------------------------------------------
+def test_repetition_detection_ends_a_looping_reply(client, http):
+    # logit_bias forces one token, so the reply loops at once: it ends after min_count tokens.
+    reply = client.completions.create(model=MODEL_NAME, prompt="the quick brown fox", max_tokens=40, temperature=0,
+                                      logit_bias={"7": 100}, logprobs=0,
+                                      extra_body={"ignore_eos": True,
+                                                  "repetition_detection": {"max_pattern_size": 2, "min_count": 5}})
+    assert reply.choices[0].finish_reason == "repetition"
+    assert reply.choices[0].logprobs.tokens == ["token_id:7"] * 5 and reply.usage.completion_tokens == 5
+    chat_reply = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=40, logit_bias={"7": 100},
+        extra_body={"ignore_eos": True, "repetition_detection": {"max_pattern_size": 1, "min_count": 3}})
+    assert chat_reply.choices[0].finish_reason == "repetition" and chat_reply.usage.completion_tokens == 3
+    bad = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4,
+                                             "repetition_detection": {"max_pattern_size": 3, "min_count": 1}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "repetition_detection", bad.text
+    assert "repetition_detection.min_count must be >= 2" in bad.json()["error"]["message"]

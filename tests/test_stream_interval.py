@@ -46,13 +46,15 @@ def tokenizer(tmp_path_factory):
     return load_tokenizer(path)
 
 
-def run_steps(tokenizer, interval: int, kind: RequestOutputKind, steps: int, n: int = 1, stop: list[str] | None = None):
+def run_steps(tokenizer, interval: int, kind: RequestOutputKind, steps: int, n: int = 1, stop: list[str] | None = None,
+              **extra):
     """Feed ``steps`` single-token steps (token ids 300, 301, ...) to every sample of one request;
     the last step finishes by length. Returns the RequestOutputs made after each step (None for a
     step that made none)."""
     inputs = InputProcessor(tokenizer, max_model_len=512, vocab_size=len(tokenizer), eos_token_ids=[2])
     outputs = OutputProcessor(tokenizer, stream_interval=interval)
-    params = SamplingParams(max_tokens=steps, n=n, output_kind=kind, stop=stop, temperature=1.0 if n > 1 else 0.0)
+    params = SamplingParams(max_tokens=steps, n=n, output_kind=kind, stop=stop, temperature=1.0 if n > 1 else 0.0,
+                            **extra)
     text, request = inputs.process_inputs("r", "Once upon a time", params)
     children = outputs.add_request(request, text)
     made = []
@@ -78,6 +80,15 @@ def test_delta_outputs_at_the_first_token_then_every_interval(tokenizer):
         tokenizer.decode(list(range(300, 312)))
     # stream_interval=1 (the default): an output every step.
     assert all(output is not None for output in run_steps(tokenizer, 1, RequestOutputKind.DELTA, steps=6))
+
+
+def test_a_requests_own_interval_raises_the_engines(tokenizer):
+    def sizes(engine_interval, own):
+        made = run_steps(tokenizer, engine_interval, RequestOutputKind.DELTA, steps=12, stream_interval=own)
+        return [len(output.outputs[0].token_ids) if output is not None else 0 for output in made]
+
+    assert sizes(2, 5) == [1, 0, 0, 0, 0, 5, 0, 0, 0, 0, 5, 1]
+    assert sizes(4, 2) == sizes(4, None) == [1, 0, 0, 0, 4, 0, 0, 0, 4, 0, 0, 3]  # never below the engine's
 
 
 def test_cumulative_outputs_every_interval_and_final_only_unchanged(tokenizer):

@@ -20,8 +20,8 @@ from sparrow.errors import InvalidArgumentError
 FRAMEWORK = Path(sparrow.__file__).parent
 # Modules wire may import: the user-facing SamplingParams and LoRARequest (Structs that travel
 # inside requests) and the errors SamplingParams raises.
-LEAF_MODULES = {"sparrow.sampling_params", "sparrow.param_checks", "sparrow.errors", "sparrow.lora.request",
-                "sparrow.pooling_params"}
+LEAF_MODULES = {"sparrow.sampling_params", "sparrow.sampling_options", "sparrow.param_checks", "sparrow.errors",
+                "sparrow.lora.request", "sparrow.pooling_params"}
 
 
 def sparrow_imports(path: Path) -> set[str]:
@@ -91,7 +91,7 @@ def test_every_struct_that_crosses_a_process_lives_in_wire():
     from sparrow.engine import serial
     from sparrow.lora.request import LoRARequest
     from sparrow.pooling_params import PoolingParams
-    from sparrow.sampling_params import SamplingParams, StructuredOutputsParams
+    from sparrow.sampling_params import RepetitionDetectionParams, SamplingParams, StructuredOutputsParams
 
     decoded = [serial.request_decoder().type, serial.outputs_decoder().type, serial.handshake_decoder().type,
                # worker boundary (sparrow.executor.multiproc) and the typed utility result
@@ -102,7 +102,7 @@ def test_every_struct_that_crosses_a_process_lives_in_wire():
     elsewhere = {cls for cls in structs if cls.__module__ != "sparrow.wire"}
     # The user-facing sampling and pooling parameters and adapter requests travel inside requests
     # from their own leaf modules.
-    assert elsewhere == {SamplingParams, StructuredOutputsParams, LoRARequest, PoolingParams}
+    assert elsewhere == {SamplingParams, StructuredOutputsParams, RepetitionDetectionParams, LoRARequest, PoolingParams}
     for cls in structs - elsewhere:
         config = cls.__struct_config__
         assert config.array_like and config.omit_defaults or cls is wire.TokenLogprobs, cls

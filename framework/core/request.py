@@ -23,6 +23,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_REPETITION = enum.auto()  # SamplingParams.repetition_detection found a loop
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -37,6 +38,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_REPETITION: FinishReason.REPETITION,
 }
 
 

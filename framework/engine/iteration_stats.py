@@ -26,7 +26,7 @@ from sparrow.wire import EngineCoreOutput
 class FinishedRequestStats:
     """One finished engine-core request."""
 
-    finish_reason: str  # "stop", "length", "abort" or "error"
+    finish_reason: str  # "stop", "length", "abort", "repetition" or "error"
     e2e_latency: float = 0.0  # seconds from arrival to finish
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0

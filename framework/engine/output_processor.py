@@ -90,7 +90,9 @@ class RequestState:
     num_sent_tokens: int = 0
     num_sent_logprobs: int = 0
     num_sent_prompt_logprobs: int = 0
-    # Output tokens when the last output was made (stream_interval counts from there).
+    # stream_interval: an unfinished output waits for this many new tokens (but the first one),
+    # counted from the output tokens there were at the last output.
+    stream_interval: int = 1
     num_tokens_at_last_output: int = 0
     lora_request: Any = None  # the request's LoRA adapter, echoed in every RequestOutput
     pooling: Any = None  # a pooling model's request: its resolved PoolingParams (no tokens, one vector)
@@ -155,7 +157,8 @@ class OutputProcessor:
         self._decoder = TokenDecoder.from_tokenizer(tokenizer) if tokenizer is not None else None
         self._pooling = pooling  # a pooling model's sparrow.engine.pooling_io.PoolingIO, else None
         # vLLM's stream_interval: an unfinished request's output waits until it has this many new
-        # tokens, except its first token (time to first token is not delayed).
+        # tokens, except its first token (time to first token is not delayed); a request's own
+        # SamplingParams.stream_interval may raise it.
         self._stream_interval = stream_interval
         # engine-core request id -> state
         self._states: dict[str, RequestState] = {}
@@ -240,6 +243,7 @@ class OutputProcessor:
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             lora_request=request.lora_request,
             pooling=request.pooling_params,
+            stream_interval=max(self._stream_interval, params.stream_interval or 1),
         )
 
     # -- outputs ----------------------------------------------------------------------------
@@ -311,7 +315,7 @@ class OutputProcessor:
         if state.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None, stopped_by_string
         if (not finished and state.num_tokens_at_last_output
-                and len(state.token_ids) - state.num_tokens_at_last_output < self._stream_interval):
+                and len(state.token_ids) - state.num_tokens_at_last_output < state.stream_interval):
             return None, stopped_by_string  # stream_interval: too few new tokens yet
         state.num_tokens_at_last_output = len(state.token_ids)
         completion = state.make_completion(finish_reason, stop_reason)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 
 from sparrow.core.request import Request, RequestStatus
+from sparrow.sampling_options import ends_in_repetition
 
 logger = logging.getLogger(__name__)
 
 
-def check_stop(request: Request, token_id: int, max_model_len: int) -> tuple[RequestStatus | None, int | None]:
+def check_stop(request: Request, token_id: int, max_model_len: int
+               ) -> tuple[RequestStatus | None, int | str | None]:
     """After ``token_id`` was appended: the finished status and stop reason, or (None, None)."""
     params = request.sampling_params
     if request.num_output_tokens >= params.min_tokens:
@@ -19,6 +21,9 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> tuple[Req
             return RequestStatus.FINISHED_STOPPED, token_id
     if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH_CAPPED, None
+    repetition = params.repetition_detection
+    if repetition is not None and repetition.enabled and ends_in_repetition(request.output_token_ids, repetition):
+        return RequestStatus.FINISHED_REPETITION, "repetition_detected"
     return None, None
 
 

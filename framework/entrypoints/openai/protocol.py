@@ -138,6 +138,9 @@ class SamplingFields(RequestModel):
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = Field(
         None, description="vLLM's: per-request arguments for the engine's custom logits processors "
         "(SamplingParams.extra_args).")
+    repetition_detection: dict[str, int] | None = Field(
+        None, description="vLLM's: {max_pattern_size, min_pattern_size, min_count}: end the output (finish_reason "
+        "'repetition') once it ends with a pattern of that many tokens repeated min_count times.")
     use_beam_search: bool = Field(
         False, description="vLLM's: beam search with n beams; the choices are the n most likely sequences, best "
         "first (temperature defaults to 0; sampling filters, penalties and stop strings are refused).")

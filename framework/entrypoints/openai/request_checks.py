@@ -204,7 +204,7 @@ _BEAM_NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 _BEAM_EMPTY = ("stop", "stop_token_ids", "allowed_token_ids", "logit_bias", "bad_words", "vllm_xargs",
                "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-               "structural_tag", "tools", "prompt_logprobs")
+               "structural_tag", "tools", "prompt_logprobs", "repetition_detection")
 
 
 def check_beam_search(request: BaseModel, max_logprobs: int) -> None:

@@ -47,8 +47,8 @@ def add_process_flags(server: Any) -> None:
                              "list format (uvicorn's --ssl-ciphers); vLLM's flag (default: uvicorn's, TLSv1)")
     server.add_argument("--h11-max-incomplete-event-size", type=positive_int, default=None, metavar="BYTES",
                         help="the most bytes of a request's line and headers the HTTP/1.1 parser buffers; a "
-                             "longer head is answered with an error and the connection closed (uvicorn's h11 "
-                             "setting); vLLM's flag (default: h11's, 16384)")
+                             "longer head is answered with an error and the connection closed (uvicorn's "
+                             "h11_max_incomplete_event_size); vLLM's flag (default: h11's, 16384)")
     server.add_argument("--h11-max-header-count", type=positive_int, default=DEFAULT_MAX_HEADER_COUNT,
                         metavar="N", help="a request with more header fields than this is answered 431 (Request "
                                           "Header Fields Too Large); vLLM's flag")

@@ -246,6 +246,7 @@ class OpenAIServing:
                 structured_outputs=structured_outputs,
                 bad_words=request.bad_words,
                 extra_args=request.vllm_xargs,
+                repetition_detection=request.repetition_detection,
             )
         except ValueError as exc:
             raise bad_request(exc) from None

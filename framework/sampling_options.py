@@ -1,7 +1,9 @@
 """The parameter objects a ``SamplingParams`` carries (vLLM's classes, names and fields):
 ``StructuredOutputsParams`` (a grammar the output follows) and ``RepetitionDetectionParams``
-(when a looping output is ended). Both are validated at construction and again when the engine
-core decodes them; an invalid value is an ``InvalidArgumentError`` naming the field.
+(when a looping output is ended), validated at construction and again when the engine core
+decodes them (an invalid value is an ``InvalidArgumentError`` naming the field); and
+``ThinkingMarkers``, which the input processor fills in for a request with a
+``thinking_token_budget``.
 """
 
 from __future__ import annotations
@@ -195,3 +197,24 @@ def ends_in_repetition(token_ids: Sequence[int], params: RepetitionDetectionPara
         if tail[size:] == tail[:-size]:
             return True
     return False
+
+
+class ThinkingMarkers(msgspec.Struct, omit_defaults=True, array_like=True, kw_only=True,  # type: ignore[call-arg]
+                      forbid_unknown_fields=True):
+    """Where a request's reasoning starts and ends, as token ids, for its ``thinking_token_budget``:
+    filled in by the input processor from the engine's reasoning parser. ``open_in_prompt``: the
+    prompt's current turn leaves the reasoning open (its chat template wrote the start marker)."""
+
+    start_token_ids: list[int]
+    end_token_ids: list[int]
+    open_in_prompt: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("start_token_ids", "end_token_ids"):
+            ids = getattr(self, name)
+            if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+                raise InvalidArgumentError(f"thinking_markers.{name} must be a list of token ids, got {ids!r}",
+                                           f"thinking_markers.{name}")
+        if not self.end_token_ids:
+            raise InvalidArgumentError("thinking_markers.end_token_ids must hold at least one token id",
+                                       "thinking_markers.end_token_ids")

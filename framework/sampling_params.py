@@ -24,6 +24,7 @@ from sparrow.sampling_options import (  # noqa: F401 - re-exported: vLLM's users
     GuidedDecodingParams,
     RepetitionDetectionParams,
     StructuredOutputsParams,
+    ThinkingMarkers,
 )
 
 _SAMPLING_EPS = 1e-5
@@ -98,6 +99,11 @@ class SamplingParams(
     # vLLM's repetition detection: the request ends (finish_reason "repetition") once its output
     # ends with a pattern repeated min_count times (sparrow.sampling_options).
     repetition_detection: RepetitionDetectionParams | None = None
+    # vLLM's thinking_token_budget: at most this many tokens inside the reasoning, then its end
+    # marker is forced (needs the engine's reasoning_parser; -1 or None: no limit).
+    thinking_token_budget: int | None = None
+    # The reasoning's markers for the budget: filled in by the input processor (sparrow.sampling_options).
+    thinking_markers: ThinkingMarkers | None = None
 
     def __post_init__(self) -> None:
         self._check_older_names()
@@ -182,6 +188,12 @@ class SamplingParams(
         if self.repetition_detection is not None and not isinstance(self.repetition_detection,
                                                                     RepetitionDetectionParams):
             _fail("repetition_detection", "must be a RepetitionDetectionParams", self.repetition_detection)
+        if self.thinking_token_budget is not None:
+            budget = _int("thinking_token_budget", self.thinking_token_budget, -1)
+            self.thinking_token_budget = None if budget == -1 else budget
+        if self.thinking_markers is not None and not isinstance(self.thinking_markers, ThinkingMarkers):
+            _fail("thinking_markers", "must be a ThinkingMarkers (the input processor fills it in)",
+                  self.thinking_markers)
 
     def _check_stop(self) -> None:
         stop = self.stop

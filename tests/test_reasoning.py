@@ -332,3 +332,18 @@ def test_a_tokenizer_without_the_end_token_is_a_config_error_before_the_engine_s
                                           r"'</think>' as one token"):
         LLM(qwen3_dir, reasoning_parser="deepseek_r1", max_model_len=256, kv_cache_memory_bytes=16 << 20)
 
+
+
+def test_thinking_token_budget_ends_the_reasoning_on_time(client, tokenizer):
+    # tests/test_thinking_budget.py checks the tokens against HF transformers; here the server's field.
+    end = tokenizer.convert_tokens_to_ids("</think>")
+    choice = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, temperature=0, max_completion_tokens=10,
+        extra_body={"thinking_token_budget": 3, "ignore_eos": True, "return_token_ids": True}).choices[0]
+    assert choice.token_ids[3] == end and end not in choice.token_ids[:3], choice.token_ids
+    assert choice.message.reasoning_content == tokenizer.decode(choice.token_ids[:3])
+    refused = client.chat.completions.with_raw_response.create
+    with pytest.raises(openai.BadRequestError) as caught:
+        refused(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=4,
+                extra_body={"thinking_token_budget": 3, "use_beam_search": True})
+    assert caught.value.body["param"] == "thinking_token_budget"

@@ -91,7 +91,12 @@ def test_every_struct_that_crosses_a_process_lives_in_wire():
     from sparrow.engine import serial
     from sparrow.lora.request import LoRARequest
     from sparrow.pooling_params import PoolingParams
-    from sparrow.sampling_params import RepetitionDetectionParams, SamplingParams, StructuredOutputsParams
+    from sparrow.sampling_params import (
+        RepetitionDetectionParams,
+        SamplingParams,
+        StructuredOutputsParams,
+        ThinkingMarkers,
+    )
 
     decoded = [serial.request_decoder().type, serial.outputs_decoder().type, serial.handshake_decoder().type,
                # worker boundary (sparrow.executor.multiproc) and the typed utility result
@@ -102,7 +107,8 @@ def test_every_struct_that_crosses_a_process_lives_in_wire():
     elsewhere = {cls for cls in structs if cls.__module__ != "sparrow.wire"}
     # The user-facing sampling and pooling parameters and adapter requests travel inside requests
     # from their own leaf modules.
-    assert elsewhere == {SamplingParams, StructuredOutputsParams, RepetitionDetectionParams, LoRARequest, PoolingParams}
+    assert elsewhere == {SamplingParams, StructuredOutputsParams, RepetitionDetectionParams, ThinkingMarkers,
+                         LoRARequest, PoolingParams}
     for cls in structs - elsewhere:
         config = cls.__struct_config__
         assert config.array_like and config.omit_defaults or cls is wire.TokenLogprobs, cls

@@ -23,8 +23,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
 from sparrow.engine.bad_words import request_bad_words
-from sparrow.engine.prompt_embeds import check_prompt_embeds
+from sparrow.engine.prompt_embeds import check_prompt_embeds, embeds_tensor_data
 from sparrow.engine.text_checks import check_text
+from sparrow.engine.thinking_budget import thinking_markers
 from sparrow.errors import InvalidArgumentError
 from sparrow.sampling_params import SamplingParams
 from sparrow.wire import EngineCoreRequest
@@ -72,6 +73,8 @@ class InputProcessor:
     tokenizer's eos id is always one of them. ``tokenizer`` may be None: then only token prompts
     are accepted and nothing is detokenized.
     """
+
+    reasoning_parser: Any = None  # the engine's reasoning parser (build_frontend sets it), for thinking budgets
 
     def __init__(
         self,
@@ -276,7 +279,7 @@ class InputProcessor:
                 and len(token_ids) + params.max_tokens > self.max_model_len:
             params = params.clone(max_tokens=max(self.max_model_len - len(token_ids), 1))
         if pooling_params is None:  # a pooling request's params only carry its prompt: nothing to resolve
-            params = self._resolve_params(name, len(token_ids), params)
+            params = self._resolve_params(name, token_ids, params)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -289,7 +292,7 @@ class InputProcessor:
             lora_request=lora_request,  # checked against the engine's LoRA settings by the caller
             pooling_params=pooling_params,
             cache_salt=cache_salt,
-            prompt_embeds=None if embeds is None else _tensor_data(embeds),
+            prompt_embeds=None if embeds is None else embeds_tensor_data(embeds),
         )
         return text, request
 
@@ -319,7 +322,8 @@ class InputProcessor:
             raise InvalidArgumentError(f"{name} is {len(token_ids)} tokens long, which {what} "
                                        f"max_model_len={self.max_model_len}", "prompt")
 
-    def _resolve_params(self, name: str, prompt_len: int, params: SamplingParams) -> SamplingParams:
+    def _resolve_params(self, name: str, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        prompt_len = len(prompt_token_ids)
         room = self.max_model_len - prompt_len
         max_tokens = params.max_tokens
         if max_tokens is None:
@@ -371,16 +375,11 @@ class InputProcessor:
             stop_token_ids=stop_token_ids,
             all_stop_token_ids=_dedupe(eos_ids[:1] + stop_token_ids),
             bad_words_token_ids=request_bad_words(self.tokenizer, self.vocab_size, name, params),
+            thinking_markers=thinking_markers(self.reasoning_parser, prompt_token_ids, name, params),
         )
         for processor_cls in self.logits_processor_classes:
             processor_cls.validate_params(resolved)
         return resolved
-
-
-def _tensor_data(tensor: Any) -> Any:
-    from sparrow.utils.tensor_data import to_tensor_data  # torch: only for a prompt given as embeddings
-
-    return to_tensor_data(tensor)
 
 
 # The key under which a transformers tokenizer records that it has shown its warning

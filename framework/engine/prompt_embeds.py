@@ -86,3 +86,10 @@ def engine_prompt_length(prompt: Any) -> int:
     """The positions of an engine prompt dict: its token ids, or its embeddings' rows."""
     embeds = prompt.get("prompt_embeds")
     return int(embeds.shape[0]) if embeds is not None else len(prompt["prompt_token_ids"])
+
+
+def embeds_tensor_data(tensor: Any) -> Any:
+    """A checked prompt_embeds tensor as it crosses to the engine core (``wire.TensorData``)."""
+    from sparrow.utils.tensor_data import to_tensor_data  # torch: only for a prompt given as embeddings
+
+    return to_tensor_data(tensor)

@@ -313,11 +313,12 @@ def build_frontend(config: EngineConfig) -> Frontend:
                                          hf_config.hidden_size if config.model.enable_prompt_embeds else None))
     if config.model.reasoning_parser is not None:
         # Built once here, before any engine process starts, so that a tokenizer without the
-        # parser's tokens is a ConfigError now rather than a failure of the first request using it.
+        # parser's tokens is a ConfigError now rather than a failure of the first request using it;
+        # the input processor keeps it for the markers of thinking_token_budget.
         parser_cls = resolve_parser("reasoning_parser", config.model.reasoning_parser,
                                     get_registry().reasoning_parsers)
         try:
-            parser_cls(tokenizer)
+            input_processor.reasoning_parser = parser_cls(tokenizer)
         except ValueError as exc:
             message = str(exc).removeprefix("reasoning_parser: ")
             raise ConfigError(f"invalid engine argument 'reasoning_parser': {config.model.reasoning_parser!r} "

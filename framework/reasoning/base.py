@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sparrow.sampling_options import ThinkingMarkers
+
 
 @dataclass(slots=True)
 class ReasoningDelta:
@@ -57,6 +59,12 @@ class ReasoningParser:
     def ends_reasoning(self, token_id: int) -> bool:
         """Whether this sampled token ends the reasoning; the constraint applies from the next one."""
         raise NotImplementedError
+
+    def thinking_markers(self, prompt_token_ids: Sequence[int]) -> ThinkingMarkers | None:
+        """For ``thinking_token_budget``: the token ids that start and end the reasoning, and
+        whether this prompt's current turn leaves it open; None when this parser cannot tell
+        (the budget is then refused, naming it)."""
+        return None
 
     # -- server: text ---------------------------------------------------------------------------
     def new_stream(self, prompt_token_ids: Sequence[int]) -> ReasoningStream:

@@ -26,6 +26,7 @@ from typing import Any
 
 from sparrow.entrypoints.openai.markers import opens_with, partial_marker_len
 from sparrow.reasoning.base import ReasoningDelta, ReasoningParser, ReasoningStream
+from sparrow.sampling_options import ThinkingMarkers
 
 
 class _State(Enum):
@@ -117,6 +118,12 @@ class ThinkReasoningParser(ReasoningParser):
 
     def ends_reasoning(self, token_id: int) -> bool:
         return token_id == self.end_token_id
+
+    def thinking_markers(self, prompt_token_ids: Sequence[int]) -> ThinkingMarkers:
+        last = self._last_tag(prompt_token_ids)
+        return ThinkingMarkers(start_token_ids=[] if self.start_token_id is None else [self.start_token_id],
+                               end_token_ids=[self.end_token_id],
+                               open_in_prompt=last == "start" or (last is None and self.reasoning_first))
 
     def new_stream(self, prompt_token_ids: Sequence[int]) -> ThinkStream:
         state = {"start": _State.REASONING, "end": _State.CONTENT, None: _State.OPEN}[self._last_tag(prompt_token_ids)]

@@ -108,8 +108,8 @@ def may_speculate(params: SamplingParams, plugin_logits_processors: bool) -> boo
     core fills one grammar mask per draft position, after the drafts before it). So a request
     that needs anything else that depends on the tokens before each position does not
     speculate: penalties, the position-dependent logits processors (min_tokens, bad_words) and
-    those the row-wise processor state owns (allowed_token_ids, logit_bias, and any a plugin
-    enabled: they may act on any request), and logprobs (they are reported from position 0's
+    those the row-wise processor state owns (allowed_token_ids, logit_bias, thinking_token_budget,
+    and any a plugin enabled: they may act on any request), and logprobs (they are reported from position 0's
     sampler only). Structured outputs do speculate.
     """
     return not (
@@ -121,6 +121,7 @@ def may_speculate(params: SamplingParams, plugin_logits_processors: bool) -> boo
         or params.bad_words or params.bad_words_token_ids
         or params.allowed_token_ids is not None
         or params.logit_bias
+        or params.thinking_token_budget is not None
     )
 
 

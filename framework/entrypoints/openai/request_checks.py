@@ -200,7 +200,7 @@ def _check_nested(value: Any, path: str) -> None:
 # with the values that ask for nothing; an empty value (None, "", [], {}, false) asks for nothing.
 _BEAM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
-    "repetition_penalty": (1.0,), "min_tokens": (0,),
+    "repetition_penalty": (1.0,), "min_tokens": (0,), "thinking_token_budget": (-1,),
 }
 _BEAM_EMPTY = ("stop", "stop_token_ids", "allowed_token_ids", "logit_bias", "bad_words", "vllm_xargs",
                "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",

@@ -247,6 +247,7 @@ class OpenAIServing:
                 bad_words=request.bad_words,
                 extra_args=request.vllm_xargs,
                 repetition_detection=request.repetition_detection,
+                thinking_token_budget=request.thinking_token_budget,
             )
         except ValueError as exc:
             raise bad_request(exc) from None

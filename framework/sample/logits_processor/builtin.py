@@ -1,4 +1,5 @@
-"""The built-in processors: allowed_token_ids, bad_words, min_tokens and logit_bias.
+"""The built-in processors: allowed_token_ids, bad_words, min_tokens, logit_bias and
+thinking_token_budget.
 
 Always enabled (registered by ``registration.py``). Each keeps ``row -> entry`` for the rows that
 use it and rebuilds its index tensors only when those entries change (a row joins, leaves, moves,
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sparrow.sample.logits_processor.interface import BatchUpdate, LogitsProcessor, process_dict_updates
+from sparrow.sampling_options import ThinkingMarkers
 from sparrow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -193,7 +195,75 @@ class BadWordsLogitsProcessor(_RowIndexProcessor):
         return logits.index_put(index, self.neg_inf)
 
 
-# Applied in this order (vLLM's); registered by name in registration.py.
+class _ThinkingRow:
+    """One row's reasoning, read from its output as it grows: inside the reasoning or not, the
+    tokens written there, and how much of the end marker has been forced."""
+
+    __slots__ = ("budget", "start", "end", "output", "seen", "thinking", "count", "forced")
+
+    def __init__(self, budget: int, markers: ThinkingMarkers, output: list[int]) -> None:
+        self.budget, self.output, self.seen = budget, output, 0
+        self.start, self.end = markers.start_token_ids, markers.end_token_ids
+        self.thinking, self.count = markers.open_in_prompt, 0
+        self.forced: int | None = None  # end-marker tokens forced so far, once the budget is spent
+
+    def _ends_with(self, marker: list[int], length: int) -> bool:
+        return bool(marker) and length >= len(marker) and self.output[length - len(marker):length] == marker
+
+    def advance(self) -> None:
+        """Read the output tokens that arrived since the last step."""
+        for length in range(self.seen + 1, len(self.output) + 1):
+            if not self.thinking:
+                if self._ends_with(self.start, length):
+                    self.thinking, self.count, self.forced = True, 0, None
+            elif self._ends_with(self.end, length):
+                self.thinking, self.forced = False, None
+            elif self.forced is not None:
+                self.forced += 1  # the forced token came out
+            else:
+                self.count += 1
+        self.seen = len(self.output)
+        if self.thinking and self.forced is None and self.count >= self.budget:
+            self.forced = 0
+
+    def forced_token(self) -> int | None:
+        if self.thinking and self.forced is not None and self.forced < len(self.end):
+            return self.end[self.forced]
+        return None
+
+
+class ThinkingBudgetLogitsProcessor(_RowIndexProcessor):
+    """Rows with ``thinking_token_budget`` (vLLM's): once a row has written that many tokens inside
+    its reasoning (after the start marker, in the output or left open by the prompt), its next
+    tokens are the end marker's, forced one per step (every other logit -inf); the reasoning may
+    also end by itself before. The markers come from the engine's reasoning parser
+    (``SamplingParams.thinking_markers``, filled in by the input processor). Applied last, so a
+    forced token stands whatever the other processors did."""
+
+    @staticmethod
+    def _entry(params: SamplingParams, _prompt: list[int], output_token_ids: list[int]):
+        if params.thinking_token_budget is None or params.thinking_markers is None:
+            return None
+        return _ThinkingRow(params.thinking_token_budget, params.thinking_markers, output_token_ids)
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self.rows, batch_update, self._entry)
+        for state in self.rows.values():
+            state.advance()
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        forced = [(row, token) for row, state in self.rows.items()
+                  if (token := state.forced_token()) is not None and token < logits.shape[1]]
+        if not forced:
+            return logits
+        rows = self.to_device([row for row, _ in forced], torch.int64)
+        tokens = self.to_device([token for _, token in forced], torch.int64)
+        logits = logits.index_fill(0, rows, _NEG_INF)
+        return logits.index_put((rows, tokens), torch.zeros((), dtype=logits.dtype, device=logits.device))
+
+
+# Applied in this order (vLLM's, the thinking budget last); registered by name in registration.py.
 BUILTIN_CLASSES: tuple[type[LogitsProcessor], ...] = (
     AllowedTokenIdsLogitsProcessor, BadWordsLogitsProcessor, MinTokensLogitsProcessor, LogitBiasLogitsProcessor,
+    ThinkingBudgetLogitsProcessor,
 )

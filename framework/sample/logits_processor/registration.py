@@ -18,6 +18,7 @@ BUILTIN_LOGITS_PROCESSORS: tuple[tuple[str, str], ...] = (
     ("bad_words", f"{_MODULE}:BadWordsLogitsProcessor"),
     ("min_tokens", f"{_MODULE}:MinTokensLogitsProcessor"),
     ("logit_bias", f"{_MODULE}:LogitBiasLogitsProcessor"),
+    ("thinking_token_budget", f"{_MODULE}:ThinkingBudgetLogitsProcessor"),
 )
 BUILTIN_NAMES = tuple(name for name, _ in BUILTIN_LOGITS_PROCESSORS)
 

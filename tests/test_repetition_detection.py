@@ -96,7 +96,9 @@ def test_the_engine_ends_a_loop_where_hf_greedy_completes_it(qwen3_dir, prompts,
     try:
         fired = 0
         for setting in SETTINGS:
-            params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=PENALTY,
+            # min_tokens, as HF's min_new_tokens, bans EOS (with ignore_eos EOS could be sampled).
+            params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS,
+                                    repetition_penalty=PENALTY,
                                     repetition_detection=RepetitionDetectionParams(**setting))
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             for output, reference in zip(outputs, hf_tokens):

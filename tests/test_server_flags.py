@@ -383,6 +383,30 @@ def test_dev_mode_endpoints_sleep_wake_up_and_call_the_workers(server, client, h
     assert complete().choices[0].text == before
 
 
+def test_dev_mode_pause_and_resume(client, http):
+    """vLLM's /pause, /resume and /is_paused: a request sent while paused waits for /resume (the
+    semantics of each mode are tests/test_pause_generation.py's)."""
+    import concurrent.futures
+
+    def complete():
+        return client.completions.create(model=MODEL_NAME, prompt="hello there", max_tokens=4, temperature=0)
+
+    before = complete().choices[0].text
+    assert http.get("/is_paused").json() == {"is_paused": False}
+    assert http.post("/pause", params={"mode": "keep", "clear_cache": "false"}).status_code == 200
+    assert http.get("/is_paused").json() == {"is_paused": True}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(complete)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            waiting.result(timeout=0.5)  # held while paused
+        assert http.post("/resume").status_code == 200
+        assert waiting.result(timeout=60).choices[0].text == before
+    assert http.get("/is_paused").json() == {"is_paused": False}
+    bad = http.post("/pause", params={"mode": "drain"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "mode", bad.text
+    assert http.get("/is_paused").json() == {"is_paused": False}
+
+
 # -- --stream-interval ------------------------------------------------------------------------------
 def test_streamed_chunks_carry_the_stream_interval(client):
     # With --return-tokens-as-token-ids on, each chunk's logprob tokens are its token ids.

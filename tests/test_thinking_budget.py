@@ -101,8 +101,9 @@ def test_the_end_marker_is_forced_at_the_budget(think_dir, tokenizer, markers):
         # One batch: rows with and without a budget side by side.
         outputs = llm.generate(
             [{"prompt_token_ids": prompt} for prompt, *_ in cases],
-            [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, thinking_token_budget=budget,
-                            logit_bias=bias) for _, budget, _, bias in cases], use_tqdm=False)
+            [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS,  # HF's min_new_tokens
+                            thinking_token_budget=budget, logit_bias=bias) for _, budget, _, bias in cases],
+            use_tqdm=False)
     finally:
         llm.shutdown()
     for output, (prompt, budget, open_in_prompt, bias) in zip(outputs, cases):

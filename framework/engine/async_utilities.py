@@ -10,7 +10,9 @@ the liveness checks ``_raise_if_dead`` / ``_bind_loop``. A call to a dead engine
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import warnings
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
@@ -29,6 +31,7 @@ class AsyncEngineUtilities:
     hf_config: Any
     tokenizer: Any
     engine_core: Any
+    output_processor: Any
     stat_loggers: Any
 
     # Provided by the host class.
@@ -105,6 +108,40 @@ class AsyncEngineUtilities:
 
     async def is_sleeping(self) -> bool:
         return await self._call_utility("is_sleeping")
+
+    async def pause_generation(self, *, mode: str = "abort", wait_for_inflight_requests: bool | None = None,
+                               clear_cache: bool = True) -> None:
+        """vLLM's: pause the engine for a weight update; requests added meanwhile wait for
+        ``resume_generation``. ``mode``: ``"abort"`` ends every unfinished request now (finish
+        reason ``"abort"``), ``"wait"`` returns once they have all finished, ``"keep"`` freezes
+        them where they are until resume. ``clear_cache``: drop the prefix cache (for keep, the
+        frozen requests recompute their KV after resume). ``wait_for_inflight_requests=True`` is
+        vLLM's older ``mode="wait"``. Returns once the unfinished requests' streams have ended
+        (abort, wait). See sparrow.engine.core_pause."""
+        from sparrow.engine.core_pause import check_pause_mode
+
+        if wait_for_inflight_requests:
+            warnings.warn("pause_generation(wait_for_inflight_requests=True) is vLLM's older form of "
+                          "mode='wait'", DeprecationWarning, stacklevel=2)
+            mode = "wait"
+        check_pause_mode(mode)
+        if not isinstance(clear_cache, bool):
+            raise InvalidArgumentError(f"clear_cache must be True or False, got {clear_cache!r}", "clear_cache")
+        unfinished = self.output_processor.unfinished_request_ids()
+        await self._call_utility("pause_scheduler", mode, clear_cache and mode != "wait")
+        if mode != "keep":  # their last outputs (the aborts, or the ends of the drained requests)
+            while unfinished & self.output_processor.unfinished_request_ids():
+                self._raise_if_dead()
+                await asyncio.sleep(0.005)
+        if mode == "wait" and clear_cache:
+            await self._call_utility("reset_prefix_cache")
+
+    async def resume_generation(self) -> None:
+        """vLLM's: undo ``pause_generation``; the requests that waited are scheduled, in order."""
+        await self._call_utility("resume_scheduler")
+
+    async def is_paused(self) -> bool:
+        return await self._call_utility("is_scheduler_paused")
 
     async def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
                              args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:

@@ -19,6 +19,7 @@ from sparrow.engine.core_parts import (  # noqa: F401 - eviction_policy_class is
     schedule_step,
     worker_kv_cache_groups,
 )
+from sparrow.engine.core_pause import PauseState, pause, resume
 from sparrow.engine.kv_events import start_kv_events
 from sparrow.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from sparrow.engine.request_guard import check_request, model_hidden_size, model_vocab_size
@@ -73,6 +74,10 @@ class EngineCore:
         self._structured_output: Any = None
         self._grammar_pending: dict[str, Request] = {}  # req_id -> request whose grammar compiles
         self._sleeping_tags: set[str] = set()  # sleep mode: the tags sleep() released and not woken
+        # vLLM's pause_generation (sparrow.engine.core_pause), and outputs made between steps (a
+        # pause's aborts, steps collected early) that go out with the next step's.
+        self.pause_state = PauseState()
+        self._deferred: list[EngineCoreOutput] = []
         # Overlapped scheduling: the steps started and not yet collected, oldest first (None: off).
         self._in_flight: deque[tuple[SchedulerOutput, StepHandle]] | None = None
         if config.scheduler.async_scheduling:
@@ -112,6 +117,13 @@ class EngineCore:
                 request.sampling_params.structured_outputs,
                 request.prompt_token_ids if request.prompt_embeds is None else None)  # placeholders say nothing
             core_request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        if self.pause_state.paused:
+            self.pause_state.held.append(core_request)  # scheduled on resume (core_pause)
+            return
+        self.schedule_request(core_request)
+
+    def schedule_request(self, core_request: Request) -> None:
+        """Hand a checked request to the scheduler (ValueError: it can never run)."""
         try:
             self.scheduler.add_request(core_request)
             if core_request.structured_output is not None:
@@ -122,20 +134,29 @@ class EngineCore:
             # A scheduler (a plugin's, say) failed half-way: it must not keep a request nobody
             # will hear of again, or schedule it with half its state.
             try:
-                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+                self.scheduler.finish_requests([core_request.request_id], RequestStatus.FINISHED_ABORTED)
             except Exception:  # noqa: BLE001 - best effort; the original error is what matters
-                logger.exception("could not remove request %s after its add failed", request.request_id)
+                logger.exception("could not remove request %s after its add failed", core_request.request_id)
             raise
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        request_ids = list(request_ids)
+        self.pause_state.drop(set(request_ids))
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+        """Whether step() has work: running or waiting requests (not while frozen by a pause),
+        steps in flight, or outputs to send."""
+        return ((self.scheduler.has_unfinished_requests() and not self.pause_state.frozen)
+                or bool(self._in_flight) or bool(self._deferred))
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
         failed = self._fail_uncompiled_grammars() if self._grammar_pending else []
+        if self._deferred:
+            failed, self._deferred = self._deferred + failed, []
+        if self.pause_state.frozen:
+            return self._outputs(failed)
         if self._in_flight is not None:
             return self._step_overlapped(failed)
         if not self.scheduler.has_unfinished_requests():
@@ -298,6 +319,25 @@ class EngineCore:
 
     def is_sleeping(self) -> bool:
         return bool(self._sleeping_tags)
+
+    # Pausing (vLLM's pause_generation, engine-core side; see sparrow.engine.core_pause).
+    def pause_scheduler(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        pause(self, mode, clear_cache)
+
+    def resume_scheduler(self) -> None:
+        resume(self)
+
+    def is_scheduler_paused(self) -> bool:
+        return self.pause_state.paused
+
+    def defer_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        self._deferred.extend(outputs)
+
+    def finish_steps_in_flight(self) -> None:
+        """Collect every step still running (overlapped scheduling); its outputs are deferred."""
+        while self._in_flight:
+            scheduler_output, future = self._in_flight.popleft()
+            self._deferred.extend(self.scheduler.update_from_output(scheduler_output, future.result()))
 
     def collective_rpc(self, method: str | bytes, args: tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None) -> list[Any]:

@@ -326,8 +326,8 @@ def _combine(method: str, results: list[Any]) -> Any:
     """Per-core utility results -> one result.
 
     get_kv_cache_info: the smallest core's num_blocks (any request may land on any core), summed
-    free blocks; reset_prefix_cache: True only if every core reset; is_sleeping: whether any core
-    sleeps; collective_rpc and profile: every core's worker results, core after core;
+    free blocks; reset_prefix_cache: True only if every core reset; is_sleeping, is_scheduler_paused:
+    whether any core is; collective_rpc and profile: every core's worker results, core after core;
     get_scheduler_stats: combined like the stats of outputs; any other method: the first core's
     result (the call still reached every core).
     """
@@ -338,7 +338,7 @@ def _combine(method: str, results: list[Any]) -> Any:
         return combined
     if method == "reset_prefix_cache":
         return all(results)
-    if method == "is_sleeping":
+    if method in ("is_sleeping", "is_scheduler_paused"):
         return any(results)
     if method in ("collective_rpc", "profile"):
         return [item for result in results for item in result]

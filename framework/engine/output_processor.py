@@ -171,6 +171,10 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
+    def unfinished_request_ids(self) -> set[str]:
+        """The engine-core ids of every unfinished request (a child's, for n > 1)."""
+        return set(self._states)
+
     def external_id_of(self, request_id: str) -> str | None:
         """The caller's id of an unfinished engine-core request (a child's parent), else None."""
         state = self._states.get(request_id)

@@ -169,6 +169,13 @@ class Scheduler(StepOutputs, SchedulerInterface):
         self.finished_req_ids.add(request.request_id)  # workers forget it until it resumes
         self.waiting.appendleft(request)
 
+    def preempt_running(self) -> None:
+        """Preempt every running request, keeping their order at the head of the queue: they
+        recompute their KV when they run again (``pause_generation(mode="keep", clear_cache=True)``:
+        that KV came from weights about to change)."""
+        for request in reversed(list(self.running)):
+            self._preempt(request)
+
     def schedule(self) -> SchedulerOutput:
         """Three phases: running requests first, in admission order; then waiting ones, unless
         memory ran out; then the message for the workers. Subclasses may override a phase."""

@@ -5,6 +5,9 @@
     POST /sleep?level=1                          -> 200   (enable_sleep_mode=True)
     POST /wake_up?tags=weights&tags=kv_cache     -> 200   (no tags: both)
     GET  /is_sleeping                            -> {"is_sleeping": bool}
+    POST /pause?mode=abort&clear_cache=true      -> 200   (mode: abort, wait or keep; sparrow.engine.core_pause)
+    POST /resume                                 -> 200
+    GET  /is_paused                              -> {"is_paused": bool}
     POST /collective_rpc {"method", "args", "kwargs", "timeout"} -> {"results": [...]}
 
 ``collective_rpc`` takes a worker method's name only (no functions over HTTP); its results must
@@ -42,7 +45,7 @@ def dev_mode() -> bool:
 
 
 def add_dev_routes(app: Any, engine: Any) -> None:
-    logger.warning("%s is set: the development endpoints (/sleep, /wake_up, /collective_rpc, ...) are served; "
+    logger.warning("%s is set: the development endpoints (/sleep, /wake_up, /pause, /collective_rpc, ...) are served; "
                    "do not expose this server to untrusted clients", ENV_DEV_MODE)
 
     async def call(coro: Any, param: str) -> Any:
@@ -75,6 +78,21 @@ def add_dev_routes(app: Any, engine: Any) -> None:
     @app.get("/is_sleeping")
     async def is_sleeping() -> dict[str, bool]:
         return {"is_sleeping": await engine.is_sleeping()}
+
+    @app.post("/pause")
+    async def pause(mode: str = "abort", clear_cache: bool = True) -> Response:
+        # Returns once the requests in flight have ended (abort, wait), or are frozen (keep).
+        await call(engine.pause_generation(mode=mode, clear_cache=clear_cache), "mode")
+        return Response(status_code=200)
+
+    @app.post("/resume")
+    async def resume() -> Response:
+        await engine.resume_generation()
+        return Response(status_code=200)
+
+    @app.get("/is_paused")
+    async def is_paused() -> dict[str, bool]:
+        return {"is_paused": await engine.is_paused()}
 
     @app.post("/collective_rpc")
     async def collective_rpc(request: CollectiveRpcRequest) -> Response:

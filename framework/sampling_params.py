@@ -104,6 +104,9 @@ class SamplingParams(
     thinking_token_budget: int | None = None
     # The reasoning's markers for the budget: filled in by the input processor (sparrow.sampling_options).
     thinking_markers: ThinkingMarkers | None = None
+    # vLLM's logprob_token_ids: these tokens' logprobs at every generated position, beside the sampled
+    # token's (and the top `logprobs`, when set); at most the engine's max_logprobs ids.
+    logprob_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         self._check_older_names()
@@ -191,6 +194,10 @@ class SamplingParams(
         if self.thinking_token_budget is not None:
             budget = _int("thinking_token_budget", self.thinking_token_budget, -1)
             self.thinking_token_budget = None if budget == -1 else budget
+        if self.logprob_token_ids is not None:
+            self.logprob_token_ids = list(dict.fromkeys(_token_ids("logprob_token_ids", self.logprob_token_ids)))
+            if not self.logprob_token_ids:
+                _fail("logprob_token_ids", "must hold at least one token id", self.logprob_token_ids)
         if self.thinking_markers is not None and not isinstance(self.thinking_markers, ThinkingMarkers):
             _fail("thinking_markers", "must be a ThinkingMarkers (the input processor fills it in)",
                   self.thinking_markers)

@@ -24,8 +24,8 @@ from typing import Any, Union
 
 from sparrow.engine.bad_words import request_bad_words
 from sparrow.engine.prompt_embeds import check_prompt_embeds, embeds_tensor_data
+from sparrow.engine.request_extras import logprob_token_ids_changes, thinking_markers
 from sparrow.engine.text_checks import check_text
-from sparrow.engine.thinking_budget import thinking_markers
 from sparrow.errors import InvalidArgumentError
 from sparrow.sampling_params import SamplingParams
 from sparrow.wire import EngineCoreRequest
@@ -376,6 +376,7 @@ class InputProcessor:
             all_stop_token_ids=_dedupe(eos_ids[:1] + stop_token_ids),
             bad_words_token_ids=request_bad_words(self.tokenizer, self.vocab_size, name, params),
             thinking_markers=thinking_markers(self.reasoning_parser, prompt_token_ids, name, params),
+            **logprob_token_ids_changes(params, self.vocab_size, self.max_logprobs, name),
         )
         for processor_cls in self.logits_processor_classes:
             processor_cls.validate_params(resolved)

@@ -82,6 +82,9 @@ class SamplingMetadata:
     # the sampler then finds each row's cut among the top max_top_k logits instead of sorting the
     # whole vocabulary. None: some row needs the full sort, or no row filters.
     max_top_k: int | None = None
+    # vLLM's logprob_token_ids: per row, the token ids whose logprobs it also asked for (None: none);
+    # None when no row did.
+    logprob_token_ids: list[list[int] | None] | None = None
 
 
 def step_seed(seed: int, position: int) -> int:
@@ -194,6 +197,7 @@ def _static_metadata(
         max_num_logprobs=max(asked) if asked else None,
         logprob_rows=logprob_rows,
         max_top_k=max_top_k,
+        logprob_token_ids=[p.logprob_token_ids for p in params] if any(p.logprob_token_ids for p in params) else None,
     )
 
 

@@ -56,12 +56,25 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None
     # Per row, the k it asked for (None = no logprobs); cuts ``logprobs`` back per row.
     num_logprobs: list[int | None]
+    # logprob_token_ids: row -> (token ids, logprobs, ranks) of the ids that row asked for.
+    extra_logprobs: dict[int, tuple[list[int], list[float], list[int]]] | None = None
 
     def logprobs_lists(self) -> list[TokenLogprobs | None] | None:
-        """Per row: its ``TokenLogprobs`` (chosen token first), or None if it did not ask."""
+        """Per row: its ``TokenLogprobs`` (chosen token first, then its top k, then the
+        ``logprob_token_ids`` not among them), or None if it did not ask."""
         if self.logprobs is None:
             return None
-        return self.logprobs.to_lists(self.num_logprobs)
+        lists = self.logprobs.to_lists(self.num_logprobs)
+        for row, (token_ids, logprobs, ranks) in (self.extra_logprobs or {}).items():
+            entry = lists[row]
+            if entry is None:
+                continue
+            for token_id, logprob, rank in zip(token_ids, logprobs, ranks):
+                if token_id not in entry.token_ids:
+                    entry.token_ids.append(token_id)
+                    entry.logprobs.append(logprob)
+                    entry.ranks.append(rank)
+        return lists
 
 
 class Sampler:
@@ -138,6 +151,11 @@ class Sampler:
                 source = processed_logits
             logprobs = _logprobs(source, sampled, metadata.max_num_logprobs, metadata.logprob_rows,
                                  normalize=self.logprobs_mode.endswith("logprobs"))
+            if metadata.logprob_token_ids is not None:
+                extra = _requested_logprobs(source, metadata.logprob_token_ids,
+                                            normalize=self.logprobs_mode.endswith("logprobs"))
+                return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs,
+                                     num_logprobs=metadata.num_logprobs, extra_logprobs=extra)
         return SamplerOutput(
             sampled_token_ids=sampled, logprobs=logprobs, num_logprobs=metadata.num_logprobs
         )
@@ -204,6 +222,24 @@ def _logprobs(logits: torch.Tensor, sampled: torch.Tensor, k: int, rows: torch.T
         return gather_logprobs(values(logits), sampled, k)
     subset = gather_logprobs(values(logits.index_select(0, rows)), sampled.index_select(0, rows), k)
     return subset.placed_at(rows, logits.shape[0])
+
+
+def _requested_logprobs(logits: torch.Tensor, requested: list[list[int] | None], normalize: bool
+                        ) -> dict[int, tuple[list[int], list[float], list[int]]]:
+    """logprob_token_ids: for each row that asked, its ids' values (log-softmaxed when
+    ``normalize``) and ranks in the full distribution (1 + the tokens with a greater value)."""
+    rows = [row for row, ids in enumerate(requested) if ids]
+    values = logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=logits.device))
+    if normalize:
+        values = values.log_softmax(dim=-1)
+    extra = {}
+    for index, row in enumerate(rows):
+        token_ids = requested[row] or []
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
+        chosen = values[index].index_select(0, ids)  # [M]
+        ranks = (values[index].unsqueeze(0) > chosen.unsqueeze(1)).sum(dim=1) + 1
+        extra[row] = (list(token_ids), chosen.float().cpu().tolist(), ranks.cpu().tolist())
+    return extra
 
 
 def draw(

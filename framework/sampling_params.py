@@ -107,6 +107,9 @@ class SamplingParams(
     # vLLM's logprob_token_ids: these tokens' logprobs at every generated position, beside the sampled
     # token's (and the top `logprobs`, when set); at most the engine's max_logprobs ids.
     logprob_token_ids: list[int] | None = None
+    # vLLM's: True computes the whole prompt, reading nothing from the prefix cache (what it computes
+    # is still cached for others); None: only when prompt_logprobs need every prompt position.
+    skip_reading_prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:
         self._check_older_names()
@@ -198,6 +201,11 @@ class SamplingParams(
             self.logprob_token_ids = list(dict.fromkeys(_token_ids("logprob_token_ids", self.logprob_token_ids)))
             if not self.logprob_token_ids:
                 _fail("logprob_token_ids", "must hold at least one token id", self.logprob_token_ids)
+        if self.skip_reading_prefix_cache is not None:
+            self.skip_reading_prefix_cache = _bool("skip_reading_prefix_cache", self.skip_reading_prefix_cache)
+            if not self.skip_reading_prefix_cache and self.prompt_logprobs is not None:
+                _fail("skip_reading_prefix_cache", "cannot be False with prompt_logprobs (they need every prompt "
+                      "position computed)", False)
         if self.thinking_markers is not None and not isinstance(self.thinking_markers, ThinkingMarkers):
             _fail("thinking_markers", "must be a ThinkingMarkers (the input processor fills it in)",
                   self.thinking_markers)

@@ -107,9 +107,12 @@ class Request:
 
     @property
     def skip_reading_prefix_cache(self) -> bool:
-        """vLLM's: the request needs the model's output at every prompt position (prompt logprobs,
-        token-level pooling), so no prompt token may come from the prefix cache."""
-        return self.sampling_params.prompt_logprobs is not None or self.pooling_task in TOKEN_TASKS
+        """vLLM's: no prompt token may come from the prefix cache, because the request asked so
+        (``SamplingParams.skip_reading_prefix_cache``) or needs the model's output at every prompt
+        position (prompt logprobs, token-level pooling)."""
+        params = self.sampling_params
+        return bool(params.skip_reading_prefix_cache) or params.prompt_logprobs is not None \
+            or self.pooling_task in TOKEN_TASKS
 
     # -- progress ---------------------------------------------------------------------------
     @property

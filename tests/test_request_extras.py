@@ -1,5 +1,6 @@
-"""vLLM's ``SamplingParams.logprob_token_ids``: the logprobs (and ranks) of chosen token ids at
-every generated position, beside the sampled token's and the top ``logprobs`` when those are set.
+"""vLLM's per-request ``SamplingParams.logprob_token_ids`` (the logprobs and ranks of chosen token
+ids at every generated position, beside the sampled token's and the top ``logprobs`` when those
+are set) and ``skip_reading_prefix_cache``.
 
 Reference: HF transformers' log-softmax of its own logits at each greedy step (the same greedy
 tokens), on the same directory, in fp32.
@@ -64,3 +65,17 @@ def test_bad_ids_are_refused_naming_the_field(llm):
             llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=2, logprob_token_ids=ids),
                          use_tqdm=False)
         assert caught.value.field.startswith("logprob_token_ids")
+
+
+def test_skip_reading_prefix_cache(llm):
+    """vLLM's SamplingParams.skip_reading_prefix_cache: the whole prompt is computed again (the
+    tokens do not change), where the same request without it reads its cached blocks."""
+    prompt = {"prompt_token_ids": list(range(100, 180))}  # five full blocks of 16
+    params = dict(temperature=0, max_tokens=4)
+    first = llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0]
+    cached = llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0]
+    skipped = llm.generate(prompt, SamplingParams(skip_reading_prefix_cache=True, **params), use_tqdm=False)[0]
+    assert cached.num_cached_tokens == 64 and skipped.num_cached_tokens == 0
+    assert first.outputs[0].token_ids == cached.outputs[0].token_ids == skipped.outputs[0].token_ids
+    with pytest.raises(InvalidArgumentError, match="skip_reading_prefix_cache cannot be False with prompt_logprobs"):
+        SamplingParams(skip_reading_prefix_cache=False, prompt_logprobs=1)

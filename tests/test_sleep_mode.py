@@ -135,7 +135,7 @@ def test_bad_calls_are_value_errors_and_the_engine_carries_on(llm, checkpoints, 
             call()
     engine = llm.llm_engine
     engine.add_request("in-flight", PROMPTS[0], GREEDY)
-    with pytest.raises(ValueError, match="1 requests are in flight"):
+    with pytest.raises(ValueError, match="1 requests are in flight or held by a pause"):
         llm.sleep()
     assert not llm.is_sleeping()
     engine.abort_request(["in-flight"])

@@ -305,8 +305,10 @@ class EngineCore:
     # tag sleeps, requests are refused.
     def sleep(self, level: int = 1) -> None:
         check_sleep(self.config, level)
-        if self.has_unfinished_requests():
-            raise ValueError(f"sleep: {self.scheduler.get_num_unfinished_requests()} requests are in flight; "
+        # Frozen (a pause's keep) and held requests count: they run again on resume.
+        if self.scheduler.has_unfinished_requests() or self._in_flight or self.pause_state.held:
+            num_requests = self.scheduler.get_num_unfinished_requests() + len(self.pause_state.held)
+            raise ValueError(f"sleep: {num_requests} requests are in flight or held by a pause; "
                              "let them finish or abort them first")
         self.scheduler.reset_prefix_cache()  # the KV cache's contents are discarded
         self.executor.collective_rpc("sleep", (level,))

@@ -335,6 +335,14 @@ class EngineCore:
     def defer_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         self._deferred.extend(outputs)
 
+    def take_deferred_outputs(self) -> EngineCoreOutputs | None:
+        """The outputs made between steps, now (EngineCoreProc sends them before a utility call's
+        answer, so that a caller of pause_generation has seen them when the call returns)."""
+        if not self._deferred:
+            return None
+        outputs, self._deferred = self._deferred, []
+        return self._outputs(outputs)
+
     def finish_steps_in_flight(self) -> None:
         """Collect every step still running (overlapped scheduling); its outputs are deferred."""
         while self._in_flight:

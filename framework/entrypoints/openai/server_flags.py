@@ -51,9 +51,11 @@ def add_process_flags(server: Any) -> None:
                              "h11_max_incomplete_event_size); vLLM's flag (default: h11's, 16384)")
     server.add_argument("--h11-max-header-count", type=positive_int, default=DEFAULT_MAX_HEADER_COUNT,
                         metavar="N", help="a request with more header fields than this is answered 431 (Request "
-                                          "Header Fields Too Large); vLLM's flag")
+                                          "Header Fields Too Large); vLLM's flag "
+                                          f"(default: {DEFAULT_MAX_HEADER_COUNT})")
     server.add_argument("--api-server-count", type=_api_server_count, default=1, metavar="N",
-                        help="vLLM's number of API server processes: 1, the one process that serves every engine")
+                        help="vLLM's number of API server processes: 1, the one process that serves every engine "
+                             "(default: 1)")
 
 
 def _readable_file(flag: str, path: str) -> None:

@@ -557,3 +557,31 @@ def test_repetition_detection_ends_a_looping_reply(client, http):
                                              "repetition_detection": {"max_pattern_size": 3, "min_count": 1}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "repetition_detection", bad.text
     assert "repetition_detection.min_count must be >= 2" in bad.json()["error"]["message"]
+
+
+# -- request_id and X-Request-Id; documents (vLLM's request fields) ----------------------------------------
+def test_request_ids_come_from_the_header_or_the_field(client, http):
+    reply = client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2, extra_body={"request_id": "trace-42"})
+    assert reply.id == "cmpl-trace-42"
+    # The X-Request-Id header wins over the field (vLLM's order), streamed too.
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=2,
+                                                 stream=True, extra_body={"request_id": "field-1"},
+                                                 extra_headers={"X-Request-Id": "hdr-9"}))
+    assert {chunk.id for chunk in chunks} == {"chatcmpl-hdr-9"}
+    assert client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES,
+                                          max_completion_tokens=2).id.startswith("chatcmpl-")
+    for headers, body in [({"X-Request-Id": "x" * 300}, {}), ({}, {"request_id": ""})]:
+        bad = http.post("/v1/completions", headers=headers,
+                        json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2, **body})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id", bad.text
+
+
+def test_documents_reach_the_chat_template(client, hf_tokenizer):
+    template = ("{% for d in documents %}<doc {{ d['title'] }}>{{ d['text'] }}</doc>{% endfor %}"
+                "{% for m in messages %}{{ m['content'] }}|{% endfor %}")
+    documents = [{"title": "birds", "text": "Sparrows are small."}, {"title": "sky", "text": "It is blue."}]
+    text = jinja2.Environment().from_string(template).render(messages=MESSAGES, documents=documents)
+    reply = chat(client, chat_template=template, documents=documents)
+    assert reply.usage.prompt_tokens == len(hf_tokenizer.encode(text, add_special_tokens=False))
+    with pytest.raises(openai.BadRequestError, match="documents"):
+        chat(client, chat_template=template, documents=[{"title": 3}])

@@ -25,10 +25,12 @@ def render_chat(
     tools: Sequence[Mapping[str, Any]] | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     content_format: str = "auto",
+    documents: Sequence[Mapping[str, str]] | None = None,
 ) -> str:
     """The prompt text for ``messages``: ``tools`` (JSON schemas) and every key of the messages
     (``tool_calls``, ``tool_call_id``, ``name``, ...) reach the template; ``chat_template_kwargs``
-    become template variables. ``continue_final_message`` leaves the last message open for the
+    become template variables; ``documents`` (retrieval-augmented templates) reach the template as
+    its ``documents``. ``continue_final_message`` leaves the last message open for the
     model to continue. ``content_format``: vLLM's ``chat_template_content_format``
     (``sparrow.engine.chat_content``)."""
     check_content_format(content_format)
@@ -57,6 +59,7 @@ def render_chat(
     check_text("chat_template", chat_template)
     check_text("tools", tools)
     check_text("chat_template_kwargs", chat_template_kwargs)
+    check_text("documents", documents)
     kwargs = dict(chat_template_kwargs or {})
     reserved = sorted(set(kwargs) & reserved_template_names(tokenizer))
     if reserved:
@@ -69,6 +72,7 @@ def render_chat(
     return tokenizer.apply_chat_template(
         shape_messages(messages, resolve_content_format(content_format, template)),
         tools=[dict(tool) for tool in tools] if tools else None,
+        documents=[dict(document) for document in documents] if documents else None,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         chat_template=chat_template,

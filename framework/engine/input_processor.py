@@ -135,6 +135,7 @@ class InputProcessor:
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         content_format: str = "auto",
+        documents: Sequence[Mapping[str, str]] | None = None,
     ) -> str:
         """Render chat messages to the prompt text, as transformers' ``apply_chat_template`` does
         (``sparrow.engine.chat_render.render_chat``: every refusal names its field)."""
@@ -142,7 +143,8 @@ class InputProcessor:
 
         return render_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message, chat_template=chat_template, tools=tools,
-                           chat_template_kwargs=chat_template_kwargs, content_format=content_format)
+                           chat_template_kwargs=chat_template_kwargs, content_format=content_format,
+                           documents=documents)
 
     def tokenize(self, text: str, *, add_special_tokens: bool = True, truncate_prompt_tokens: int | None = None,
                  field: str = "prompt") -> list[int]:

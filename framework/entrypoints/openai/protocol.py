@@ -209,6 +209,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = Field(
         None, description="A Jinja chat template for this request instead of the tokenizer's.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra variables for the chat template.")
+    documents: list[dict[str, str]] | None = Field(
+        None, description="vLLM's: documents for a retrieval-augmented chat template (its documents variable), "
+        "each a dict of strings such as {'title': ..., 'text': ...}.")
     include_reasoning: bool = Field(True, description="vLLM's: with a reasoning parser, return reasoning_content "
                                                       "(false: drop it, keep only the answer).")
 

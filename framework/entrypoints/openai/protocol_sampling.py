@@ -109,6 +109,9 @@ class SamplingFields(RequestModel):
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = Field(
         None, description="vLLM's: per-request arguments for the engine's custom logits processors "
         "(SamplingParams.extra_args).")
+    request_id: str | None = Field(
+        None, min_length=1, max_length=256, description="vLLM's: the request's id (the response's id is the endpoint's "
+        "prefix and it); an X-Request-Id header wins over it; default a random one.")
     thinking_token_budget: int | None = Field(
         None, ge=-1, le=INT64_MAX, description="vLLM's: at most this many tokens of reasoning, then the reasoning's "
         "end marker is written (needs the server's --reasoning-parser; -1: no limit).")

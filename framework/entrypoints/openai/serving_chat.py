@@ -153,6 +153,7 @@ def render_prompt(input_processor: Any, request: ChatCompletionRequest,
             tools=[tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None,
             chat_template_kwargs=request.chat_template_kwargs,
             content_format=content_format,
+            documents=getattr(request, "documents", None),
         )
     except ValueError:
         raise
@@ -259,7 +260,7 @@ class OpenAIServingChat(OpenAIServing):
                                      self.chat_template_content_format, default_param="messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        request_id = self.new_request_id()
+        request_id = self.new_request_id(raw_request, request.request_id)
         if request.use_beam_search:  # check_common refused tools and structured outputs
             streams = await self.beam_searches(request_id, [prompt], request, max_tokens, logprobs)
         else:

@@ -54,7 +54,7 @@ class OpenAIServingClassify(OpenAIServingEmbedding):
 
     async def create_classify(self, request: ClassificationRequest, raw_request: Request) -> Response:
         model = self.check_request(request, "/classify")
-        request_id = self.new_request_id()
+        request_id = self.new_request_id(raw_request)
         params = self.pooling_params(request_id, task="classify", use_activation=request.use_activation)
         prompts, field = await self.inputs(request, "classifies")
         finals = await self.embed(request_id, prompts, params, request, raw_request, in_field_words(field),

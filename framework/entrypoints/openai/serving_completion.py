@@ -250,7 +250,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs = request.prompt_logprobs
         if echo and request.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = request.logprobs  # echoed prompt tokens carry their logprobs too
-        request_id = self.new_request_id()
+        request_id = self.new_request_id(raw_request, request.request_id)
         if request.use_beam_search:  # check_common refused echo, prompt_logprobs and structured outputs
             streams = await self.beam_searches(request_id, prompts, request, request.max_tokens, request.logprobs)
         else:

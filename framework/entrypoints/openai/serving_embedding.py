@@ -193,7 +193,7 @@ class OpenAIServingEmbedding(OpenAIServing):
 
     async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> Response:
         model = self.check_request(request)
-        request_id = self.new_request_id()
+        request_id = self.new_request_id(raw_request)
         params = self.pooling_params(request_id, dimensions=request.dimensions, normalize=request.normalize)
         prompts, field = await self.inputs(request, "embeds")
         finals = await self.embed(request_id, prompts, params, request, raw_request, in_field_words(field))

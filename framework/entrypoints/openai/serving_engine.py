@@ -161,8 +161,15 @@ class OpenAIServing:
                            "--trust-request-chat-template to allow it, or set the server's with --chat-template",
                            "BadRequestError", param="chat_template", code="unsupported")
 
-    def new_request_id(self) -> str:
-        return f"{self.request_id_prefix}-{uuid.uuid4().hex}"
+    def new_request_id(self, raw_request: Any = None, requested: str | None = None) -> str:
+        """The endpoint's prefix and vLLM's base id: the X-Request-Id header, else the request's
+        ``request_id``, else a random one. A header id that is empty, longer than 256 characters
+        or not printable is a 400 naming request_id."""
+        header = raw_request.headers.get("x-request-id") if raw_request is not None else None
+        if header is not None and not (0 < len(header) <= 256 and header.isprintable()):
+            raise APIError(400, "request_id: the X-Request-Id header must be 1-256 printable characters",
+                           "BadRequestError", param="request_id", code="invalid_value")
+        return f"{self.request_id_prefix}-{header or requested or uuid.uuid4().hex}"
 
     def check_common(self, request: SamplingFields) -> None:
         """Refuse what no endpoint honours (unknown and not-yet-supported fields, what beam search

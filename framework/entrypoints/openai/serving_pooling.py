@@ -36,7 +36,7 @@ class OpenAIServingPooling(OpenAIServingEmbedding):
 
     async def create_pooling(self, request: PoolingRequest, raw_request: Request) -> Response:
         model = self.check_request(request, "/pooling")
-        request_id = self.new_request_id()
+        request_id = self.new_request_id(raw_request)
         params = self.pooling_params(request_id, task=request.task, dimensions=request.dimensions,
                                      normalize=request.normalize, use_activation=request.use_activation)
         prompts, field = await self.inputs(request, "pools")

@@ -144,7 +144,7 @@ class OpenAIServingResponses(OpenAIServing):
         self.store = ResponseStore()
         self.background = BackgroundResponses(self.store, lambda request_id: self.engine.abort(request_id))
 
-    def new_request_id(self) -> str:
+    def new_response_id(self) -> str:
         return new_id("resp")  # the engine's request id is the response's id
 
     # -- routes ----------------------------------------------------------------------------------
@@ -247,7 +247,7 @@ class OpenAIServingResponses(OpenAIServing):
         params = self.sampling_params(chat_request, max_tokens=request.max_output_tokens, logprobs=top_logprobs,
                                       stream=bool(request.stream or request.background), longest_prompt=len(prompt_ids),
                                       structured_outputs=structured_outputs)
-        response_id = self.new_request_id()
+        response_id = self.new_response_id()
         streams = await self.submit(response_id, [prompt], params, request.priority,
                                     self.lora_request_of(request.model), request=chat_request)
         pending = Pending(request, response_id, model, int(time.time()), conversation, len(prompt_ids),

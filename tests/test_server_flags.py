@@ -561,7 +561,8 @@ def test_repetition_detection_ends_a_looping_reply(client, http):
 
 # -- request_id and X-Request-Id; documents (vLLM's request fields) ----------------------------------------
 def test_request_ids_come_from_the_header_or_the_field(client, http):
-    reply = client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2, extra_body={"request_id": "trace-42"})
+    reply = client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2,
+                                      extra_body={"request_id": "trace-42"})
     assert reply.id == "cmpl-trace-42"
     # The X-Request-Id header wins over the field (vLLM's order), streamed too.
     chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=2,

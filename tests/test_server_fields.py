@@ -138,7 +138,7 @@ CHAT_REFUSED = [
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"functions": [{"name": "f"}]}, "functions", "not supported yet"),
     ({"documents": [{"title": "a", "text": 1}]}, "documents", "documents"),
-    ({"reasoning_effort": "low"}, "reasoning_effort", "not supported yet"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort", "reasoning_effort"),
     ({"messages": [{"role": "user", "content": "hi", "colour": "red"}]}, "messages[0].colour", "unknown field"),
     ({"stream": True, "stream_options": {"include_usage": True, "typo": 1}}, "stream_options.typo", "unknown field"),
     ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options", "include_usage"),

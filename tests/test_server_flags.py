@@ -586,3 +586,20 @@ def test_documents_reach_the_chat_template(client, hf_tokenizer):
     assert reply.usage.prompt_tokens == len(hf_tokenizer.encode(text, add_special_tokens=False))
     with pytest.raises(openai.BadRequestError, match="documents"):
         chat(client, chat_template=template, documents=[{"title": 3}])
+
+
+def test_reasoning_effort_reaches_the_chat_template(client, hf_tokenizer):
+    template = ("<effort {{ reasoning_effort | default('unset') }}>"
+                "{% for m in messages %}{{ m['content'] }}|{% endfor %}")
+
+    def expected(effort: str) -> int:
+        text = jinja2.Environment().from_string(template).render(messages=MESSAGES, reasoning_effort=effort)
+        return len(hf_tokenizer.encode(text, add_special_tokens=False))
+
+    assert chat(client, chat_template=template).usage.prompt_tokens == expected("unset")
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=2,
+                                           reasoning_effort="medium", extra_body={"chat_template": template})
+    assert reply.usage.prompt_tokens == expected("medium") != expected("unset")
+    # chat_template_kwargs win, as they do over the server's defaults.
+    assert chat(client, chat_template=template, reasoning_effort="low",
+                chat_template_kwargs={"reasoning_effort": "high"}).usage.prompt_tokens == expected("high")

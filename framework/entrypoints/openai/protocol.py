@@ -212,6 +212,9 @@ class ChatCompletionRequest(SamplingFields):
     documents: list[dict[str, str]] | None = Field(
         None, description="vLLM's: documents for a retrieval-augmented chat template (its documents variable), "
         "each a dict of strings such as {'title': ..., 'text': ...}.")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="OpenAI's: passed to the chat template as its reasoning_effort variable (for templates "
+        "that read it; chat_template_kwargs may set it instead).")
     include_reasoning: bool = Field(True, description="vLLM's: with a reasoning parser, return reasoning_content "
                                                       "(false: drop it, keep only the answer).")
 

@@ -43,7 +43,6 @@ NOT_SUPPORTED_YET: dict[str, str] = {
     "function_call": "function calling (the deprecated form of tool_choice)",
     "logits_processors": "custom logits processors",
     "prompt_embeds": "prompt embeddings",
-    "reasoning_effort": "reasoning_effort",
     "modalities": "output modalities",
     "audio": "audio output",
     "prediction": "predicted outputs",

@@ -122,10 +122,14 @@ def check_default_template_kwargs(engine: Any, kwargs: dict[str, Any] | None) ->
 
 def template_request(request: Any, handler: Any, tool_choice_kind: str | None = None) -> Any:
     """The request as the chat template should see it under the server's flags: the handler's
-    --default-chat-template-kwargs under the request's own chat_template_kwargs (key by key), and
-    without its tools when --exclude-tools-when-tool-choice-none and tool_choice is "none"."""
+    --default-chat-template-kwargs and the request's reasoning_effort under its own
+    chat_template_kwargs (key by key), and without its tools when
+    --exclude-tools-when-tool-choice-none and tool_choice is "none"."""
     update: dict[str, Any] = {}
-    defaults = handler.default_chat_template_kwargs
+    defaults = dict(handler.default_chat_template_kwargs or {})
+    effort = getattr(request, "reasoning_effort", None)
+    if effort is not None:  # OpenAI's field, for templates that read it (vLLM passes it the same way)
+        defaults["reasoning_effort"] = effort
     own = request.chat_template_kwargs
     if defaults and (own is None or isinstance(own, dict)):  # anything else: the renderer names it
         update["chat_template_kwargs"] = {**defaults, **(own or {})}

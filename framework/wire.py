@@ -180,6 +180,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True,
     # vLLM's prompt embeddings (enable_prompt_embeds), [len(prompt_token_ids), hidden_size]; the
     # token ids are placeholders (0), and the embeddings key the prefix cache instead.
     prompt_embeds: TensorData | None = None
+    # vLLM's data_parallel_rank: the data-parallel engine that must run it (None: the frontend picks).
+    data_parallel_rank: int | None = None
 
 
 # -- engine core -> frontend --------------------------------------------------------------------

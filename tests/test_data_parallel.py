@@ -152,3 +152,43 @@ def test_data_parallel_engines_take_consecutive_device_groups():
         for index in range(2) for rank in range(2)
     ]
     assert devices == ["dev0", "dev1", "dev2", "dev3"]
+
+
+def test_data_parallel_rank_picks_the_engine(fake_dp_client, qwen3_dir):
+    """vLLM's data_parallel_rank (AsyncLLM.generate's argument, the server's X-data-parallel-rank
+    header): a KV-aware router's choice of engine beats the fewest-unfinished rule."""
+    import asyncio
+
+    from sparrow import AsyncLLM
+    from sparrow.errors import InvalidArgumentError
+
+    client = fake_dp_client
+    for index in range(3):
+        request = make_request(f"r{index}", max_tokens=50)
+        request.data_parallel_rank = 2
+        client.add_request(request)
+    client.add_request(make_request("free"))  # no rank: the fewest unfinished, engine 0
+    assert client.num_requests_routed == [1, 0, 3]
+    assert set(drain(client)) >= {"r0", "r1", "r2", "free"}
+
+    async def body(engine):
+        params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
+        outputs = [output async for output in engine.generate({"prompt_token_ids": [5, 6, 7]}, params, "x",
+                                                               data_parallel_rank=1)]
+        with pytest.raises(InvalidArgumentError, match=r"data_parallel_rank of request 'y' must be an integer in "
+                                                       r"\[0, 2\)") as caught:
+            async for _ in engine.generate("hi", params, "y", data_parallel_rank=2):
+                pass
+        assert caught.value.field == "data_parallel_rank"
+        return outputs, engine.engine_core.num_requests_routed
+
+    async def main():
+        engine = AsyncLLM(EngineConfig.from_kwargs(model=qwen3_dir, max_model_len=256, data_parallel_size=2),
+                          executor_factory=FAKE)
+        try:
+            return await asyncio.wait_for(body(engine), 60)
+        finally:
+            engine.shutdown()
+
+    outputs, routed = asyncio.run(main())
+    assert outputs[-1].finished and routed == [0, 1]

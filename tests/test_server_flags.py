@@ -603,3 +603,15 @@ def test_reasoning_effort_reaches_the_chat_template(client, hf_tokenizer):
     # chat_template_kwargs win, as they do over the server's defaults.
     assert chat(client, chat_template=template, reasoning_effort="low",
                 chat_template_kwargs={"reasoning_effort": "high"}).usage.prompt_tokens == expected("high")
+
+
+def test_the_data_parallel_rank_header(client, http):
+    # vLLM's X-data-parallel-rank: this server runs one engine, so 0 is the only rank (routing over
+    # several is tests/test_data_parallel.py's).
+    assert client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2,
+                                     extra_headers={"X-data-parallel-rank": "0"}).usage.completion_tokens == 2
+    for rank, words in [("1", "must be an integer in [0, 1)"), ("first", "must be an engine index")]:
+        bad = http.post("/v1/chat/completions", headers={"X-data-parallel-rank": rank},
+                        json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "data_parallel_rank", bad.text
+        assert words in bad.json()["error"]["message"]

@@ -48,10 +48,6 @@ def check_request_fields(request_id: Any, prompt: Any, arrival_time: Any, priori
                 or not 0 <= int(data_parallel_rank) < size:
             raise InvalidArgumentError(f"data_parallel_rank of request {request_id!r} must be an integer in "
                                        f"[0, {size}) or None, got {data_parallel_rank!r}", "data_parallel_rank")
-        if size > 1:
-            raise InvalidArgumentError(f"data_parallel_rank of request {request_id!r}: Sparrow routes requests "
-                                       "to its data-parallel engines itself; leave data_parallel_rank None",
-                                       "data_parallel_rank")
     return int(priority), arrival_time
 
 

@@ -227,8 +227,9 @@ class AsyncLLM(AsyncOutputHandling, AsyncEngineUtilities):
 
         Raises ValueError naming the field for an invalid request (before anything is yielded) and
         EngineDeadError when the engine dies or is shut down. Closing or cancelling the consumer
-        aborts it. vLLM's ``trace_headers``, ``data_parallel_rank`` and ``tokenization_kwargs`` are
-        accepted when they ask for nothing (None or empty; rank 0 of one engine) and refused otherwise.
+        aborts it. vLLM's ``data_parallel_rank`` picks the data-parallel engine that runs the
+        request (a KV-aware router's choice); ``trace_headers`` and ``tokenization_kwargs`` are
+        accepted when they ask for nothing (None or empty) and refused otherwise.
         """
         if self.input_processor.pooling is not None:  # None would otherwise mean pooling's defaults
             raise InvalidArgumentError(f"request {request_id!r}: this engine runs a pooling (embedding) model "
@@ -313,6 +314,8 @@ class AsyncLLM(AsyncOutputHandling, AsyncEngineUtilities):
         self._raise_if_dead()
         self._check_request_id_free(request_id)
         check_kv_capacity(request, self.kv_cache_capacity_tokens, self.model_config.max_model_len or 0)
+        if data_parallel_rank is not None:  # vLLM's: the engine that runs it (checked above)
+            request.data_parallel_rank = int(data_parallel_rank)
         collector = RequestOutputCollector(params.output_kind)
         children = self.output_processor.add_request(request, text, queue=collector)
         self._collectors[request_id] = collector

@@ -84,9 +84,12 @@ class DPRouter:
         self._lock = threading.Lock()  # guards the routing state (aborts may come from any thread)
         self._dead_error: EngineDeadError | None = None
 
-    def _route(self, request_id: str) -> int:
+    def _route(self, request_id: str, rank: int | None = None) -> int:
+        """The engine for a new request: ``rank`` when the caller chose one (vLLM's
+        data_parallel_rank, checked by the frontend), else the one with the fewest unfinished."""
         with self._lock:
-            index = min(range(self.data_parallel_size), key=lambda i: (self._num_unfinished[i], i))
+            index = rank if rank is not None else \
+                min(range(self.data_parallel_size), key=lambda i: (self._num_unfinished[i], i))
             self._owner[request_id] = index
             self._num_unfinished[index] += 1
             self.num_requests_routed[index] += 1
@@ -205,7 +208,7 @@ class DPClient(DPRouter):
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._raise_if_dead()
-        index = self._route(request.request_id)
+        index = self._route(request.request_id, request.data_parallel_rank)
         try:
             self.clients[index].add_request(request)
         except BaseException:
@@ -274,7 +277,7 @@ class AsyncDPClient(DPRouter):
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         self._start_forwarders()
         self._raise_if_dead()
-        index = self._route(request.request_id)
+        index = self._route(request.request_id, request.data_parallel_rank)
         try:
             await self.clients[index].add_request_async(request)
         except BaseException:

@@ -273,7 +273,7 @@ class OpenAIServingChat(OpenAIServing):
                                           prompt_logprobs=request.prompt_logprobs,
                                           structured_outputs=structured_outputs)
             streams = await self.submit(request_id, [prompt], params, request.priority,
-                                        self.lora_request_of(request.model), request=request)
+                                        self.lora_request_of(request.model), request=request, raw_request=raw_request)
         reply = Reply.of(request, len(prompt["prompt_token_ids"]), self.response_role, prompt["prompt_token_ids"])
         parsers = ReplyParsers(request, tool_choice, prompt["prompt_token_ids"], self.engine.tokenizer,
                                self.reasoner, self.tool_parser_cls)

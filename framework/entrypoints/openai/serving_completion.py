@@ -259,7 +259,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                           longest_prompt=max(map(engine_prompt_length, prompts)),
                                           prompt_logprobs=prompt_logprobs, structured_outputs=structured_outputs)
             streams = await self.submit(request_id, prompts, self.per_prompt(params, prompts, request.max_tokens),
-                                        request.priority, self.lora_request_of(request.model), request=request)
+                                        request.priority, self.lora_request_of(request.model), request=request,
+                                        raw_request=raw_request)
         n = request.n
         shape = Echo(echo, echo_only, request.logprobs is not None, request.prompt_logprobs is not None,
                      request.return_token_ids)

@@ -339,12 +339,17 @@ class OpenAIServing:
         return [params if limit == params.max_tokens else params.clone(max_tokens=limit) for limit in limits]
 
     async def submit(self, request_id: str, prompts: list[Any], params: SamplingParams | list[SamplingParams],
-                     priority: int, lora_request: Any = None, request: Any = None
+                     priority: int, lora_request: Any = None, request: Any = None, raw_request: Any = None
                      ) -> list[AsyncGenerator[RequestOutput, None]]:
         """Validate and submit every prompt before any response is sent, so that an invalid one
         is a 400 and costs the others nothing; one stream of outputs per prompt. ``params``: for
         all prompts, or one per prompt. ``request``: the API request, whose grammar field an
-        engine-side grammar failure then names."""
+        engine-side grammar failure then names; ``raw_request``: its HTTP request, whose
+        X-data-parallel-rank header (vLLM's) picks the data-parallel engine."""
+        rank = raw_request.headers.get("x-data-parallel-rank") if raw_request is not None else None
+        if rank is not None and not rank.strip().isdigit():
+            raise APIError(400, f"data_parallel_rank: the X-data-parallel-rank header must be an engine index, got "
+                           f"{rank!r}", "BadRequestError", param="data_parallel_rank", code="invalid_value")
         engine = self.engine
         submitted: list[str] = []
         streams = []
@@ -354,7 +359,8 @@ class OpenAIServing:
                 sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
                 self.log_inputs(sub_id, prompt, prompt_params, lora_request)
                 collector = await engine.add_request(sub_id, prompt, prompt_params, priority=priority,
-                                                     lora_request=lora_request)
+                                                     lora_request=lora_request,
+                                                     data_parallel_rank=None if rank is None else int(rank))
                 submitted.append(sub_id)
                 stream = engine.stream_outputs(sub_id, collector)
                 if prompt_params.structured_outputs is not None and request is not None:

@@ -511,7 +511,8 @@ REFUSED = [
     (dict(tool_choice="required"), "tool_choice"),
     (dict(truncation="auto"), "truncation"),
     (dict(background=True, store=False), "background"),
-    (dict(reasoning={"effort": "low"}), "reasoning"),
+    (dict(reasoning={"effort": "extreme"}), "reasoning.effort"),
+    (dict(reasoning={"summary": "auto"}), "reasoning.summary"),
     (dict(include=["reasoning.encrypted_content"]), "include"),
     (dict(top_logprobs=2), "top_logprobs"),
     (dict(text={"format": {"type": "json_schema", "name": "x"}}), "text.format"),
@@ -607,3 +608,16 @@ def test_reasoning_is_an_item_before_the_message_whole_and_streamed(think_tokeni
     cut, _, _ = build(think_tokenizer, "<think>\nStill thinking", chunked=True, incomplete=True)
     [reasoning] = cut.items()
     assert (reasoning.status, reasoning.content[0].text) == ("incomplete", "\nStill thinking")
+
+
+def test_reasoning_effort_goes_to_the_chat_template_as_on_chat(client):
+    """reasoning.effort is the chat endpoint's reasoning_effort: the template's reasoning_effort
+    variable (tests/test_server_flags.py checks what a template makes of it)."""
+    from sparrow.entrypoints.openai.protocol_responses import ResponsesRequest
+    from sparrow.entrypoints.openai.responses_input import chat_request_of, conversation_of
+
+    request = ResponsesRequest.model_validate({"model": MODEL_NAME, "input": "Hi", "reasoning": {"effort": "low"}})
+    assert chat_request_of(request, conversation_of(request, [])).reasoning_effort == "low"
+    response = client.responses.create(model=MODEL_NAME, input="Hi", reasoning={"effort": "high"},
+                                       max_output_tokens=3)
+    assert response.status in ("completed", "incomplete")

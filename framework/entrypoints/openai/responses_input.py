@@ -108,10 +108,16 @@ def check_request(request: ResponsesRequest, max_logprobs: int) -> None:
     if request.background and request.store is False:
         raise RequestFieldError("background: needs store true (the default): a background response is polled, "
                                 "cancelled and resumed by its id, which only a stored response keeps", "background")
-    if request.reasoning and any(value is not None for value in request.reasoning.values()):
-        raise not_supported("reasoning", "the reasoning option (effort, summary)", " (a model reasons as its chat "
-                            "template has it; chat_template_kwargs can set a template's variables, such as "
-                            "enable_thinking)")
+    reasoning = request.reasoning or {}
+    for key, value in reasoning.items():
+        if key == "effort":
+            if value is not None and value not in REASONING_EFFORTS:
+                raise RequestFieldError(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got "
+                                        f"{value!r}", "reasoning.effort")
+        elif value is not None:
+            raise not_supported(f"reasoning.{key}", f"the reasoning option {key}", " (reasoning.effort reaches the "
+                                "chat template as its reasoning_effort; chat_template_kwargs can set a template's "
+                                "variables, such as enable_thinking)")
     for entry in request.include or ():
         if entry != LOGPROBS_INCLUDE:
             raise not_supported("include", f"include {entry!r}", f"; supported: {LOGPROBS_INCLUDE}")
@@ -300,6 +306,10 @@ def _reasoning_text(index: int, item: InputItem) -> str:
 
 
 # -- the chat request -----------------------------------------------------------------------
+# OpenAI's reasoning efforts, passed to the chat template as its reasoning_effort (as on chat).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
 def chat_request_of(request: ResponsesRequest, conversation: Conversation) -> ChatCompletionRequest:
     """The chat endpoint's request for this one: its messages, sampling fields and structured output."""
     body: dict[str, Any] = {"model": request.model, "messages": conversation.messages,
@@ -309,6 +319,8 @@ def chat_request_of(request: ResponsesRequest, conversation: Conversation) -> Ch
     body.update(chat_tool_fields(request))
     if wants_logprobs(request):
         body.update(logprobs=True, top_logprobs=request.top_logprobs or 0)
+    if request.reasoning and request.reasoning.get("effort") is not None:
+        body["reasoning_effort"] = request.reasoning["effort"]
     fmt = request.text.format if request.text is not None else None
     if fmt is not None and fmt.type != "text":
         body["response_format"] = {"type": fmt.type}

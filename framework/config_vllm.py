@@ -38,6 +38,18 @@ VLLM_ARGUMENTS_NOT_TAKEN = {
     "cuda_graph_sizes": "CUDA graphs are captured for decode batches of 1, 2, 4, 8 and 16-512 in steps of 16 up to "
                         "max_num_seqs, and mixed steps up to 512 tokens; the sizes are not configurable "
                         "(enforce_eager=True turns graphs off)",
+    "model_impl": "Sparrow runs its own model code for each architecture it lists (`sparrow plugins`); there is no "
+                  "transformers fallback (an architecture plugin adds models)",
+    "ignore_patterns": "Sparrow never downloads a model: it reads a local directory or the Hugging Face cache",
+    "code_revision": "Sparrow never downloads model code: trust_remote_code runs the local directory's own",
+    "hf_config_path": "the configuration is the model directory's config.json; hf_overrides changes its fields",
+    "config_format": "Sparrow reads Hugging Face's config.json only (not Mistral's params.json)",
+    "max_parallel_loading_workers": "each rank streams its weights from the safetensors files itself; the number of "
+                                    "loading workers is not configurable",
+    "tokenizer_pool_size": "a vLLM V0 argument; tokenization runs on the frontend's input thread",
+    "guided_decoding_backend": "vLLM's older name for structured_outputs_config's backend; xgrammar is the only one "
+                               "(structured_outputs_config={'backend': 'xgrammar'})",
+    "enable_reasoning": "vLLM's older switch, removed there too: reasoning_parser alone splits the reasoning out",
     "max_cudagraph_capture_size": "CUDA graphs are captured for decode batches up to min(512, max_num_seqs) and mixed "
                                   "steps up to 512 tokens; the sizes are not configurable (enforce_eager=True turns "
                                   "graphs off)",

@@ -47,6 +47,10 @@ VLLM_SERVE_FLAGS_NOT_TAKEN = {
     "enable_ssl_refresh": "the TLS key and certificate are read once, at start-up; restart the server to load new "
                           "ones",
     "tool_server": "the Responses API has no built-in tools (MCP or demo tool servers); function tools work",
+    "disable_frontend_multiprocessing": "the server runs the engine's frontend (AsyncLLM) in its own process and the "
+                                        "engine core in another, always; SPARROW_ENABLE_MULTIPROCESSING=0 keeps the "
+                                        "engine core in the server's process (for debugging)",
+    "enable_offline_docs": "the /docs page loads Swagger UI from its CDN; --disable-fastapi-docs turns the docs off",
 }
 
 

@@ -21,6 +21,7 @@ def sparrow_register_tool_parsers(register: Callable[..., None]) -> None:
     register("mistral", "sparrow.entrypoints.openai.tool_parsers.mistral:MistralToolParser")
     register("pythonic", "sparrow.entrypoints.openai.tool_parsers.pythonic:PythonicToolParser")
     register("qwen3_coder", "sparrow.entrypoints.openai.tool_parsers.qwen3_coder:Qwen3CoderToolParser")
+    register("deepseek_v3", "sparrow.entrypoints.openai.tool_parsers.deepseek_v3:DeepSeekV3ToolParser")
 
 
 @hookimpl

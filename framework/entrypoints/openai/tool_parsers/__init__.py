@@ -1,7 +1,7 @@
 """Tool parsers: turn a model's output text into OpenAI tool calls (``tool_choice: "auto"``).
 
-The built-in ones (``hermes``, ``llama3_json``; ``mistral``, ``pythonic`` and ``qwen3_coder`` by
-import path, loaded when chosen) register through ``sparrow_register_tool_parsers`` like a
+The built-in ones (``hermes``, ``llama3_json``; ``mistral``, ``pythonic``, ``qwen3_coder`` and
+``deepseek_v3`` by import path, loaded when chosen) register through ``sparrow_register_tool_parsers`` like a
 plugin's (``sparrow.entrypoints.openai.parser_hooks``).
 """
 

@@ -172,7 +172,7 @@ def convert_value(text: str, schema: Any) -> Any:
     return text
 
 
-def _tool_parameters(request: Any) -> dict[str, dict[str, Any]]:
+def tool_parameters(request: Any) -> dict[str, dict[str, Any]]:
     """Each tool's name -> its parameters' ``properties`` schemas, from the request's tools."""
     found: dict[str, dict[str, Any]] = {}
     for tool in getattr(request, "tools", None) or []:
@@ -202,7 +202,7 @@ class Qwen3CoderToolParser(StreamingToolParser):
         super().__init__(tokenizer, request)
         # text -> open -> name -> body <-> (param_name -> value) -> next -> (name | between) ...
         self._phase = "text"
-        self._tools = _tool_parameters(request)
+        self._tools = tool_parameters(request)
         self._properties: dict[str, Any] = {}  # of the current call's function
         self._params: set[str] = set()  # written so far in the current call
         self._arguments = ""  # the current call's arguments JSON so far (without the closing brace)

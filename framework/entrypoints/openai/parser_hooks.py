@@ -23,6 +23,7 @@ def sparrow_register_tool_parsers(register: Callable[..., None]) -> None:
     register("qwen3_coder", "sparrow.entrypoints.openai.tool_parsers.qwen3_coder:Qwen3CoderToolParser")
     register("deepseek_v3", "sparrow.entrypoints.openai.tool_parsers.deepseek_v3:DeepSeekV3ToolParser")
     register("glm45", "sparrow.entrypoints.openai.tool_parsers.glm45:Glm45ToolParser")
+    register("kimi_k2", "sparrow.entrypoints.openai.tool_parsers.kimi_k2:KimiK2ToolParser")
 
 
 @hookimpl

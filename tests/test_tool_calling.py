@@ -154,7 +154,8 @@ def test_a_tool_parser_name_clash_names_both_plugins():
 
 def test_bad_parser_flags_are_one_cli_line_before_the_model_loads(tmp_path):
     for flags, phrase in [(["--tool-call-parser", "nope"], "--tool-call-parser: unknown tool parser 'nope'; "
-                                                           "registered: hermes, llama3_json"),
+                                                           "registered: deepseek_v3, glm45, granite, hermes, "
+                                                           "kimi_k2, llama3_json"),
                           (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
                           (["--reasoning-parser", "nope"], "'reasoning_parser': unknown reasoning parser 'nope'")]:
         # No model is named: the parser flags are checked before the (built-in) model is even resolved or loaded.
@@ -181,7 +182,8 @@ def test_a_tool_parser_plugin_file_registers_its_parsers_and_bad_files_are_one_c
     broken.write_text("import not_a_module_anywhere\n")
     for flags, phrase in [
             (["--tool-parser-plugin", str(PLUGIN_FILE), "--tool-call-parser", "nope"],
-             "--tool-call-parser: unknown tool parser 'nope'; registered: hermes, hermes_from_file, llama3_json"),
+             "--tool-call-parser: unknown tool parser 'nope'; registered: deepseek_v3, glm45, granite, hermes, "
+             "hermes_from_file, kimi_k2, llama3_json"),
             (["--tool-parser-plugin", str(tmp_path / "missing.py")], "--tool-parser-plugin: no such file"),
             (["--tool-parser-plugin", str(no_hook)], "defines no sparrow_register_tool_parsers hook"),
             (["--tool-parser-plugin", str(broken)], "failed to import: ModuleNotFoundError")]:

@@ -24,6 +24,7 @@ def sparrow_register_tool_parsers(register: Callable[..., None]) -> None:
     register("deepseek_v3", "sparrow.entrypoints.openai.tool_parsers.deepseek_v3:DeepSeekV3ToolParser")
     register("glm45", "sparrow.entrypoints.openai.tool_parsers.glm45:Glm45ToolParser")
     register("kimi_k2", "sparrow.entrypoints.openai.tool_parsers.kimi_k2:KimiK2ToolParser")
+    register("granite", "sparrow.entrypoints.openai.tool_parsers.granite:GraniteToolParser")
 
 
 @hookimpl

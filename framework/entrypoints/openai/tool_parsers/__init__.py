@@ -1,7 +1,7 @@
 """Tool parsers: turn a model's output text into OpenAI tool calls (``tool_choice: "auto"``).
 
 The built-in ones (``hermes``, ``llama3_json``; ``mistral``, ``pythonic``, ``qwen3_coder``,
-``deepseek_v3``, ``glm45`` and ``kimi_k2`` by import path, loaded when chosen) register through
+``deepseek_v3``, ``glm45``, ``kimi_k2`` and ``granite`` by import path, loaded when chosen) register through
 ``sparrow_register_tool_parsers`` like a plugin's (``sparrow.entrypoints.openai.parser_hooks``).
 """
 

@@ -265,8 +265,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--tool-call-parser", default=None, metavar="NAME",
                         help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json "
                              "(Llama 3.x), mistral, pythonic (Llama 3.2/4), qwen3_coder, deepseek_v3 (DeepSeek-V3, "
-                             "R1), glm45 (GLM-4.5/4.6), kimi_k2, granite (Granite 3.x), or a plugin's (`sparrow "
-                             "plugins` lists them) (default: none)")
+                             "R1), glm45 (GLM-4.5/4.6), kimi_k2, granite (Granite 3.x), phi4_mini_json, or a "
+                             "plugin's (`sparrow plugins` lists them) (default: none)")
     server.add_argument("--tool-parser-plugin", default=None, metavar="FILE",
                         help="a Python file that registers tool parsers (a sparrow_register_tool_parsers hook "
                              "implementation), loaded before --tool-call-parser is looked up: a parser that is "

@@ -25,6 +25,7 @@ def sparrow_register_tool_parsers(register: Callable[..., None]) -> None:
     register("glm45", "sparrow.entrypoints.openai.tool_parsers.glm45:Glm45ToolParser")
     register("kimi_k2", "sparrow.entrypoints.openai.tool_parsers.kimi_k2:KimiK2ToolParser")
     register("granite", "sparrow.entrypoints.openai.tool_parsers.granite:GraniteToolParser")
+    register("phi4_mini_json", "sparrow.entrypoints.openai.tool_parsers.phi4_mini_json:Phi4MiniJsonToolParser")
 
 
 @hookimpl

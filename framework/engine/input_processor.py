@@ -356,7 +356,8 @@ class InputProcessor:
                 raise InvalidArgumentError(f"stop_token_ids: {token_id} is outside the vocabulary "
                                            f"[0, {self.vocab_size}) ({name})", "stop_token_ids")
         for field_name, token_ids in (("logit_bias", params.logit_bias or {}),
-                                      ("allowed_token_ids", params.allowed_token_ids or [])):
+                                      ("allowed_token_ids", params.allowed_token_ids or []),
+                                      ("logprob_token_ids", params.logprob_token_ids or [])):
             for token_id in token_ids:
                 if token_id >= self.vocab_size:
                     raise InvalidArgumentError(f"{field_name}: token id {token_id} is outside the vocabulary "
@@ -378,7 +379,7 @@ class InputProcessor:
             all_stop_token_ids=_dedupe(eos_ids[:1] + stop_token_ids),
             bad_words_token_ids=request_bad_words(self.tokenizer, self.vocab_size, name, params),
             thinking_markers=thinking_markers(self.reasoning_parser, prompt_token_ids, name, params),
-            **logprob_token_ids_changes(params, self.vocab_size, self.max_logprobs, name),
+            **logprob_token_ids_changes(params, self.max_logprobs, name),
         )
         for processor_cls in self.logits_processor_classes:
             processor_cls.validate_params(resolved)

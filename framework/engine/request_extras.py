@@ -32,16 +32,13 @@ def thinking_markers(parser: Any, prompt_token_ids: list[int], name: str, params
     return markers
 
 
-def logprob_token_ids_changes(params: Any, vocab_size: int, max_logprobs: int, name: str) -> dict[str, Any]:
+def logprob_token_ids_changes(params: Any, max_logprobs: int, name: str) -> dict[str, Any]:
     """The SamplingParams changes logprob_token_ids need: none without them, else ``logprobs=0``
-    when the request asked for no top logprobs."""
+    when the request asked for no top logprobs (their ids were checked against the vocabulary
+    with the other token-id fields)."""
     token_ids = params.logprob_token_ids
     if not token_ids:
         return {}
-    for token_id in token_ids:
-        if token_id >= vocab_size:
-            raise InvalidArgumentError(f"logprob_token_ids: token id {token_id} is outside the vocabulary "
-                                       f"[0, {vocab_size}) ({name})", "logprob_token_ids")
     if len(token_ids) > max_logprobs:
         raise InvalidArgumentError(f"logprob_token_ids: {len(token_ids)} ids exceed the maximum of {max_logprobs} "
                                    f"(the engine argument max_logprobs) ({name})", "logprob_token_ids")

@@ -31,7 +31,7 @@ filters of steps 2 and 6 (grammar bitmask, min-p, top-k/top-p) are ``sparrow.sam
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -149,13 +149,11 @@ class Sampler:
             if processed:
                 assert processed_logits is not None  # _sample keeps them when asked
                 source = processed_logits
-            logprobs = _logprobs(source, sampled, metadata.max_num_logprobs, metadata.logprob_rows,
-                                 normalize=self.logprobs_mode.endswith("logprobs"))
-            if metadata.logprob_token_ids is not None:
-                extra = _requested_logprobs(source, metadata.logprob_token_ids,
-                                            normalize=self.logprobs_mode.endswith("logprobs"))
-                return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs,
-                                     num_logprobs=metadata.num_logprobs, extra_logprobs=extra)
+            logprobs, extra = _logprobs(source, sampled, metadata.max_num_logprobs, metadata.logprob_rows,
+                                        normalize=self.logprobs_mode.endswith("logprobs"),
+                                        num_logprobs=metadata.num_logprobs, requested=metadata.logprob_token_ids)
+            return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs, num_logprobs=metadata.num_logprobs,
+                                 extra_logprobs=extra)
         return SamplerOutput(
             sampled_token_ids=sampled, logprobs=logprobs, num_logprobs=metadata.num_logprobs
         )
@@ -211,35 +209,41 @@ def _temperature_only(metadata: SamplingMetadata) -> bool:
 
 
 def _logprobs(logits: torch.Tensor, sampled: torch.Tensor, k: int, rows: torch.Tensor | None,
-              normalize: bool = True) -> LogprobsTensors:
+              normalize: bool = True, num_logprobs: list[int | None] | None = None,
+              requested: list[list[int] | None] | None = None
+              ) -> tuple[LogprobsTensors, dict[int, tuple[list[int], list[float], list[int]]] | None]:
     """The reported logprobs, [B, 1 + k] in batch order, from ``logits`` (log-softmaxed when
     ``normalize``, as they are otherwise: the ``*_logits`` modes); with ``rows`` (some rows
-    asked), computed for those rows alone and placed at them (zeros elsewhere, never read)."""
-    def values(selected: torch.Tensor) -> torch.Tensor:
-        return selected.log_softmax(dim=-1) if normalize else selected
-
+    asked), computed for those rows alone and placed at them (zeros elsewhere, never read).
+    ``requested``: per row, its logprob_token_ids (rows that set them asked for logprobs too);
+    their values and ranks, from the same values, come back as ``{row: (ids, values, ranks)}``."""
+    selected = logits if rows is None else logits.index_select(0, rows)
+    values = selected.log_softmax(dim=-1) if normalize else selected
+    tensors = gather_logprobs(values, sampled if rows is None else sampled.index_select(0, rows), k)
+    if rows is not None:
+        tensors = tensors.placed_at(rows, logits.shape[0])
+    if requested is None:
+        return tensors, None
+    # batch row -> its row in ``values``: the rows that asked for logprobs, in batch order.
+    asking: Sequence[int]
     if rows is None:
-        return gather_logprobs(values(logits), sampled, k)
-    subset = gather_logprobs(values(logits.index_select(0, rows)), sampled.index_select(0, rows), k)
-    return subset.placed_at(rows, logits.shape[0])
-
-
-def _requested_logprobs(logits: torch.Tensor, requested: list[list[int] | None], normalize: bool
-                        ) -> dict[int, tuple[list[int], list[float], list[int]]]:
-    """logprob_token_ids: for each row that asked, its ids' values (log-softmaxed when
-    ``normalize``) and ranks in the full distribution (1 + the tokens with a greater value)."""
-    rows = [row for row, ids in enumerate(requested) if ids]
-    values = logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=logits.device))
-    if normalize:
-        values = values.log_softmax(dim=-1)
-    extra = {}
-    for index, row in enumerate(rows):
-        token_ids = requested[row] or []
-        ids = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
-        chosen = values[index].index_select(0, ids)  # [M]
-        ranks = (values[index].unsqueeze(0) > chosen.unsqueeze(1)).sum(dim=1) + 1
-        extra[row] = (list(token_ids), chosen.float().cpu().tolist(), ranks.cpu().tolist())
-    return extra
+        asking = range(len(requested))
+    else:
+        asking = [row for row, n in enumerate(num_logprobs or []) if n is not None]
+    position = {row: index for index, row in enumerate(asking)}
+    asked = [(row, ids) for row, ids in enumerate(requested) if ids]
+    chosen, ranks = [], []
+    for row, ids in asked:  # [M] each; one host copy for all of them below
+        row_values = values[position[row]]
+        picked = row_values.index_select(0, torch.tensor(ids, dtype=torch.int64, device=logits.device))
+        chosen.append(picked.float())
+        ranks.append((row_values.unsqueeze(0) > picked.unsqueeze(1)).sum(dim=1) + 1)
+    chosen_lists, rank_lists = torch.cat(chosen).cpu().tolist(), torch.cat(ranks).cpu().tolist()
+    extra, at = {}, 0
+    for row, ids in asked:
+        extra[row] = (list(ids), chosen_lists[at:at + len(ids)], rank_lists[at:at + len(ids)])
+        at += len(ids)
+    return tensors, extra
 
 
 def draw(

@@ -20,75 +20,20 @@ from __future__ import annotations
 
 import re
 
-from sparrow.entrypoints.openai.tool_parsers.base import StreamingToolParser
 from sparrow.entrypoints.openai.tool_parsers.json_scanner import ArgumentsScanner
+from sparrow.entrypoints.openai.tool_parsers.sectioned import WHITESPACE, SectionToolParser
 
-_WHITESPACE = " \t\r\n"
 # A call's header after <｜tool▁call▁begin｜>: its type, the separator, the name, the opening fence.
 _HEADER = re.compile(r"([A-Za-z_]*)<｜tool▁sep｜>([^\n`<]+?)\s*\n?```(?:json)?[ \t]*\r?\n")
 
 
-class DeepSeekV3ToolParser(StreamingToolParser):
-    keeps_special_tokens = True
-    calls_start = "<｜tool▁calls▁begin｜>"
-    calls_end = "<｜tool▁calls▁end｜>"
+class DeepSeekV3ToolParser(SectionToolParser):
+    section_starts = ("<｜tool▁calls▁begin｜>",)
+    section_ends = ("<｜tool▁calls▁end｜>",)
     call_start = "<｜tool▁call▁begin｜>"
     call_end = "<｜tool▁call▁end｜>"
-
-    def __init__(self, tokenizer=None, request=None) -> None:
-        super().__init__(tokenizer, request)
-        self._phase = "text"  # text -> calls -> (header -> call -> close -> calls)* -> after
-
-    def _step(self, final: bool) -> bool:
-        phase = self._phase
-        if phase == "text":
-            found = self._answer_until(self.calls_start, final)
-            if found < 0:
-                return False
-            self.pos = found + len(self.calls_start)
-            self._phase = "calls"
-            return True
-        if phase == "calls":
-            return self._between_calls(final)
-        if phase == "header":
-            return self._header(final)
-        if phase == "call":
-            outcome = self._scan_call(final)
-            if outcome == "done":
-                self._phase = "close"
-            return outcome != "wait"
-        if phase == "close":  # the closing fence, then <｜tool▁call▁end｜>
-            found = self._skip_until(self.call_end)
-            if found < 0:
-                if final:
-                    self._fail("the output ended before <｜tool▁call▁end｜>")
-                    return True
-                return False
-            if self.text[self.pos:found].strip(_WHITESPACE + "`"):
-                self._fail("text after a call's arguments")
-                return True
-            self.pos = found + len(self.call_end)
-            self._phase = "calls"
-            return True
-        self.pos = len(self.text)  # after <｜tool▁calls▁end｜>: not part of the reply
-        return False
-
-    def _between_calls(self, final: bool) -> bool:
-        while self.pos < len(self.text) and self.text[self.pos] in _WHITESPACE:
-            self.pos += 1
-        rest = self.text[self.pos:]
-        for marker, phase in ((self.call_start, "header"), (self.calls_end, "after")):
-            if rest.startswith(marker):
-                self.pos += len(marker)
-                self._phase = phase
-                return True
-        if not final and (self.call_start.startswith(rest) or self.calls_end.startswith(rest)):
-            return False  # nothing yet, or the start of a marker
-        if self.calls or not rest:
-            self._phase = "after"  # the calls ended without their closing marker
-            return True
-        self._fail("<｜tool▁calls▁begin｜> is not followed by a call")
-        return True
+    after_arguments = WHITESPACE + "`"  # the closing fence
+    no_call_reason = "<｜tool▁calls▁begin｜> is not followed by a call"
 
     def _header(self, final: bool) -> bool:
         match = _HEADER.match(self.text, self.pos)
@@ -101,7 +46,7 @@ class DeepSeekV3ToolParser(StreamingToolParser):
         # The call is announced only once its arguments are seen to open (a stream cannot take a
         # call back, so "[...]" there is found malformed before anything went out).
         at = match.end()
-        while at < len(self.text) and self.text[at] in _WHITESPACE:
+        while at < len(self.text) and self.text[at] in WHITESPACE:
             at += 1
         if at == len(self.text):
             if final:

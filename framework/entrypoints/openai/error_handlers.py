@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sparrow.engine.exceptions import EngineDeadError
 from sparrow.entrypoints.openai.http_guards import error_response
 from sparrow.entrypoints.openai.request_checks import validation_message
-from sparrow.entrypoints.openai.serving_engine import APIError, engine_dead
+from sparrow.entrypoints.openai.serving_engine import APIError, bad_request, engine_dead
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,14 @@ def log_error_stack(enabled: bool, status_code: int, exc: BaseException) -> None
     """With --log-error-stack, log the stack behind an error response of ``status_code``."""
     if enabled:
         logger.error("error response %d: %s\n%s", status_code, exc, error_stack(exc))
+
+
+def stream_error(exc: EngineDeadError | ValueError, enabled: bool) -> APIError:
+    """The error a stream that already started ends with: 503 for a dead engine, else 400 (the
+    engine core rejected a request); its stack logged with --log-error-stack (``enabled``)."""
+    error = engine_dead(exc) if isinstance(exc, EngineDeadError) else bad_request(exc)
+    log_error_stack(enabled, error.status_code, exc)
+    return error
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sparrow.engine.exceptions import EngineDeadError
 from sparrow.entrypoints.openai.chat_output import ChoiceStream, ReplyParsers
-from sparrow.entrypoints.openai.error_handlers import log_error_stack
+from sparrow.entrypoints.openai.error_handlers import stream_error
 from sparrow.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -39,9 +39,7 @@ from sparrow.entrypoints.openai.serving_completion import prompt_logprobs_json
 from sparrow.entrypoints.openai.serving_engine import (
     APIError,
     OpenAIServing,
-    bad_request,
     collect_final,
-    engine_dead,
     field_error,
     logprob_entry,
     usage,
@@ -366,10 +364,6 @@ class OpenAIServingChat(OpenAIServing):
                 chunk = ChatCompletionStreamResponse(id=request_id, model=model, choices=[],
                                                      usage=usage(prompt_tokens, completion_tokens, cached))
                 yield f"data: {chunk.model_dump_json()}\n\n"
-        except EngineDeadError as exc:
-            log_error_stack(self.log_error_stack, 503, exc)
-            yield f"data: {json.dumps(engine_dead(exc).body())}\n\n"
-        except ValueError as exc:
-            log_error_stack(self.log_error_stack, 400, exc)
-            yield f"data: {json.dumps(bad_request(exc).body())}\n\n"
+        except (EngineDeadError, ValueError) as exc:  # after the stream started
+            yield f"data: {json.dumps(stream_error(exc, self.log_error_stack).body())}\n\n"
         yield "data: [DONE]\n\n"

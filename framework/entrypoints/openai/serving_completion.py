@@ -18,7 +18,7 @@ from sparrow.engine.prompt_embeds import (
     engine_prompt_length,
     refuse_disabled,
 )
-from sparrow.entrypoints.openai.error_handlers import log_error_stack
+from sparrow.entrypoints.openai.error_handlers import stream_error
 from sparrow.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -33,10 +33,8 @@ from sparrow.entrypoints.openai.request_checks import check_unicode, not_support
 from sparrow.entrypoints.openai.serving_engine import (
     APIError,
     OpenAIServing,
-    bad_request,
     clamp_logprob,
     collect_finals,
-    engine_dead,
     field_error,
     token_label,
     usage,
@@ -346,11 +344,6 @@ class OpenAIServingCompletion(OpenAIServing):
                                                  usage=usage(sum(prompt_tokens.values()), completion_tokens,
                                                              self.cached(list(latest.values()))))
                 yield f"data: {chunk.model_dump_json()}\n\n"
-        except EngineDeadError as exc:
-            log_error_stack(self.log_error_stack, 503, exc)
-            yield f"data: {json.dumps(engine_dead(exc).body())}\n\n"
-        except ValueError as exc:
-            # The engine core rejected a request after the stream started.
-            log_error_stack(self.log_error_stack, 400, exc)
-            yield f"data: {json.dumps(bad_request(exc).body())}\n\n"
+        except (EngineDeadError, ValueError) as exc:  # after the stream started
+            yield f"data: {json.dumps(stream_error(exc, self.log_error_stack).body())}\n\n"
         yield "data: [DONE]\n\n"

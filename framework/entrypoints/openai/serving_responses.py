@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sparrow.engine.exceptions import EngineDeadError
 from sparrow.entrypoints.openai.chat_output import ReplyParsers
-from sparrow.entrypoints.openai.error_handlers import log_error_stack
+from sparrow.entrypoints.openai.error_handlers import stream_error
 from sparrow.entrypoints.openai.protocol_responses import (
     DeletedResponse,
     IncompleteDetails,
@@ -73,9 +73,7 @@ from sparrow.entrypoints.openai.serving_chat import render_prompt, template_requ
 from sparrow.entrypoints.openai.serving_engine import (
     APIError,
     OpenAIServing,
-    bad_request,
     collect_final,
-    engine_dead,
     field_error,
 )
 from sparrow.entrypoints.openai.streams import cancel_on_disconnect, merge_streams
@@ -322,9 +320,7 @@ class OpenAIServingResponses(OpenAIServing):
                     for event in builder.feed(completion):
                         yield event
         except (EngineDeadError, ValueError) as exc:
-            error = engine_dead(exc) if isinstance(exc, EngineDeadError) else bad_request(exc)
-            error = in_responses_words(error, pending.conversation)
-            log_error_stack(self.log_error_stack, error.status_code, exc)
+            error = in_responses_words(stream_error(exc, self.log_error_stack), pending.conversation)
             yield {"type": "error", "code": error.code, "message": error.message, "param": error.param}
             code = "server_error" if isinstance(exc, EngineDeadError) else "invalid_prompt"
             failed = pending.response("failed", error=ResponseError(code=code, message=error.message))

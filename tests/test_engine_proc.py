@@ -149,6 +149,8 @@ def test_utility_calls_return_typed_results_and_fail_by_name(sync_client):
         sync_client.call_utility("fly")
     with pytest.raises(RuntimeError, match="no utility method '_schedule'"):
         sync_client.call_utility("_schedule")
+    with pytest.raises(RuntimeError, match="no utility method '_schedule_request'"):  # core_pause's helpers
+        sync_client.call_utility("_schedule_request", None)
 
 
 def test_abort_frees_the_blocks_of_a_running_request():

@@ -94,6 +94,7 @@ class AsyncLLM(AsyncOutputHandling, AsyncEngineUtilities):
         self._external_ids: dict[str, str] = {}
         self._dead_error: EngineDeadError | None = None
         self._dead_event = asyncio.Event()
+        self._outputs_delivered = asyncio.Event()  # set after every batch of outputs and abort
         self._output_handler: asyncio.Task | None = None
         # The event loop this engine belongs to: that of its first request or utility call.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -357,6 +358,7 @@ class AsyncLLM(AsyncOutputHandling, AsyncEngineUtilities):
 
     def _abort_now(self, request_ids: list[str]) -> None:
         engine_ids = self.output_processor.abort_requests(request_ids)
+        self._outputs_delivered.set()
         for engine_id in engine_ids:
             self._engine_request_done(engine_id, "abort")
         if engine_ids and not self.errored:

@@ -36,9 +36,13 @@ class AsyncOutputHandling:
     _output_handler: asyncio.Task | None
     _dead_error: EngineDeadError | None
     _dead_event: asyncio.Event
+    _outputs_delivered: asyncio.Event
 
     # Provided by the host class.
     def _abort_now(self, request_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    def _raise_if_dead(self) -> None:
         raise NotImplementedError
 
     def _engine_request_done(self, engine_id: str, finish_reason: str, stats: IterationStats | None = None) -> None:
@@ -94,7 +98,16 @@ class AsyncOutputHandling:
             await asyncio.sleep(stat_loggers.seconds_until_due(time.monotonic()))
             stat_loggers.maybe_log(time.monotonic())
 
+    async def _wait_until_delivered(self, request_ids: set[str]) -> None:
+        """Return once each of these engine-core requests has had its final output delivered
+        (the output processor has forgotten it); raise if the engine dies meanwhile."""
+        while request_ids & self.output_processor.unfinished_request_ids():
+            self._raise_if_dead()
+            self._outputs_delivered.clear()
+            await self._outputs_delivered.wait()  # set by every batch, abort and death
+
     def _process_outputs(self, core_outputs: list[EngineCoreOutput], now: float, stats: IterationStats) -> None:
+        self._outputs_delivered.set()
         if any(output.error_message is not None for output in core_outputs):
             core_outputs = self._fail_rejected(core_outputs, stats)
         self._request_stats.update_from_outputs(stats, core_outputs, now)
@@ -131,3 +144,4 @@ class AsyncOutputHandling:
         for collector in self._collectors.values():
             collector.put(error)
         self._dead_event.set()
+        self._outputs_delivered.set()

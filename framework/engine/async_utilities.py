@@ -10,7 +10,6 @@ the liveness checks ``_raise_if_dead`` / ``_bind_loop``. A call to a dead engine
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import warnings
 from collections.abc import AsyncGenerator, Callable
@@ -130,9 +129,7 @@ class AsyncEngineUtilities:
         unfinished = self.output_processor.unfinished_request_ids()
         await self._call_utility("pause_scheduler", mode, clear_cache and mode != "wait")
         if mode != "keep":  # their last outputs (the aborts, or the ends of the drained requests)
-            while unfinished & self.output_processor.unfinished_request_ids():
-                self._raise_if_dead()
-                await asyncio.sleep(0.005)
+            await self._wait_until_delivered(unfinished)
         if mode == "wait" and clear_cache:
             await self._call_utility("reset_prefix_cache")
 

@@ -120,9 +120,9 @@ class EngineCore:
         if self.pause_state.paused:
             self.pause_state.held.append(core_request)  # scheduled on resume (core_pause)
             return
-        self.schedule_request(core_request)
+        self._schedule_request(core_request)
 
-    def schedule_request(self, core_request: Request) -> None:
+    def _schedule_request(self, core_request: Request) -> None:
         """Hand a checked request to the scheduler (ValueError: it can never run)."""
         try:
             self.scheduler.add_request(core_request)
@@ -332,10 +332,12 @@ class EngineCore:
     def is_scheduler_paused(self) -> bool:
         return self.pause_state.paused
 
-    def defer_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+    # For core_pause. Private: a utility call (EngineCoreProc refuses names with a leading "_")
+    # cannot reach them.
+    def _defer_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         self._deferred.extend(outputs)
 
-    def take_deferred_outputs(self) -> EngineCoreOutputs | None:
+    def _take_deferred_outputs(self) -> EngineCoreOutputs | None:
         """The outputs made between steps, now (EngineCoreProc sends them before a utility call's
         answer, so that a caller of pause_generation has seen them when the call returns)."""
         if not self._deferred:
@@ -343,7 +345,7 @@ class EngineCore:
         outputs, self._deferred = self._deferred, []
         return self._outputs(outputs)
 
-    def finish_steps_in_flight(self) -> None:
+    def _finish_steps_in_flight(self) -> None:
         """Collect every step still running (overlapped scheduling); its outputs are deferred."""
         while self._in_flight:
             scheduler_output, future = self._in_flight.popleft()

@@ -61,7 +61,7 @@ class PauseState:
 def pause(core: EngineCore, mode: str, clear_cache: bool) -> None:
     check_pause_mode(mode)
     if mode != "wait":
-        core.finish_steps_in_flight()
+        core._finish_steps_in_flight()
     state = core.pause_state
     state.mode = mode
     scheduler = core.scheduler
@@ -69,7 +69,7 @@ def pause(core: EngineCore, mode: str, clear_cache: bool) -> None:
         request_ids = [*getattr(scheduler, "requests", {}), *(request.request_id for request in state.held)]
         scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         state.held = []
-        core.defer_outputs([EngineCoreOutput(request_id=request_id, new_token_ids=[],
+        core._defer_outputs([EngineCoreOutput(request_id=request_id, new_token_ids=[],
                                              finish_reason=FinishReason.ABORT) for request_id in request_ids])
     if clear_cache and mode != "wait":
         if mode == "keep":
@@ -89,8 +89,8 @@ def resume(core: EngineCore) -> None:
     held, state.held, state.mode = state.held, [], None
     for request in held:
         try:
-            core.schedule_request(request)
+            core._schedule_request(request)
         except Exception as exc:  # noqa: BLE001 - a request that cannot be scheduled fails alone
-            core.defer_outputs([EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+            core._defer_outputs([EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
                                                  finish_reason=FinishReason.ABORT, error_message=str(exc),
                                                  error_field=getattr(exc, "field", None))])

@@ -154,7 +154,7 @@ class EngineCoreProc:
             output.result = result
         except Exception as exc:  # noqa: BLE001 - a failed utility call fails only its caller
             output.failure_message = f"{type(exc).__name__}: {exc}"
-        deferred = self.engine_core.take_deferred_outputs()  # e.g. a pause's: they go out first
+        deferred = self.engine_core._take_deferred_outputs()  # e.g. a pause's: they go out first
         if deferred is not None:
             self.output_queue.put(deferred)
         self.output_queue.put(EngineCoreOutputs(utility_output=output))

@@ -42,10 +42,12 @@ def test_the_requested_tokens_logprobs_and_ranks(llm, hf_steps):
     params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprob_token_ids=REQUESTED),
               SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=2,
                              logprob_token_ids=REQUESTED),
-              SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS)]  # beside one without
-    outputs = llm.generate([{"prompt_token_ids": PROMPT}] * 3, params, use_tqdm=False)
-    only_ids, with_top, plain = (output.outputs[0] for output in outputs)
-    assert only_ids.token_ids == with_top.token_ids == plain.token_ids == tokens
+              SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS),  # beside one without
+              # and one asking for fewer ids (the batch's lists have different lengths)
+              SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprob_token_ids=[42])]
+    outputs = llm.generate([{"prompt_token_ids": PROMPT}] * 4, params, use_tqdm=False)
+    only_ids, with_top, plain, one_id = (output.outputs[0] for output in outputs)
+    assert only_ids.token_ids == with_top.token_ids == plain.token_ids == one_id.token_ids == tokens
     assert plain.logprobs is None
     requested = list(dict.fromkeys(REQUESTED))
     for position, (token, reference) in enumerate(zip(tokens, logprobs)):
@@ -53,9 +55,11 @@ def test_the_requested_tokens_logprobs_and_ranks(llm, hf_steps):
         assert list(only_ids.logprobs[position]) == [token] + [t for t in requested if t != token]
         expected = list(dict.fromkeys([token, *top2, *requested]))
         assert sorted(with_top.logprobs[position]) == sorted(expected)
-        for token_id, entry in with_top.logprobs[position].items():
-            assert entry.logprob == pytest.approx(reference[token_id].item(), abs=1e-4)
-            assert entry.rank == int((reference > reference[token_id]).sum()) + 1
+        assert list(one_id.logprobs[position]) == list(dict.fromkeys([token, 42]))
+        for entries in (with_top.logprobs[position], one_id.logprobs[position]):
+            for token_id, entry in entries.items():
+                assert entry.logprob == pytest.approx(reference[token_id].item(), abs=1e-4)
+                assert entry.rank == int((reference > reference[token_id]).sum()) + 1
 
 
 def test_bad_ids_are_refused_naming_the_field(llm):

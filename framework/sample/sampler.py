@@ -232,17 +232,16 @@ def _logprobs(logits: torch.Tensor, sampled: torch.Tensor, k: int, rows: torch.T
         asking = [row for row, n in enumerate(num_logprobs or []) if n is not None]
     position = {row: index for index, row in enumerate(asking)}
     asked = [(row, ids) for row, ids in enumerate(requested) if ids]
-    chosen, ranks = [], []
-    for row, ids in asked:  # [M] each; one host copy for all of them below
-        row_values = values[position[row]]
-        picked = row_values.index_select(0, torch.tensor(ids, dtype=torch.int64, device=logits.device))
-        chosen.append(picked.float())
-        ranks.append((row_values.unsqueeze(0) > picked.unsqueeze(1)).sum(dim=1) + 1)
-    chosen_lists, rank_lists = torch.cat(chosen).cpu().tolist(), torch.cat(ranks).cpu().tolist()
-    extra, at = {}, 0
-    for row, ids in asked:
-        extra[row] = (list(ids), chosen_lists[at:at + len(ids)], rank_lists[at:at + len(ids)])
-        at += len(ids)
+    # One gather and one comparison for every asking row: ids padded to the longest list.
+    width = max(len(ids) for _, ids in asked)
+    padded = torch.tensor([list(ids) + [ids[0]] * (width - len(ids)) for _, ids in asked], dtype=torch.int64)
+    source_rows = torch.tensor([position[row] for row, _ in asked], dtype=torch.int64, device=logits.device)
+    row_values = values.index_select(0, source_rows)  # [R, V]
+    picked = row_values.gather(1, padded.to(logits.device))  # [R, width]
+    ranks = (row_values.unsqueeze(1) > picked.unsqueeze(2)).sum(dim=2) + 1  # [R, width]
+    chosen_lists, rank_lists = picked.float().cpu().tolist(), ranks.cpu().tolist()
+    extra = {row: (list(ids), chosen_lists[i][:len(ids)], rank_lists[i][:len(ids)])
+             for i, (row, ids) in enumerate(asked)}
     return tensors, extra
 
 

@@ -9,24 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sparrow.logprobs import FlatLogprobs, Logprob, PromptLogprobs, SampleLogprobs
 
-@dataclass(slots=True)
-class Logprob:
-    """The log probability of one token at one position.
-
-    ``rank`` is 1-based in the full distribution; ``decoded_token`` is the token decoded on its
-    own (None when detokenization is off).
-    """
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-# One dict per position: token id -> Logprob, the chosen (or prompt) token first, then the top-k.
-SampleLogprobs = list[dict[int, Logprob]]
-# Position 0 is None: the first prompt token has no context to be predicted from.
-PromptLogprobs = list[dict[int, Logprob] | None]
+__all__ = ["ClassificationOutput", "ClassificationRequestOutput", "CompletionOutput", "EmbeddingOutput",
+           "EmbeddingRequestOutput", "FlatLogprobs", "Logprob", "PoolingOutput", "PoolingRequestOutput",
+           "PromptLogprobs", "RequestMetrics", "RequestOutput", "SampleLogprobs", "ScoringOutput",
+           "ScoringRequestOutput"]
 
 
 @dataclass(slots=True)

@@ -110,6 +110,9 @@ class SamplingParams(
     # vLLM's: True computes the whole prompt, reading nothing from the prefix cache (what it computes
     # is still cached for others); None: only when prompt_logprobs need every prompt position.
     skip_reading_prefix_cache: bool | None = None
+    # vLLM's: logprobs and prompt_logprobs come as a sparrow.logprobs.FlatLogprobs (flat lists that
+    # read as the list of dicts), which costs the garbage collector far less on long outputs.
+    flat_logprobs: bool = False
 
     def __post_init__(self) -> None:
         self._check_older_names()
@@ -157,7 +160,7 @@ class SamplingParams(
             if getattr(self, name) is not None:
                 setattr(self, name, _int(name, getattr(self, name)))
         for name in ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
-                     "include_stop_str_in_output"):
+                     "include_stop_str_in_output", "flat_logprobs"):
             setattr(self, name, _bool(name, getattr(self, name)))
         if isinstance(self.output_kind, bool) or self.output_kind not in tuple(RequestOutputKind):
             _fail("output_kind", f"must be one of {[kind.name for kind in RequestOutputKind]}", self.output_kind)

@@ -18,6 +18,7 @@ from sparrow.engine.messages import EngineCoreOutput, EngineCoreRequest
 from sparrow.engine.parallel_sampling import make_child_requests
 from sparrow.engine.pooling_io import pooled_output
 from sparrow.errors import InvalidArgumentError
+from sparrow.logprobs import FlatLogprobs
 from sparrow.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from sparrow.sampling_params import RequestOutputKind
 from sparrow.worker.outputs import TokenLogprobs
@@ -61,6 +62,16 @@ def convert_logprobs(entry: TokenLogprobs, decoder: TokenDecoder | None) -> dict
     }
 
 
+def append_logprobs(positions: SampleLogprobs | PromptLogprobs | FlatLogprobs, entry: TokenLogprobs,
+                    decoder: TokenDecoder | None) -> None:
+    """One more position, into the list form or straight into a FlatLogprobs (no dict built)."""
+    if isinstance(positions, FlatLogprobs):
+        decoded = [decoder.decode_token(token_id) if decoder is not None else None for token_id in entry.token_ids]
+        positions.append_position(entry.token_ids, entry.logprobs, entry.ranks, decoded)
+    else:
+        positions.append(convert_logprobs(entry, decoder))
+
+
 @dataclass(slots=True)
 class RequestState:
     """Everything the frontend remembers about one engine-core request."""
@@ -99,13 +110,12 @@ class RequestState:
 
     def record_logprobs(self, output: EngineCoreOutput) -> None:
         if output.new_prompt_logprobs and self.prompt_logprobs is not None:
-            self.prompt_logprobs.extend(
-                convert_logprobs(entry, self.logprob_decoder) for entry in output.new_prompt_logprobs
-            )
+            for entry in output.new_prompt_logprobs:
+                append_logprobs(self.prompt_logprobs, entry, self.logprob_decoder)
         if output.new_logprobs and self.logprobs is not None:
             cumulative = self.cumulative_logprob or 0.0
             for entry in output.new_logprobs:
-                self.logprobs.append(convert_logprobs(entry, self.logprob_decoder))
+                append_logprobs(self.logprobs, entry, self.logprob_decoder)
                 cumulative += entry.logprobs[0]
             self.cumulative_logprob = cumulative
 
@@ -242,9 +252,10 @@ class OutputProcessor:
             logprob_decoder=decoder,
             metrics=RequestMetrics(arrival_time=request.arrival_time or now),
             queue=queue,
-            logprobs=[] if wants_logprobs else None,
+            logprobs=(FlatLogprobs() if params.flat_logprobs else []) if wants_logprobs else None,
             cumulative_logprob=0.0 if wants_logprobs else None,
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            prompt_logprobs=((FlatLogprobs([None]) if params.flat_logprobs else [None])
+                             if params.prompt_logprobs is not None else None),
             lora_request=request.lora_request,
             pooling=request.pooling_params,
             stream_interval=max(self._stream_interval, params.stream_interval or 1),

@@ -319,8 +319,10 @@ def _optional_parsers(sub: Any, bench_sub: Any) -> None:
     """Subcommands defined next to their implementations. Only their parsers are imported here
     (never the server stack), since every command builds the whole parser, --version included."""
     from sparrow.entrypoints.openai.cli_args import add_serve_parser
+    from sparrow.entrypoints.openai.run_batch_args import add_run_batch_parser
 
     add_serve_parser(sub)
+    add_run_batch_parser(sub)
     try:
         from sparrow.bench.serve_args import add_bench_serve_parser
     except ImportError:

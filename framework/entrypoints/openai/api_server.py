@@ -327,21 +327,15 @@ def chat_parsers(engine: AsyncLLM, args: argparse.Namespace | None) -> dict[str,
             "enable_auto_tools": bool(getattr(args, "enable_auto_tool_choice", False))}
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """Bind the port, build the engine from the parsed flags and serve; return the exit code."""
-    import uvicorn
-
+def check_api_flags(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """Check the flags ``add_api_flags`` adds (before the model loads) and return the engine's
+    keyword arguments, the positional MODEL included."""
     from sparrow.entrypoints.cli import engine_kwargs
-    from sparrow.entrypoints.openai.lifecycle import Server, bind_listeners
-    from sparrow.entrypoints.openai.server_flags import check_serve_flags
 
-    # TLS and --log-config-file (applied now); the ``sparrow`` command checked them before importing
-    # this module.
-    uvicorn_kwargs = check_serve_flags(args)
     tool_parser_class(args)  # a wrong parser name is reported before the model loads
     kwargs = engine_kwargs(args)
     if getattr(args, "lora_modules", None) and not kwargs.get("enable_lora"):
-        raise SystemExit("sparrow serve: --lora-modules needs --enable-lora")
+        raise SystemExit(f"{command}: --lora-modules needs --enable-lora")
     for flag in ("enable_log_outputs", "max_log_len"):
         if getattr(args, flag, None) not in (None, False) and not getattr(args, "enable_log_requests", False):
             raise ValueError(f"--{flag.replace('_', '-')} needs --enable-log-requests")
@@ -350,8 +344,22 @@ def run_server(args: argparse.Namespace) -> int:
     model_pos = getattr(args, "model_pos", None)
     if model_pos is not None:
         if kwargs.get("model") not in (None, model_pos):
-            raise SystemExit(f"sparrow serve: MODEL {model_pos!r} and --model {kwargs['model']!r} disagree")
+            raise SystemExit(f"{command}: MODEL {model_pos!r} and --model {kwargs['model']!r} disagree")
         kwargs["model"] = model_pos
+    return kwargs
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Bind the port, build the engine from the parsed flags and serve; return the exit code."""
+    import uvicorn
+
+    from sparrow.entrypoints.openai.lifecycle import Server, bind_listeners
+    from sparrow.entrypoints.openai.server_flags import check_serve_flags
+
+    # TLS and --log-config-file (applied now); the ``sparrow`` command checked them before importing
+    # this module.
+    uvicorn_kwargs = check_serve_flags(args)
+    kwargs = check_api_flags(args, "sparrow serve")
     sockets = bind_listeners(args.host, args.port)
     # While the model loads, SIGTERM is an exception (as SIGINT is), so that whatever has started
     # is shut down rather than orphaned. Once serving, lifecycle.Server handles both signals.

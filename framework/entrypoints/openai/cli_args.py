@@ -253,46 +253,6 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="do not log one line per HTTP request (default: off, every request is logged)")
     server.add_argument("--disable-fastapi-docs", action="store_true",
                         help="serve no /docs, /redoc or /openapi.json (default: off, they are served)")
-    server.add_argument("--enable-prompt-tokens-details", action="store_true",
-                        help="report usage.prompt_tokens_details.cached_tokens, the prompt tokens the prefix "
-                             "cache held, in every response (default: off, prompt_tokens_details is null)")
-    server.add_argument("--return-tokens-as-token-ids", action="store_true",
-                        help="every request's logprob tokens as 'token_id:N', as if each asked for it with "
-                             "return_tokens_as_token_ids (default: off)")
-    server.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help="answer tool_choice \"auto\" (the default when a request has tools) by parsing the "
-                             "model's tool calls with --tool-call-parser (default: off, such requests are a 400)")
-    server.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                        help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json "
-                             "(Llama 3.x), mistral, pythonic (Llama 3.2/4), qwen3_coder, deepseek_v3 (DeepSeek-V3, "
-                             "R1), glm45 (GLM-4.5/4.6), kimi_k2, granite (Granite 3.x), phi4_mini_json, or a "
-                             "plugin's (`sparrow plugins` lists them) (default: none)")
-    server.add_argument("--tool-parser-plugin", default=None, metavar="FILE",
-                        help="a Python file that registers tool parsers (a sparrow_register_tool_parsers hook "
-                             "implementation), loaded before --tool-call-parser is looked up: a parser that is "
-                             "not an installed plugin (default: none)")
-    server.add_argument("--lora-modules", type=_lora_module, nargs="+", default=None, metavar="NAME=PATH",
-                        help="LoRA adapters to serve, each as name=path or JSON {\"name\": ..., \"path\": ..., "
-                             "\"base_model_name\": ...}; a request selects one by its model name (needs "
-                             f"--enable-lora; {ENV_RUNTIME_LORA}=true also enables /v1/load_lora_adapter and "
-                             "/v1/unload_lora_adapter) (default: none)")
-    server.add_argument("--chat-template", type=_chat_template, default=None, metavar="TEMPLATE",
-                        help="the chat template for /v1/chat/completions and /tokenize with messages, instead of "
-                             "the tokenizer's: a Jinja file, or the template itself; a request's chat_template "
-                             "wins where --trust-request-chat-template allows it (default: the tokenizer's)")
-    server.add_argument("--trust-request-chat-template", action="store_true",
-                        help="render a request's own chat_template (vLLM's flag): it runs the client's Jinja "
-                             "on the server, so by default such a request is refused with a 400 (default: off)")
-    server.add_argument("--chat-template-content-format", choices=("auto", "string", "openai"), default="auto",
-                        help="how a message's list of text parts reaches the chat template: joined into one "
-                             "string, kept as OpenAI's parts, or auto: parts when the template loops over a "
-                             "message's content (default: auto)")
-    server.add_argument("--response-role", type=_nonempty, default="assistant", metavar="ROLE",
-                        help="the role of the reply message when the request's add_generation_prompt is true "
-                             "(default: assistant)")
-    server.add_argument("--enable-log-requests", action="store_true",
-                        help="log each request's id, prompt, prompt token ids, sampling parameters and LoRA "
-                             "adapter at INFO (default: off)")
     server.add_argument("--middleware", type=_middleware, action="append", default=None, metavar="PATH",
                         help="an ASGI middleware to add to the app, by import path (package.module.Name): a class "
                              "is added with app.add_middleware, an async function (request, call_next) as an "
@@ -303,21 +263,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     server.add_argument("--enable-request-id-headers", action="store_true",
                         help="add X-Request-Id to every response: the request's own X-Request-Id header, else "
                              "a random id; vLLM's flag (default: off)")
-    server.add_argument("--enable-force-include-usage", action="store_true",
-                        help="end every streamed response with its usage chunk, as if the request's "
-                             "stream_options.include_usage were true; vLLM's flag (default: off)")
-    server.add_argument("--disable-log-requests", action="store_true",
-                        help="vLLM's older flag: do not log requests, which is the default here too; refused "
-                             "beside --enable-log-requests (default: off)")
     server.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                         help="vLLM's flag for GET /tokenizer_info, which this server always serves: "
                              "lm-evaluation-harness finds the server's tokenizer through it (default: always on)")
-    server.add_argument("--enable-log-outputs", action="store_true",
-                        help="with --enable-log-requests, also log each finished request's output text, token "
-                             "ids and finish reason at INFO (default: off)")
-    server.add_argument("--max-log-len", type=_max_log_len, default=None, metavar="N",
-                        help="with --enable-log-requests, log at most N characters of the prompt and N of its "
-                             "token ids (default: unlimited)")
     server.add_argument("--root-path", type=_root_path, default="", metavar="PATH",
                         help="the path prefix a proxy serves the API under (uvicorn's --root-path): the "
                              "OpenAPI schema and /docs name it; requests still arrive without it (default: none)")
@@ -339,16 +287,75 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "this process's logging (the sparrow and uvicorn loggers) before the model loads, "
                              "instead of uvicorn's own; --uvicorn-log-level then applies only when given; vLLM's "
                              "flag (default: none)")
-    server.add_argument("--default-chat-template-kwargs", type=_template_kwargs, default=None, metavar="JSON",
-                        help="chat template variables for every chat request, e.g. '{\"enable_thinking\": false}'; "
-                             "a request's own chat_template_kwargs win key by key; vLLM's flag (default: none)")
-    server.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
-                        help="a chat request with tool_choice \"none\" is rendered without its tools (by default "
-                             "the template still sees them); vLLM's flag (default: off)")
-    server.add_argument("--log-error-stack", action="store_true",
-                        help="log the stack trace behind every error response (a 4xx or 5xx, or an error event "
-                             "in a stream) at ERROR; vLLM's flag (default: off)")
+    add_api_flags(parser.add_argument_group("API", "templates, parsers, request logging (sparrow run-batch takes "
+                                                   "these too)"))
     add_process_flags(server)
     add_engine_args(parser)
     parser.set_defaults(func=_run_server)
     return parser
+
+
+def add_api_flags(group: Any) -> None:
+    """The flags that shape the API's answers (templates, parsers, logging, usage): ``sparrow
+    serve`` and ``sparrow run-batch`` both take them."""
+    group.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="report usage.prompt_tokens_details.cached_tokens, the prompt tokens the prefix "
+                            "cache held, in every response (default: off, prompt_tokens_details is null)")
+    group.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="every request's logprob tokens as 'token_id:N', as if each asked for it with "
+                            "return_tokens_as_token_ids (default: off)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="answer tool_choice \"auto\" (the default when a request has tools) by parsing the "
+                            "model's tool calls with --tool-call-parser (default: off, such requests are a 400)")
+    group.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json "
+                            "(Llama 3.x), mistral, pythonic (Llama 3.2/4), qwen3_coder, deepseek_v3 (DeepSeek-V3, "
+                            "R1), glm45 (GLM-4.5/4.6), kimi_k2, granite (Granite 3.x), phi4_mini_json, or a "
+                            "plugin's (`sparrow plugins` lists them) (default: none)")
+    group.add_argument("--tool-parser-plugin", default=None, metavar="FILE",
+                       help="a Python file that registers tool parsers (a sparrow_register_tool_parsers hook "
+                            "implementation), loaded before --tool-call-parser is looked up: a parser that is "
+                            "not an installed plugin (default: none)")
+    group.add_argument("--lora-modules", type=_lora_module, nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters to serve, each as name=path or JSON {\"name\": ..., \"path\": ..., "
+                            "\"base_model_name\": ...}; a request selects one by its model name (needs "
+                            f"--enable-lora; {ENV_RUNTIME_LORA}=true also enables /v1/load_lora_adapter and "
+                            "/v1/unload_lora_adapter) (default: none)")
+    group.add_argument("--chat-template", type=_chat_template, default=None, metavar="TEMPLATE",
+                       help="the chat template for /v1/chat/completions and /tokenize with messages, instead of "
+                            "the tokenizer's: a Jinja file, or the template itself; a request's chat_template "
+                            "wins where --trust-request-chat-template allows it (default: the tokenizer's)")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="render a request's own chat_template (vLLM's flag): it runs the client's Jinja "
+                            "on the server, so by default such a request is refused with a 400 (default: off)")
+    group.add_argument("--chat-template-content-format", choices=("auto", "string", "openai"), default="auto",
+                       help="how a message's list of text parts reaches the chat template: joined into one "
+                            "string, kept as OpenAI's parts, or auto: parts when the template loops over a "
+                            "message's content (default: auto)")
+    group.add_argument("--response-role", type=_nonempty, default="assistant", metavar="ROLE",
+                       help="the role of the reply message when the request's add_generation_prompt is true "
+                            "(default: assistant)")
+    group.add_argument("--enable-log-requests", action="store_true",
+                       help="log each request's id, prompt, prompt token ids, sampling parameters and LoRA "
+                            "adapter at INFO (default: off)")
+    group.add_argument("--enable-force-include-usage", action="store_true",
+                       help="end every streamed response with its usage chunk, as if the request's "
+                            "stream_options.include_usage were true; vLLM's flag (default: off)")
+    group.add_argument("--disable-log-requests", action="store_true",
+                       help="vLLM's older flag: do not log requests, which is the default here too; refused "
+                            "beside --enable-log-requests (default: off)")
+    group.add_argument("--enable-log-outputs", action="store_true",
+                       help="with --enable-log-requests, also log each finished request's output text, token "
+                            "ids and finish reason at INFO (default: off)")
+    group.add_argument("--max-log-len", type=_max_log_len, default=None, metavar="N",
+                       help="with --enable-log-requests, log at most N characters of the prompt and N of its "
+                            "token ids (default: unlimited)")
+    group.add_argument("--default-chat-template-kwargs", type=_template_kwargs, default=None, metavar="JSON",
+                       help="chat template variables for every chat request, e.g. '{\"enable_thinking\": false}'; "
+                            "a request's own chat_template_kwargs win key by key; vLLM's flag (default: none)")
+    group.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                       help="a chat request with tool_choice \"none\" is rendered without its tools (by default "
+                            "the template still sees them); vLLM's flag (default: off)")
+    group.add_argument("--log-error-stack", action="store_true",
+                       help="log the stack trace behind every error response (a 4xx or 5xx, or an error event "
+                            "in a stream) at ERROR; vLLM's flag (default: off)")

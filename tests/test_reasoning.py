@@ -48,9 +48,10 @@ THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
 assert THINKING_TEMPLATE != CHAT_TEMPLATE
 
 
-def add_think_tokens(model_dir: str, out: Path, tags: tuple[str, ...] = ("<think>", "</think>")) -> str:
+def add_think_tokens(model_dir: str, out: Path, tags: tuple[str, ...] = ("<think>", "</think>"),
+                     special: bool = False, template: str = THINKING_TEMPLATE) -> str:
     """A copy of ``model_dir`` whose tokenizer has <think> and </think> (not special: they decode
-    as text, as in Qwen3's), or ``tags``, and the thinking template."""
+    as text, as in Qwen3's), or ``tags`` (special ones with ``special``), and the thinking template."""
     shutil.copytree(model_dir, out)
     tokenizer = json.loads((out / "tokenizer.json").read_text())
     bpe = tokenizer["model"]
@@ -61,10 +62,10 @@ def add_think_tokens(model_dir: str, out: Path, tags: tuple[str, ...] = ("<think
         bpe["merges"] = [merge for merge in bpe["merges"]
                          if "".join(merge if isinstance(merge, list) else merge.split(" ")) != merged]
         tokenizer["added_tokens"].append({"id": token_id, "content": tag, "single_word": False, "lstrip": False,
-                                          "rstrip": False, "normalized": False, "special": False})
+                                          "rstrip": False, "normalized": False, "special": special})
     (out / "tokenizer.json").write_text(json.dumps(tokenizer))
     config = json.loads((out / "tokenizer_config.json").read_text())
-    config["chat_template"] = THINKING_TEMPLATE
+    config["chat_template"] = template
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     return str(out)
 
@@ -242,8 +243,8 @@ def test_sparrow_register_reasoning_parsers(think_dir, tokenizer):
     # The engine core asked the plugin: the grammar applied from the first token.
     assert completion.finish_reason == "stop" and "</think>" not in completion.text
     jsonschema.validate(json.loads(completion.text), SCHEMA)
-    with pytest.raises(ValueError,
-                       match="unknown reasoning parser 'always_answering'; registered: deepseek_r1, glm45, qwen3"):
+    with pytest.raises(ValueError, match="unknown reasoning parser 'always_answering'; registered: deepseek_r1, "
+                                         "glm45, mistral, qwen3"):
         LLM(think_dir, multiprocess=False, reasoning_parser="always_answering")
 
 

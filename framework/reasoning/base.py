@@ -45,7 +45,13 @@ class ReasoningStream:
 
 
 class ReasoningParser:
-    """Base of every reasoning parser. Subclasses implement the four methods below."""
+    """Base of every reasoning parser. Subclasses implement the four methods below.
+
+    ``keeps_special_tokens``: the markers are special tokens (Mistral's ``[THINK]``), which a
+    detokenizer skipping special tokens drops; the server then decodes every chat and Responses
+    request with ``skip_special_tokens`` false, so that the split sees them."""
+
+    keeps_special_tokens: bool = False
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

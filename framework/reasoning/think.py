@@ -1,5 +1,5 @@
 """``<think>...</think>`` reasoning, as Qwen3, DeepSeek-R1 and GLM-4.5 write it (vLLM's ``qwen3``,
-``deepseek_r1`` and ``glm45`` parsers).
+``deepseek_r1`` and ``glm45`` parsers), and Mistral's ``[THINK]...[/THINK]`` (``mistral``).
 
 Where the reasoning starts depends on the chat template, so each request looks at its prompt's
 current turn (after the last turn-start token: Qwen3's ``<|im_start|>``, R1's ``<｜Assistant｜>``,
@@ -15,7 +15,8 @@ Earlier turns do not count: in a tool-calling loop the template repeats the prev
 turn's ``<think>...</think>``, and the new turn reasons again.
 
 The end tag must be one token of the vocabulary (the engine core watches for its id); both tags
-must decode as text (not be skipped as special tokens), as they are in Qwen3's and R1's tokenizers.
+must decode as text, as they do in Qwen3's and R1's tokenizers, or the parser says
+``keeps_special_tokens`` (Mistral's, whose tags are special tokens).
 """
 
 from __future__ import annotations
@@ -150,3 +151,19 @@ class Glm45ReasoningParser(ThinkReasoningParser):
 
     reasoning_first = False
     turn_start_tags = ("<|assistant|>",)
+
+
+class MistralReasoningParser(ThinkReasoningParser):
+    """Mistral's reasoning models (Magistral, vLLM's ``mistral``): ``[THINK]`` reasoning
+    ``[/THINK]`` answer, the markers special tokens of the vocabulary (kept in the text: see
+    ``keeps_special_tokens``). An output without ``[THINK]`` is all answer. The current turn
+    starts after ``[/INST]``: Magistral's system prompt spells out ``[THINK]...[/THINK]`` as
+    an example, and that earlier turn does not count. Unlike vLLM's parser, a ``[THINK]`` after
+    the answer has started is part of the answer (vLLM moves the text before it to the answer)."""
+
+    start_tag = "[THINK]"
+    end_tag = "[/THINK]"
+    reasoning_first = False
+    turn_start_tags = ("[/INST]",)
+    keeps_special_tokens = True
+

@@ -30,8 +30,14 @@ def sparrow_register_tool_parsers(register: Callable[..., None]) -> None:
 
 @hookimpl
 def sparrow_register_reasoning_parsers(register: Callable[..., None]) -> None:
-    from sparrow.reasoning import DeepSeekR1ReasoningParser, Glm45ReasoningParser, Qwen3ReasoningParser
+    from sparrow.reasoning import (
+        DeepSeekR1ReasoningParser,
+        Glm45ReasoningParser,
+        MistralReasoningParser,
+        Qwen3ReasoningParser,
+    )
 
     register("qwen3", Qwen3ReasoningParser)
     register("deepseek_r1", DeepSeekR1ReasoningParser)
     register("glm45", Glm45ReasoningParser)
+    register("mistral", MistralReasoningParser)

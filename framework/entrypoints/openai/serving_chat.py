@@ -242,7 +242,7 @@ class OpenAIServingChat(OpenAIServing):
             tool_choice = resolve_tool_choice(request, auto_enabled=self.enable_auto_tools)
         except RequestFieldError as exc:
             raise field_error(exc) from None
-        adjust_request(self.tool_parser_cls, request, tool_choice.kind)
+        adjust_request(self.tool_parser_cls, request, tool_choice.kind, self.reasoner)
         if request.prompt_logprobs is not None and request.stream:
             raise APIError(400, "prompt_logprobs are not available when stream is true (as in vLLM)", "BadRequestError",
                            param="prompt_logprobs", code="invalid_value")

@@ -231,7 +231,7 @@ class OpenAIServingResponses(OpenAIServing):
             tool_choice = resolve_tool_choice(chat_request, auto_enabled=self.enable_auto_tools)
         except RequestFieldError as exc:
             raise field_error(exc) from None
-        adjust_request(self.tool_parser_cls, chat_request, tool_choice.kind)
+        adjust_request(self.tool_parser_cls, chat_request, tool_choice.kind, self.reasoner)
         if tool_choice.forced:
             structured_outputs = await self.off_loop(tool_structured_outputs, chat_request, tool_choice)
         else:

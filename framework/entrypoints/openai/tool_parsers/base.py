@@ -88,10 +88,14 @@ class ToolParser:
         raise NotImplementedError
 
 
-def adjust_request(parser_cls: type[ToolParser] | None, request: Any, tool_choice_kind: str) -> None:
+def adjust_request(parser_cls: type[ToolParser] | None, request: Any, tool_choice_kind: str,
+                   reasoner: Any = None) -> None:
     """Before the request is submitted: decode it with special tokens when ``parser_cls`` will
-    parse its reply (``tool_choice`` auto) and reads special-token markers."""
+    parse its reply (``tool_choice`` auto) and reads special-token markers, or when the
+    ``reasoner`` (the engine's reasoning parser) does (Mistral's ``[THINK]``)."""
     if tool_choice_kind == "auto" and parser_cls is not None and parser_cls.keeps_special_tokens:
+        request.skip_special_tokens = False
+    if reasoner is not None and reasoner.keeps_special_tokens:
         request.skip_special_tokens = False
 
 

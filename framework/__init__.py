@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str | tuple[str, str]] = {
     "EngineConfig": "sparrow.config",
     "ConfigError": "sparrow.config",
     "LoRARequest": "sparrow.lora.request",
+    "ModelRegistry": "sparrow.model_registry",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -297,12 +297,15 @@ def load_model(
     return model.eval()
 
 
-def _architectures(registry: Any) -> Mapping[str, str]:
+def _architectures(registry: Any) -> Mapping[str, Any]:
+    """The registry's architectures, and those registered with ``sparrow.ModelRegistry`` (which win)."""
+    from sparrow.model_registry import runtime_architectures
+
     if registry is None:
         from sparrow.plugins import get_registry
 
         registry = get_registry()
-    return registry if isinstance(registry, Mapping) else registry.architectures
+    return {**(registry if isinstance(registry, Mapping) else registry.architectures), **runtime_architectures()}
 
 
 def safetensors_files(model_dir: str | Path) -> dict[Path, list[str] | None]:

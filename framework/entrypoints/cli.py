@@ -220,7 +220,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     print("schedulers:", ", ".join(sorted(registry.schedulers)))
     print("kv connectors:", ", ".join(sorted(registry.kv_connectors)) or "none")
     print("kv eviction policies:", ", ".join(sorted(registry.kv_eviction_policies)) or "none")
-    print("architectures:", ", ".join(sorted(registry.architectures)))
+    from sparrow.model_registry import ModelRegistry
+
+    print("architectures:", ", ".join(ModelRegistry.get_supported_archs()))
     print("logits processors:", ", ".join(sorted(registry.logits_processors)))
     print("tool parsers:", ", ".join(sorted(registry.tool_parsers)) or "none")
     print("reasoning parsers:", ", ".join(sorted(registry.reasoning_parsers)) or "none")

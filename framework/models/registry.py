@@ -6,6 +6,7 @@ named by import path and imported only when a model of that architecture is load
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from sparrow.hookspecs import hookimpl
@@ -35,7 +36,22 @@ def sparrow_register_model_architectures(register: Callable[..., None]) -> None:
         register(architecture, import_path)
 
 
-def resolve_model_class(hf_config: Any, registry_architectures: dict[str, str]) -> type:
+def _model_class(entry: Any) -> type:
+    """A registered architecture's class: an import path, or a class (``ModelRegistry`` in this process)."""
+    if not isinstance(entry, str):
+        return entry
+    from sparrow.model_registry import IN_PROCESS_ONLY
+
+    if entry.startswith(IN_PROCESS_ONLY):
+        raise UnsupportedArchitectureError(
+            f"{entry.removeprefix(IN_PROCESS_ONLY)} was given to ModelRegistry.register_model as a class defined "
+            "in the main script (or inside a function), which the engine's own process cannot import: define it "
+            "in a module and register it by class or as 'package.module:Class', or run the engine in this "
+            "process (LLM(..., multiprocess=False))")
+    return import_object(entry)
+
+
+def resolve_model_class(hf_config: Any, registry_architectures: Mapping[str, Any]) -> type:
     """The model class of the first of ``hf_config.architectures`` that is registered. An encoder
     saved without its LM head (``Qwen3Model``, what ``AutoModel`` saves; an embedding model) and
     a sequence or token classifier (``Qwen3ForSequenceClassification``) run on their ``*ForCausalLM``
@@ -44,7 +60,7 @@ def resolve_model_class(hf_config: Any, registry_architectures: dict[str, str]) 
     architectures = list(getattr(hf_config, "architectures", None) or [])
     for architecture in architectures:
         if architecture in registry_architectures:
-            return import_object(registry_architectures[architecture])
+            return _model_class(registry_architectures[architecture])
         for suffix in ("ForSequenceClassification", "ForTokenClassification", "Model"):
             if not architecture.endswith(suffix):
                 continue
@@ -52,7 +68,7 @@ def resolve_model_class(hf_config: Any, registry_architectures: dict[str, str]) 
             # Gemma 3's text-only classes are Gemma3Text*, its causal LM Gemma3ForCausalLM.
             for causal_lm in (base + "ForCausalLM", base.removesuffix("Text") + "ForCausalLM"):
                 if causal_lm in registry_architectures:
-                    return import_object(registry_architectures[causal_lm])
+                    return _model_class(registry_architectures[causal_lm])
     raise UnsupportedArchitectureError(
         f"config.json architectures {architectures} are not supported; "
         f"supported architectures: {', '.join(sorted(registry_architectures))}"

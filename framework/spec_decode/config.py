@@ -105,9 +105,9 @@ def _check_model_dir(method: str, model: str | None) -> Path:
     if method == "eagle":
         supported: list[str] = list(EAGLE_ARCHITECTURES)
     else:
-        from sparrow.plugins import get_registry
+        from sparrow.model_registry import ModelRegistry
 
-        supported = sorted(get_registry().architectures)
+        supported = ModelRegistry.get_supported_archs()
     if not any(architecture in supported for architecture in architectures):
         raise ValueError(f"speculative_config.model: the {what}'s architectures {architectures} are not "
                          f"supported; supported: {', '.join(supported)}")

@@ -279,7 +279,7 @@ def load_model(
     hf_config = with_model_settings(get_hf_config(model_dir, config.model.trust_remote_code,
                                                   config.model.hf_overrides), config.model) \
         if config is not None else get_hf_config(model_dir)
-    model_cls = resolve_model_class(hf_config, _architectures(registry))
+    model_cls = resolve_model_class(hf_config, architectures(registry))
     loader = get_model_loader(config, registry)
     from sparrow.quantization import get_quantization_method, quantization_scope
 
@@ -297,7 +297,7 @@ def load_model(
     return model.eval()
 
 
-def _architectures(registry: Any) -> Mapping[str, Any]:
+def architectures(registry: Any) -> Mapping[str, Any]:
     """The registry's architectures, and those registered with ``sparrow.ModelRegistry`` (which win)."""
     from sparrow.model_registry import runtime_architectures
 

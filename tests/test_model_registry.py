@@ -18,8 +18,8 @@ import textwrap
 import pytest
 import torch
 
-from sparrow import LLM, ModelRegistry, SamplingParams
-from sparrow import model_registry
+from sparrow import LLM, ModelRegistry, SamplingParams, model_registry
+from sparrow.config import ConfigError
 from sparrow.models.qwen3 import Qwen3ForCausalLM
 
 ARCH = "RegisteredQwen3ForCausalLM"
@@ -74,8 +74,8 @@ def run(model_dir: str, **kwargs) -> tuple[list[list[int]], str]:
 
 @pytest.mark.parametrize("form", ["class", "import path"])
 def test_a_registered_architecture_runs_in_the_engine_process(clean_registry, renamed_dir, hf_tokens, form):
-    with pytest.raises(Exception, match=f"architectures \\['{ARCH}'\\] are not supported"):  # in the engine process
-        LLM(renamed_dir, max_model_len=128)
+    with pytest.raises(ConfigError, match=f"'model': config.json architectures \\['{ARCH}'\\] are not supported"):
+        LLM(renamed_dir, max_model_len=128)  # refused before any engine process starts
     ModelRegistry.register_model(ARCH, RegisteredQwen3 if form == "class" else f"{__name__}:RegisteredQwen3")
     assert ARCH in ModelRegistry.get_supported_archs() and "Qwen3ForCausalLM" in ModelRegistry.get_supported_archs()
     tokens, built = run(renamed_dir)

@@ -293,6 +293,16 @@ def check_budgets(config: EngineConfig) -> None:
                      "max_num_batched_tokens, lower max_model_len or enable chunked prefill")
 
 
+def check_architecture(hf_config: Any, registry: Any) -> None:
+    """A registered model class serves the checkpoint (before any process starts to load it)."""
+    from sparrow.model_loader import architectures as registered
+    from sparrow.models.registry import registered_architecture, unsupported_message
+
+    architectures = registered(registry)
+    if registered_architecture(hf_config, architectures) is None:
+        raise _error("model", unsupported_message(hf_config, architectures))
+
+
 # -- all of it ------------------------------------------------------------------------------------
 def check_engine_config(config: EngineConfig, hf_config: Any = None, platform: Any = None) -> None:
     """Raise ConfigError, naming the field, for a configuration the engine could never start or run.
@@ -320,6 +330,7 @@ def check_engine_config(config: EngineConfig, hf_config: Any = None, platform: A
         from sparrow.model_loader import model_hf_config
 
         hf_config = model_hf_config(config.model)
+    check_architecture(hf_config, registry)
     check_classifier_tokens(config, hf_config)
     if platform is None:
         platform = resolve_configured_platform(config.device.device, registry)

@@ -51,16 +51,15 @@ def _model_class(entry: Any) -> type:
     return import_object(entry)
 
 
-def resolve_model_class(hf_config: Any, registry_architectures: Mapping[str, Any]) -> type:
-    """The model class of the first of ``hf_config.architectures`` that is registered. An encoder
-    saved without its LM head (``Qwen3Model``, what ``AutoModel`` saves; an embedding model) and
-    a sequence or token classifier (``Qwen3ForSequenceClassification``) run on their ``*ForCausalLM``
-    class, whose LM head a pooling model leaves unused (the model loader adds a classifier's
-    ``score`` layer)."""
-    architectures = list(getattr(hf_config, "architectures", None) or [])
-    for architecture in architectures:
+def registered_architecture(hf_config: Any, registry_architectures: Mapping[str, Any]) -> str | None:
+    """The registered architecture that serves ``hf_config``: the first of its ``architectures``
+    that is registered. An encoder saved without its LM head (``Qwen3Model``, what ``AutoModel``
+    saves; an embedding model) and a sequence or token classifier (``Qwen3ForSequenceClassification``)
+    run on their ``*ForCausalLM`` class, whose LM head a pooling model leaves unused (the model
+    loader adds a classifier's ``score`` layer). None when nothing registered serves it."""
+    for architecture in list(getattr(hf_config, "architectures", None) or []):
         if architecture in registry_architectures:
-            return _model_class(registry_architectures[architecture])
+            return architecture
         for suffix in ("ForSequenceClassification", "ForTokenClassification", "Model"):
             if not architecture.endswith(suffix):
                 continue
@@ -68,8 +67,19 @@ def resolve_model_class(hf_config: Any, registry_architectures: Mapping[str, Any
             # Gemma 3's text-only classes are Gemma3Text*, its causal LM Gemma3ForCausalLM.
             for causal_lm in (base + "ForCausalLM", base.removesuffix("Text") + "ForCausalLM"):
                 if causal_lm in registry_architectures:
-                    return _model_class(registry_architectures[causal_lm])
-    raise UnsupportedArchitectureError(
-        f"config.json architectures {architectures} are not supported; "
-        f"supported architectures: {', '.join(sorted(registry_architectures))}"
-    )
+                    return causal_lm
+    return None
+
+
+def unsupported_message(hf_config: Any, registry_architectures: Mapping[str, Any]) -> str:
+    return (f"config.json architectures {list(getattr(hf_config, 'architectures', None) or [])} are not "
+            f"supported; supported architectures: {', '.join(sorted(registry_architectures))} (a plugin or "
+            "sparrow.ModelRegistry.register_model adds more)")
+
+
+def resolve_model_class(hf_config: Any, registry_architectures: Mapping[str, Any]) -> type:
+    """The model class that serves ``hf_config`` (:func:`registered_architecture`)."""
+    architecture = registered_architecture(hf_config, registry_architectures)
+    if architecture is None:
+        raise UnsupportedArchitectureError(unsupported_message(hf_config, registry_architectures))
+    return _model_class(registry_architectures[architecture])

@@ -72,9 +72,9 @@ class ModelConfig(_Section):
         "token mask. A grammar over it at its first token fails its request at compile time; one over it on "
         "three steps fails then (every request in the batch waits for the masks).")
     reasoning_parser: str | None = Field(
-        None, description="How the model marks its reasoning: qwen3, deepseek_r1, glm45 (<think>...</think>), "
-        "mistral ([THINK]...[/THINK]) or a plugin's. The server splits reasoning_content from content, and "
-        "structured outputs apply only after the reasoning ends (default: none).")
+        None, description="How the model marks its reasoning: qwen3, deepseek_r1, deepseek_v3, glm45 "
+        "(<think>...</think>), mistral ([THINK]...[/THINK]) or a plugin's. The server splits reasoning_content "
+        "from content, and structured outputs apply only after the reasoning ends (default: none).")
     reasoning_parser_plugin: str | None = Field(
         None, description="A Python file that registers reasoning parsers (a sparrow_register_reasoning_parsers "
         "hook implementation), loaded in every engine process before reasoning_parser is looked up: a parser "

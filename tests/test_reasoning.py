@@ -28,7 +28,12 @@ from pydantic import BaseModel, Field
 from sparrow import LLM
 from sparrow.hookspecs import hookimpl
 from sparrow.plugins import get_registry
-from sparrow.reasoning import DeepSeekR1ReasoningParser, Glm45ReasoningParser, Qwen3ReasoningParser
+from sparrow.reasoning import (
+    DeepSeekR1ReasoningParser,
+    DeepSeekV3ReasoningParser,
+    Glm45ReasoningParser,
+    Qwen3ReasoningParser,
+)
 from sparrow.sampling_params import SamplingParams, StructuredOutputsParams
 from sparrow.tiny.tokenizer import CHAT_TEMPLATE
 from tests.test_hooks import registered
@@ -108,7 +113,8 @@ def prompt_ids(tokenizer, kind: str) -> list[int]:
 
 
 # -- the parsers on hand-written text -----------------------------------------------------------
-PARSERS = {"qwen3": Qwen3ReasoningParser, "deepseek_r1": DeepSeekR1ReasoningParser, "glm45": Glm45ReasoningParser}
+PARSERS = {"qwen3": Qwen3ReasoningParser, "deepseek_r1": DeepSeekR1ReasoningParser, "glm45": Glm45ReasoningParser,
+           "deepseek_v3": DeepSeekV3ReasoningParser}
 CASES = [
     ("qwen3", "tool_loop", "<think>\nagain</think>\n\ncall", ("\nagain", "\n\ncall")),
     ("qwen3", "tool_loop", "no tags", (None, "no tags")),
@@ -127,6 +133,11 @@ CASES = [
     ("deepseek_r1", "open", "<think>plan</think>answer </think>", ("plan", "answer </think>")),
     ("deepseek_r1", "open", "only a plan", ("only a plan", None)),
     ("deepseek_r1", "thinking", "a</thin", ("a</thin", None)),
+    # DeepSeek-V3.1: thinking on opens <think> in the prompt, off closes it; no tags is an answer
+    ("deepseek_v3", "thinking", "plan</think>answer", ("plan", "answer")),
+    ("deepseek_v3", "answering", "<think>x</think>y", (None, "<think>x</think>y")),
+    ("deepseek_v3", "open", "plan</think>answer", (None, "plan</think>answer")),
+    ("deepseek_v3", "open", "<think>plan</think>answer", ("plan", "answer")),
 ]
 
 
@@ -244,7 +255,7 @@ def test_sparrow_register_reasoning_parsers(think_dir, tokenizer):
     assert completion.finish_reason == "stop" and "</think>" not in completion.text
     jsonschema.validate(json.loads(completion.text), SCHEMA)
     with pytest.raises(ValueError, match="unknown reasoning parser 'always_answering'; registered: deepseek_r1, "
-                                         "glm45, mistral, qwen3"):
+                                         "deepseek_v3, glm45, mistral, qwen3"):
         LLM(think_dir, multiprocess=False, reasoning_parser="always_answering")
 
 

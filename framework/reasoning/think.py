@@ -1,5 +1,5 @@
-"""``<think>...</think>`` reasoning, as Qwen3, DeepSeek-R1 and GLM-4.5 write it (vLLM's ``qwen3``,
-``deepseek_r1`` and ``glm45`` parsers), and Mistral's ``[THINK]...[/THINK]`` (``mistral``).
+"""``<think>...</think>`` reasoning, as Qwen3, DeepSeek-R1 and V3.1 and GLM-4.5 write it (vLLM's
+``qwen3``, ``deepseek_r1``, ``deepseek_v3`` and ``glm45`` parsers), and Mistral's ``[THINK]...[/THINK]`` (``mistral``).
 
 Where the reasoning starts depends on the chat template, so each request looks at its prompt's
 current turn (after the last turn-start token: Qwen3's ``<|im_start|>``, R1's ``<｜Assistant｜>``,
@@ -142,6 +142,16 @@ class DeepSeekR1ReasoningParser(ThinkReasoningParser):
     """DeepSeek-R1: always reasons first; its template may already have opened ``<think>``."""
 
     reasoning_first = True
+    turn_start_tags = ("<｜Assistant｜>",)
+
+
+class DeepSeekV3ReasoningParser(ThinkReasoningParser):
+    """DeepSeek-V3.1 and later (vLLM's ``deepseek_v3``): reasoning only when the request turns
+    thinking on (``chat_template_kwargs: {"thinking": true}``), which its template marks by ending
+    the prompt's turn with ``<think>``; with thinking off it ends it with ``</think>``, and a
+    template with neither (DeepSeek-V3-0324) gives an answer unless the model opens ``<think>``."""
+
+    reasoning_first = False
     turn_start_tags = ("<｜Assistant｜>",)
 
 

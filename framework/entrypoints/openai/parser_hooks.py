@@ -32,6 +32,7 @@ def sparrow_register_tool_parsers(register: Callable[..., None]) -> None:
 def sparrow_register_reasoning_parsers(register: Callable[..., None]) -> None:
     from sparrow.reasoning import (
         DeepSeekR1ReasoningParser,
+        DeepSeekV3ReasoningParser,
         Glm45ReasoningParser,
         MistralReasoningParser,
         Qwen3ReasoningParser,
@@ -39,5 +40,6 @@ def sparrow_register_reasoning_parsers(register: Callable[..., None]) -> None:
 
     register("qwen3", Qwen3ReasoningParser)
     register("deepseek_r1", DeepSeekR1ReasoningParser)
+    register("deepseek_v3", DeepSeekV3ReasoningParser)
     register("glm45", Glm45ReasoningParser)
     register("mistral", MistralReasoningParser)

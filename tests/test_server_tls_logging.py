@@ -155,7 +155,8 @@ def test_wrong_flags_are_one_cli_line_before_the_model_loads(tmp_path, certifica
         # The file is loaded before --reasoning-parser is looked up (by the engine's pre-flight
         # checks, before any engine process starts; no model named, and the built-in one never loads).
         (["--reasoning-parser-plugin", str(PLUGIN_FILE), "--reasoning-parser", "nope"],
-         "unknown reasoning parser 'nope'; registered: deepseek_r1, deepseek_v3, glm45, mistral, qwen3, qwen3_from_file"),
+         "unknown reasoning parser 'nope'; registered: deepseek_r1, deepseek_v3, glm45, mistral, qwen3, "
+         "qwen3_from_file"),
     ]
 
     def serve(argv: list[str]) -> subprocess.CompletedProcess:

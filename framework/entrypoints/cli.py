@@ -325,6 +325,9 @@ def _optional_parsers(sub: Any, bench_sub: Any) -> None:
 
     add_serve_parser(sub)
     add_run_batch_parser(sub)
+    from sparrow.entrypoints.cli_clients import add_client_parsers
+
+    add_client_parsers(sub)
     try:
         from sparrow.bench.serve_args import add_bench_serve_parser
     except ImportError:

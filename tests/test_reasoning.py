@@ -162,18 +162,24 @@ def test_think_parsers_split_hand_written_text(request, name, prompt, text, expe
     assert parser.extract_reasoning(text, prompt_ids(tokenizer, prompt)) == expected
 
 
-@pytest.mark.parametrize("name, prompt, text, expected", CASES)
-def test_streaming_in_random_chunkings_equals_the_whole(request, name, prompt, text, expected):
-    tokenizer = case_tokenizer(request, name)
-    parser, ids = PARSERS[name](tokenizer), prompt_ids(tokenizer, prompt)
+def streamed_splits(parser, prompt: list[int], text: str, rounds: int = 40):
+    """``text`` fed to fresh streams in random pieces (seeded by the text): per round, the pieces'
+    deltas and the split they add up to, ``(reasoning or None, content or None)``."""
     rng = random.Random(text)
-    for _ in range(40):
-        stream = parser.new_stream(ids)
+    for _ in range(rounds):
+        stream = parser.new_stream(prompt)
         cuts = sorted(rng.sample(range(1, len(text)), k=rng.randrange(0, min(10, len(text) - 1))))
         pieces = [stream.feed(text[a:b]) for a, b in zip([0, *cuts], [*cuts, len(text)])] + [stream.finish()]
         reasoning = "".join(piece.reasoning for piece in pieces)
         content = "".join(piece.content for piece in pieces)
-        assert (reasoning if stream.saw_reasoning else None, content or None) == expected
+        yield pieces, (reasoning if stream.saw_reasoning else None, content or None)
+
+
+@pytest.mark.parametrize("name, prompt, text, expected", CASES)
+def test_streaming_in_random_chunkings_equals_the_whole(request, name, prompt, text, expected):
+    tokenizer = case_tokenizer(request, name)
+    for pieces, split in streamed_splits(PARSERS[name](tokenizer), prompt_ids(tokenizer, prompt), text):
+        assert split == expected
         assert all("</think>" not in piece.reasoning for piece in pieces)
 
 

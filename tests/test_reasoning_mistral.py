@@ -10,12 +10,10 @@ hand at the markers.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from sparrow.reasoning import MistralReasoningParser
-from tests.test_reasoning import add_think_tokens
+from tests.test_reasoning import add_think_tokens, streamed_splits
 from tests.test_server import MODEL_NAME, serve_for_module
 
 TAGS = ("[THINK]", "[/THINK]", "[INST]", "[/INST]")
@@ -59,14 +57,8 @@ def test_hand_written_text_whole_and_streamed(tokenizer, prompt, text, expected)
     parser = MistralReasoningParser(tokenizer)
     assert parser.keeps_special_tokens
     assert parser.extract_reasoning(text, prompt) == expected
-    rng = random.Random(text)
-    for _ in range(30):
-        stream = parser.new_stream(prompt)
-        cuts = sorted(rng.sample(range(1, len(text)), k=rng.randrange(0, min(8, len(text) - 1))))
-        pieces = [stream.feed(text[a:b]) for a, b in zip([0, *cuts], [*cuts, len(text)])] + [stream.finish()]
-        reasoning = "".join(piece.reasoning for piece in pieces)
-        content = "".join(piece.content for piece in pieces)
-        assert (reasoning if stream.saw_reasoning else None, content or None) == expected
+    for _, split in streamed_splits(parser, prompt, text):
+        assert split == expected
 
 
 def test_the_system_prompts_markers_are_an_earlier_turn(tokenizer, prompt):

@@ -29,6 +29,8 @@ import os
 import sys
 from typing import Any, Iterator
 
+from sparrow.entrypoints.openai.server_flags import positive_int
+
 DEFAULT_URL = "http://localhost:8000/v1"
 ENV_API_KEY = "OPENAI_API_KEY"
 # Seconds to wait for the server's answer to GET /models and for any byte of a streamed answer
@@ -51,16 +53,6 @@ def _url(value: str) -> str:
         raise argparse.ArgumentTypeError(f"{value!r} is not an http:// or https:// URL with a host (e.g. "
                                          f"{DEFAULT_URL})")
     return value.rstrip("/")
-
-
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {value!r}")
-    return number
 
 
 def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
@@ -104,7 +96,7 @@ def add_client_parsers(subparsers: Any) -> None:
                     "standard input is a prompt, sent alone to URL/completions; the continuation is printed as "
                     "it streams. Ends at the end of input (Ctrl-D) or Ctrl-C.")
     _add_connection_flags(complete)
-    complete.add_argument("--max-tokens", type=_positive_int, default=None, metavar="N",
+    complete.add_argument("--max-tokens", type=positive_int, default=None, metavar="N",
                           help="most tokens to generate per prompt (default: the server's)")
     complete.add_argument("-q", "--quick", default=None, metavar="PROMPT",
                           help="complete this one prompt, print the continuation and exit (default: an "

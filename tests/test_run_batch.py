@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 import torch
 
-from tests.test_cli import SMALL, run_sparrow, sparrow_command
+from tests.test_cli import SMALL, assert_one_error_line, run_sparrow, sparrow_command
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about a bird"}]
 PROMPT = "Once upon a time"
@@ -153,4 +153,4 @@ def test_standard_input_and_output_with_metrics_while_it_runs(qwen3_dir):
 
 def test_a_missing_input_file_is_one_line_before_the_model_loads(tmp_path):
     result = run_sparrow("run-batch", "-i", str(tmp_path / "none.jsonl"), "-o", str(tmp_path / "out.jsonl"))
-    assert result.returncode != 0 and "--input-file" in result.stderr and "Traceback" not in result.stderr
+    assert_one_error_line(result, "--input-file", "none.jsonl")

@@ -232,11 +232,12 @@ def run_batch_command(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from sparrow.engine.async_llm import AsyncLLM
+    from sparrow.entrypoints.cli_errors import CommandFailed
     from sparrow.entrypoints.openai.api_server import build_app, check_api_flags
 
     kwargs = check_api_flags(args, "sparrow run-batch")
     if not (_is_url(args.input_file) or args.input_file == "-" or os.path.isfile(args.input_file)):
-        raise SystemExit(f"sparrow run-batch: --input-file {args.input_file!r} is not a file")
+        raise CommandFailed(f"run-batch: --input-file {args.input_file!r} is not a file")
     upload_to = args.output_file if _is_url(args.output_file) else None
     if upload_to is not None:
         handle = tempfile.NamedTemporaryFile("w", suffix=".jsonl", prefix="sparrow_batch_", dir=args.output_tmp_dir,
@@ -264,7 +265,7 @@ def run_batch_command(args: argparse.Namespace) -> int:
         os.unlink(out.name)
     logger.info("batch done: %d requests failed", failed)
     if died is not None:
-        print(f"sparrow run-batch: the engine died: {died}", file=sys.stderr)
-        return 1
+        raise CommandFailed(f"run-batch: the engine died ({died}); the results written so far are in "
+                            f"{args.output_file}")
     return 0
 

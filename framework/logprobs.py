@@ -9,15 +9,22 @@ and reads as the list of dicts it replaces: ``len``, iteration, ``[i]`` (a dict,
 access), slices (a ``FlatLogprobs``) and ``+``. A position without logprobs (the first prompt
 position, ``None`` in the list form) reads as an empty dict. It cannot be changed in place except
 by appending.
+
+The frontend fills either form from the engine core's per-position entries with
+:func:`append_logprobs`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
-__all__ = ["FlatLogprobs", "Logprob", "PromptLogprobs", "SampleLogprobs"]
+if TYPE_CHECKING:
+    from sparrow.engine.detokenizer import TokenDecoder
+    from sparrow.worker.outputs import TokenLogprobs
+
+__all__ = ["FlatLogprobs", "Logprob", "PromptLogprobs", "SampleLogprobs", "append_logprobs", "convert_logprobs"]
 
 
 @dataclass(slots=True)
@@ -75,8 +82,8 @@ class FlatLogprobs(Sequence[dict[int, Logprob]]):
 
     def extend(self, positions: Iterable[dict[int, Logprob] | None]) -> None:
         if isinstance(positions, FlatLogprobs):
-            for position in range(len(positions)):
-                start, end = positions.start_indices[position], positions.end_indices[position]
+            for index in range(len(positions)):
+                start, end = positions.start_indices[index], positions.end_indices[index]
                 self.append_position(positions.token_ids[start:end], positions.logprobs[start:end],
                                      positions.ranks[start:end], positions.decoded_tokens[start:end])
             return
@@ -145,3 +152,25 @@ SampleLogprobs = list[dict[int, Logprob]] | FlatLogprobs
 # Position 0 is None (an empty dict in a FlatLogprobs): the first prompt token has no context to
 # be predicted from.
 PromptLogprobs = list[dict[int, Logprob] | None] | FlatLogprobs
+
+
+# -- the engine core's entries -> these containers (the frontend's output processor) ---------------
+def convert_logprobs(entry: TokenLogprobs, decoder: TokenDecoder | None) -> dict[int, Logprob]:
+    """One position's TokenLogprobs (chosen token first, then top-k) -> {token_id: Logprob}.
+
+    The chosen token keeps the first slot: if it is also among the top-k, its entry is the same.
+    """
+    return {
+        token_id: Logprob(logprob, rank, decoder.decode_token(token_id) if decoder is not None else None)
+        for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks)
+    }
+
+
+def append_logprobs(positions: SampleLogprobs | PromptLogprobs | FlatLogprobs, entry: TokenLogprobs,
+                    decoder: TokenDecoder | None) -> None:
+    """One more position, into the list form or straight into a FlatLogprobs (no dict built)."""
+    if isinstance(positions, FlatLogprobs):
+        decoded = [decoder.decode_token(token_id) if decoder is not None else None for token_id in entry.token_ids]
+        positions.append_position(entry.token_ids, entry.logprobs, entry.ranks, decoded)
+    else:
+        positions.append(convert_logprobs(entry, decoder))

@@ -27,7 +27,7 @@ CHECKED = ("sparrow.hookspecs", "sparrow.core", "sparrow.ops", "sparrow.plugins"
            "sparrow.config_base", "sparrow.config_model",
            "sparrow.interfaces", "sparrow.wire", "sparrow.errors", "sparrow.platforms", "sparrow.sample",
            "sparrow.worker", "sparrow.executor", "sparrow.utils", "sparrow.param_checks",
-           "sparrow.plugin_files")
+           "sparrow.plugin_files", "sparrow.logprobs", "sparrow.model_registry")
 
 
 def build_tree(dest: Path) -> None:

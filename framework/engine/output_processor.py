@@ -18,10 +18,9 @@ from sparrow.engine.messages import EngineCoreOutput, EngineCoreRequest
 from sparrow.engine.parallel_sampling import make_child_requests
 from sparrow.engine.pooling_io import pooled_output
 from sparrow.errors import InvalidArgumentError
-from sparrow.logprobs import FlatLogprobs
-from sparrow.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
+from sparrow.logprobs import FlatLogprobs, append_logprobs
+from sparrow.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from sparrow.sampling_params import RequestOutputKind
-from sparrow.worker.outputs import TokenLogprobs
 
 
 class OutputQueue(Protocol):
@@ -49,27 +48,6 @@ class ParentRequest:
     unfinished_children: set[str]
     # index -> latest CompletionOutput (CUMULATIVE) or final one (FINAL_ONLY)
     completions: dict[int, CompletionOutput] = field(default_factory=dict)
-
-
-def convert_logprobs(entry: TokenLogprobs, decoder: TokenDecoder | None) -> dict[int, Logprob]:
-    """One position's TokenLogprobs (chosen token first, then top-k) -> {token_id: Logprob}.
-
-    The chosen token keeps the first slot: if it is also among the top-k, its entry is the same.
-    """
-    return {
-        token_id: Logprob(logprob, rank, decoder.decode_token(token_id) if decoder is not None else None)
-        for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks)
-    }
-
-
-def append_logprobs(positions: SampleLogprobs | PromptLogprobs | FlatLogprobs, entry: TokenLogprobs,
-                    decoder: TokenDecoder | None) -> None:
-    """One more position, into the list form or straight into a FlatLogprobs (no dict built)."""
-    if isinstance(positions, FlatLogprobs):
-        decoded = [decoder.decode_token(token_id) if decoder is not None else None for token_id in entry.token_ids]
-        positions.append_position(entry.token_ids, entry.logprobs, entry.ranks, decoded)
-    else:
-        positions.append(convert_logprobs(entry, decoder))
 
 
 @dataclass(slots=True)

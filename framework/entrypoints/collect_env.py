@@ -11,7 +11,8 @@ import os
 import sys
 from typing import Any
 
-from sparrow.entrypoints.cli_clients import ENV_API_KEY, one_line
+from sparrow.entrypoints.cli_clients import ENV_API_KEY
+from sparrow.entrypoints.cli_http import one_line
 
 # The distributions whose versions a bug report needs (importlib.metadata names).
 PACKAGES = ("torch", "triton", "transformers", "tokenizers", "safetensors", "flashinfer-python", "numpy", "pyzmq",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import select
 import socket
 import subprocess
 import threading
@@ -143,11 +144,15 @@ def test_standard_input_and_output_with_metrics_while_it_runs(qwen3_dir):
             except OSError:
                 time.sleep(0.2)
         assert metrics is not None and "sparrow:num_requests_running" in metrics, process.stderr.read()
+        # The result comes while standard input is still open: reading it does not hold the batch up.
+        ready, _, _ = select.select([process.stdout], [], [], 120)
+        assert ready, "no result while standard input stays open"
+        (entry,) = _results(process.stdout.readline())
         stdout, stderr = process.communicate(timeout=120)  # closes standard input: the batch ends
     finally:
         process.kill()
     assert process.returncode == 0, stderr
-    (entry,) = _results(stdout)
+    assert not stdout.strip()
     assert entry["custom_id"] == "one" and entry["response"]["body"]["usage"]["completion_tokens"] == 2
 
 

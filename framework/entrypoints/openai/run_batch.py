@@ -187,7 +187,14 @@ async def run_batch(engine: Any, app: Any, lines: Iterator[str], writer: Ordered
         slots.release()
 
     tasks = []
-    for index, text in enumerate(lines):
+    index = -1
+    while True:
+        # Read on a thread: standard input or a URL may be slow to give the next line, and the
+        # requests already submitted must go on meanwhile.
+        text = await asyncio.to_thread(next, lines, None)
+        if text is None:
+            break
+        index += 1
         if progress is not None:
             progress.total = index + 1
         custom_id = None

@@ -182,6 +182,10 @@ class ChatMessage(RequestModel):
         None, description="An assistant turn's reasoning as this server returned it, for templates that show it.")
 
 
+# OpenAI's reasoning efforts, passed to the chat template as its reasoning_effort (chat, Responses).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX,
@@ -212,7 +216,7 @@ class ChatCompletionRequest(SamplingFields):
     documents: list[dict[str, str]] | None = Field(
         None, description="vLLM's: documents for a retrieval-augmented chat template (its documents variable), "
         "each a dict of strings such as {'title': ..., 'text': ...}.")
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+    reasoning_effort: ReasoningEffort | None = Field(
         None, description="OpenAI's: passed to the chat template as its reasoning_effort variable (for templates "
         "that read it; chat_template_kwargs may set it instead).")
     include_reasoning: bool = Field(True, description="vLLM's: with a reasoning parser, return reasoning_content "

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import ValidationError
 
-from sparrow.entrypoints.openai.protocol import ChatCompletionRequest
+from sparrow.entrypoints.openai.protocol import ChatCompletionRequest, ReasoningEffort
 from sparrow.entrypoints.openai.protocol_responses import CHAT_PASS_THROUGH, InputItem, ResponsesRequest
 from sparrow.entrypoints.openai.request_checks import RequestFieldError, check_fields, not_supported, refuse_key
 from sparrow.entrypoints.openai.responses_tools import chat_tool_fields, check_tools, tool_call, tool_message
@@ -307,7 +307,7 @@ def _reasoning_text(index: int, item: InputItem) -> str:
 
 # -- the chat request -----------------------------------------------------------------------
 # OpenAI's reasoning efforts, passed to the chat template as its reasoning_effort (as on chat).
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+REASONING_EFFORTS = get_args(ReasoningEffort)
 
 
 def chat_request_of(request: ResponsesRequest, conversation: Conversation) -> ChatCompletionRequest:

@@ -40,16 +40,18 @@ UPLOAD_ATTEMPTS = 3
 
 
 class LineError(Exception):
-    """A batch line that is not a request: answered with a 400 naming ``param``."""
+    """A batch line that is not a request: answered with a 400 naming ``param`` (and echoing the
+    line's ``custom_id`` when it had a readable one)."""
 
-    def __init__(self, message: str, param: str) -> None:
+    def __init__(self, message: str, param: str, custom_id: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.custom_id = custom_id
 
 
-def parse_line(text: str, seen: dict[str, int], number: int) -> tuple[str | None, str, bytes]:
-    """(custom_id, url, body as JSON bytes) of input line ``number`` (1-based); LineError, with
-    the custom_id when it was readable (``seen``: custom_id -> its line)."""
+def parse_line(text: str, seen: dict[str, int], number: int) -> tuple[str, str, bytes]:
+    """(custom_id, url, body as JSON bytes) of input line ``number`` (1-based), else LineError
+    (``seen``: custom_id -> its line)."""
     try:
         line = json.loads(text)
     except ValueError as exc:
@@ -61,18 +63,19 @@ def parse_line(text: str, seen: dict[str, int], number: int) -> tuple[str | None
         raise LineError(f"custom_id must be a string, got {custom_id!r}", "custom_id")
     if custom_id in seen:
         raise LineError(f"custom_id {custom_id!r} is already line {seen[custom_id]}'s; each request needs its own",
-                        "custom_id")
+                        "custom_id", custom_id)
     seen[custom_id] = number
     if line.get("method") != "POST":
-        raise LineError(f"method must be \"POST\", got {line.get('method')!r}", "method")
+        raise LineError(f"method must be \"POST\", got {line.get('method')!r}", "method", custom_id)
     url = line.get("url")
     if url not in BATCH_URLS:
-        raise LineError(f"url must be one of {', '.join(BATCH_URLS)}, got {url!r}", "url")
+        raise LineError(f"url must be one of {', '.join(BATCH_URLS)}, got {url!r}", "url", custom_id)
     body = line.get("body")
     if not isinstance(body, dict):
-        raise LineError(f"body must be a JSON object (the request), got {type(body).__name__}", "body")
+        raise LineError(f"body must be a JSON object (the request), got {type(body).__name__}", "body", custom_id)
     if body.get("stream"):
-        raise LineError("body.stream: a batch request cannot stream; leave stream out or false", "body.stream")
+        raise LineError("body.stream: a batch request cannot stream; leave stream out or false", "body.stream",
+                        custom_id)
     return custom_id, url, json.dumps(body).encode()
 
 
@@ -197,17 +200,12 @@ async def run_batch(engine: Any, app: Any, lines: Iterator[str], writer: Ordered
         index += 1
         if progress is not None:
             progress.total = index + 1
-        custom_id = None
         try:
             custom_id, url, body = parse_line(text, seen, index + 1)
         except LineError as exc:
             failed += 1
-            try:
-                custom_id = custom_id or json.loads(text).get("custom_id")
-            except Exception:  # noqa: BLE001 - the line is unreadable: no custom_id to echo
-                custom_id = None
-            writer.put(index, result_line(custom_id if isinstance(custom_id, str) else None, 400,
-                                          f"sparrow-batch-{uuid.uuid4().hex}", error_body(str(exc), exc.param)))
+            writer.put(index, result_line(exc.custom_id, 400, f"sparrow-batch-{uuid.uuid4().hex}",
+                                          error_body(str(exc), exc.param)))
             if progress is not None:
                 progress.update()
             continue
